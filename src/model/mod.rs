@@ -3,6 +3,8 @@
 pub mod config;
 pub mod gguf;
 pub mod hf;
+pub mod presets;
+pub mod random;
 pub mod weights;
 
 use std::path::Path;
@@ -17,7 +19,8 @@ use crate::tokenizer::Tokenizer;
 pub struct Model {
     pub config: Config,
     pub weights: Weights,
-    pub tokenizer: Tokenizer,
+    /// `None` for weight-only directories (e.g. random weights saved by transformers).
+    pub tokenizer: Option<Tokenizer>,
 }
 
 /// Loads a model from `path`: a `.gguf` file or an HF directory holding `config.json`.

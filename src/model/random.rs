@@ -1,0 +1,66 @@
+//! Deterministic random weights of any shape, for tests and `bench --preset` (never zeros).
+
+use half::bf16;
+
+use super::{Config, LayerWeights, Weights};
+
+/// SplitMix64: tiny, fast and good enough to fill weight tensors reproducibly.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn next_unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+fn tensor(rng: &mut SplitMix, n: usize, scale: f32) -> Vec<bf16> {
+    (0..n)
+        .map(|_| bf16::from_f32(rng.next_unit() * scale))
+        .collect()
+}
+
+fn norm(rng: &mut SplitMix, n: usize) -> Vec<bf16> {
+    (0..n)
+        .map(|_| bf16::from_f32(1.0 + 0.1 * rng.next_unit()))
+        .collect()
+}
+
+/// Weights scaled like an initialised network (uniform with std ≈ 1/sqrt(fan_in)), so
+/// activations stay O(1) through many layers and logits are not degenerate.
+pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
+    let mut rng = SplitMix(seed);
+    let h = cfg.hidden_size;
+    let fan = |n: usize| 3f32.sqrt() / (n as f32).sqrt();
+    let layers = (0..cfg.num_layers)
+        .map(|_| LayerWeights {
+            attn_norm: norm(&mut rng, h),
+            wq: tensor(&mut rng, cfg.q_dim() * h, fan(h)),
+            wk: tensor(&mut rng, cfg.kv_dim() * h, fan(h)),
+            wv: tensor(&mut rng, cfg.kv_dim() * h, fan(h)),
+            wo: tensor(&mut rng, h * cfg.q_dim(), fan(cfg.q_dim())),
+            ffn_norm: norm(&mut rng, h),
+            w_gate: tensor(&mut rng, cfg.intermediate_size * h, fan(h)),
+            w_up: tensor(&mut rng, cfg.intermediate_size * h, fan(h)),
+            w_down: tensor(&mut rng, h * cfg.intermediate_size, fan(cfg.intermediate_size)),
+        })
+        .collect();
+    Weights {
+        embed: tensor(&mut rng, cfg.vocab_size * h, 1.0),
+        layers,
+        final_norm: norm(&mut rng, h),
+        lm_head: if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(tensor(&mut rng, cfg.vocab_size * h, fan(h)))
+        },
+    }
+}
