@@ -1,5 +1,10 @@
 //! megainfer: batch-1 Llama-family inference.
 
+pub mod cli;
+pub mod fetch;
+pub mod generate;
+pub mod gpu;
 pub mod model;
 pub mod reference;
+pub mod sampling;
 pub mod tokenizer;

@@ -1,0 +1,3 @@
+//! Subcommands of the `megainfer` binary.
+
+pub mod run;

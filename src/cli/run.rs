@@ -1,0 +1,175 @@
+//! `megainfer run`: load a model, stream a continuation or a chat reply.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+use crate::generate::generate;
+use crate::model::{self, Model};
+use crate::reference::CpuForward;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::chat::{self, ChatMessage};
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// CUDA when a GPU and driver are present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+    /// Prompt text.
+    #[arg(short = 'p', long, default_value = "The capital of France is")]
+    pub prompt: String,
+    /// Maximum number of new tokens.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Context length to allocate (prompt + new tokens); default: the model's, capped at 4096.
+    #[arg(long)]
+    pub max_context: Option<usize>,
+}
+
+pub fn resolve_model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
+    match model {
+        Some(p) => Ok(p.clone()),
+        None => crate::fetch::default_model(),
+    }
+}
+
+pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec<u32>> {
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .context("this model has no tokenizer (no tokenizer.json / GGUF tokenizer metadata)")?;
+    let text = if chat_mode {
+        let template = tok
+            .chat_template
+            .as_deref()
+            .context("--chat: this model has no chat template")?;
+        let name = |id: Option<u32>| {
+            id.and_then(|i| tok.inner.id_to_token(i)).unwrap_or_default()
+        };
+        chat::render(
+            template,
+            &[ChatMessage { role: "user".into(), content: prompt.into() }],
+            &name(tok.bos_token_id),
+            &name(tok.eos_token_ids.first().copied()),
+            true,
+        )?
+    } else {
+        prompt.to_string()
+    };
+    tok.encode(&text)
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    params.validate()?;
+    let path = resolve_model_path(&args.model)?;
+    let model = model::load(&path)?;
+    let ids = render_prompt(&model, &args.prompt, args.chat)?;
+    if ids.is_empty() {
+        bail!("--prompt: the prompt encodes to no tokens");
+    }
+    let max_context = args
+        .max_context
+        .unwrap_or(model.config.max_position_embeddings.min(4096));
+    if max_context > model.config.max_position_embeddings {
+        bail!(
+            "--max-context {max_context} exceeds the model's {} positions",
+            model.config.max_position_embeddings
+        );
+    }
+    if ids.len() >= max_context {
+        bail!(
+            "the prompt is {} tokens, longer than the context of {max_context} tokens (--max-context)",
+            ids.len()
+        );
+    }
+    let max_tokens = args.max_tokens.min(max_context - ids.len());
+    let use_cuda = match args.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => crate::gpu::available(),
+    };
+    if use_cuda {
+        bail!("--device cuda: the GPU path is not available in this build yet; use --device cpu");
+    }
+    eprintln!("megainfer: running on the CPU ({} threads)", rayon::current_num_threads());
+    let mut backend = CpuForward::new(&model.config, &model.weights, max_context);
+    stream(&model, &mut backend, &ids, max_tokens, params)
+}
+
+pub fn stream(
+    model: &Model,
+    backend: &mut dyn crate::generate::Backend,
+    ids: &[u32],
+    max_tokens: usize,
+    params: SamplingParams,
+) -> Result<()> {
+    let tok = model.tokenizer.as_ref().context("model has no tokenizer")?;
+    let mut sampler = Sampler::new(params);
+    let mut out_ids: Vec<u32> = Vec::new();
+    let mut printed = 0usize;
+    let mut stdout = std::io::stdout().lock();
+    let eos = &tok.eos_token_ids;
+    let stats = generate(
+        backend,
+        ids,
+        max_tokens,
+        eos,
+        &mut sampler,
+        params.is_greedy(),
+        &mut |t| {
+            if eos.contains(&t) {
+                return Ok(());
+            }
+            out_ids.push(t);
+            let text = tok.decode(&out_ids)?;
+            // A token may end inside a multi-byte character: wait for the rest of it.
+            if !text.ends_with('\u{FFFD}') && text.len() > printed && text.is_char_boundary(printed) {
+                stdout.write_all(text[printed..].as_bytes())?;
+                stdout.flush()?;
+                printed = text.len();
+            }
+            Ok(())
+        },
+    )?;
+    writeln!(stdout)?;
+    eprintln!(
+        "prompt tokens: {} | time to first token: {:.1} ms | generated: {} | decode: {:.1} tok/s{}",
+        stats.prompt_tokens,
+        stats.time_to_first_token.as_secs_f64() * 1e3,
+        stats.generated,
+        stats.decode_tokens_per_s(),
+        if stats.stopped_on_eos { " | stopped at eos" } else { "" }
+    );
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! The decode loop shared by every execution path: prompt in, tokens out, timings kept.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::reference::CpuForward;
+use crate::sampling::{argmax, Sampler};
+
+/// One execution path (CPU reference, megakernel, graph, eager) holding a sequence's state.
+pub trait Backend {
+    /// Feeds tokens at the next positions and returns the f32 logits after the last one.
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
+
+    /// Feeds one token and returns the greedy next token. GPU paths override this so the
+    /// logits never leave the device.
+    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(argmax(&self.feed(&[token])?))
+    }
+}
+
+impl Backend for CpuForward<'_> {
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward(tokens)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    pub time_to_first_token: Duration,
+    /// Time spent producing tokens 2..n (one forward step each).
+    pub decode_time: Duration,
+    pub stopped_on_eos: bool,
+}
+
+impl GenerationStats {
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let steps = self.generated.saturating_sub(1);
+        if steps == 0 || self.decode_time.is_zero() {
+            return 0.0;
+        }
+        steps as f64 / self.decode_time.as_secs_f64()
+    }
+}
+
+/// Generates up to `max_tokens` after `prompt`, calling `on_token` with each new token as soon
+/// as it exists. Stops after an eos token (which is passed to `on_token` too).
+pub fn generate(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    max_tokens: usize,
+    eos: &[u32],
+    sampler: &mut Sampler,
+    greedy: bool,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationStats> {
+    let start = Instant::now();
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        generated: 0,
+        time_to_first_token: Duration::ZERO,
+        decode_time: Duration::ZERO,
+        stopped_on_eos: false,
+    };
+    if max_tokens == 0 {
+        return Ok(stats);
+    }
+    let logits = backend.feed(prompt)?;
+    let mut token = sampler.sample(&logits);
+    stats.time_to_first_token = start.elapsed();
+    let decode_start = Instant::now();
+    loop {
+        stats.generated += 1;
+        on_token(token)?;
+        if eos.contains(&token) {
+            stats.stopped_on_eos = true;
+            break;
+        }
+        if stats.generated == max_tokens {
+            break;
+        }
+        token = if greedy {
+            backend.feed_greedy(token)?
+        } else {
+            sampler.sample(&backend.feed(&[token])?)
+        };
+    }
+    stats.decode_time = decode_start.elapsed();
+    Ok(stats)
+}
