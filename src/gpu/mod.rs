@@ -27,3 +27,10 @@ pub fn require() -> Result<()> {
         Err(e) => bail!("the CUDA driver failed to initialise ({e}); use --device cpu"),
     }
 }
+
+pub mod compile;
+pub mod sources;
+pub mod baseline;
+pub mod device;
+pub mod launch;
+pub mod model;

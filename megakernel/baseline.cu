@@ -1,0 +1,160 @@
+// The conventional decode path: one kernel per operation, captured in a CUDA graph.
+// Every kernel starts with launch_dependents and waits (griddepcontrol.wait) just before it
+// first reads its predecessor's output, so under programmatic dependent launch its weight
+// prefetch overlaps the previous kernel; without PDL both instructions are no-ops.
+
+__device__ __forceinline__ void pdl_launch_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p)); }
+
+extern "C" __global__ void bl_embed(const bf16_t* embed, const TokenMeta* meta, float* x, int hidden) {
+    pdl_launch_next();
+    pdl_wait();
+    const bf16_t* row = embed + (size_t)meta->token * hidden;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < hidden; i += gridDim.x * blockDim.x)
+        x[i] = bf16_to_f32(row[i]);
+}
+
+// One block: out = x / rms(x) * w.
+extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
+    __shared__ float partial[32];
+    pdl_launch_next();
+    pdl_wait();
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = rsqrtf(v / n + eps);
+    }
+    __syncthreads();
+    float scale = partial[0];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * bf16_to_f32(w[i]);
+}
+
+#define GEMV_ROWS_PER_WARP 2
+#define GEMV_UNROLL 4
+
+// y[r] (+)= W[r,:] . x for GEMV_ROWS_PER_WARP rows per warp; x staged in shared memory.
+// cols must be a multiple of 8.
+extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, int rows, int cols, int accumulate) {
+    extern __shared__ float xs[];
+    pdl_launch_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_ROWS_PER_WARP;
+    // Weights do not depend on the previous kernel: pull them towards L2 before waiting.
+    for (int r = 0; r < GEMV_ROWS_PER_WARP; r++)
+        if (row0 + r < rows)
+            for (int off = lane * 64; off < cols; off += 32 * 64) prefetch_l2(W + (size_t)(row0 + r) * cols + off);
+    pdl_wait();
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = x[i];
+    __syncthreads();
+    float acc[GEMV_ROWS_PER_WARP];
+    for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) acc[r] = 0.f;
+    const bf16_t* wr[GEMV_ROWS_PER_WARP];
+    for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) wr[r] = W + (size_t)min(row0 + r, rows - 1) * cols;
+    int c = lane * 8;
+    for (; c + (GEMV_UNROLL - 1) * 256 < cols; c += GEMV_UNROLL * 256) {
+        uint4 w[GEMV_ROWS_PER_WARP][GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++)
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) w[r][u] = ld_stream(wr[r] + c + u * 256);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++)
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) acc[r] += dot8(w[r][u], xs + c + u * 256);
+    }
+    for (; c < cols; c += 256)
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) acc[r] += dot8(ld_stream(wr[r] + c), xs + c);
+    for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < rows) y[row0 + r] = accumulate ? y[row0 + r] + s : s;
+    }
+}
+
+// RoPE (rotate_half pairs i, i + head_dim/2) on q and k in place, then K and V into the cache
+// at meta->pos. One block per head of the q|k|v concatenation, head_dim/2 threads.
+extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cache, const TokenMeta* meta,
+                                      const float* inv_freq, int n_heads, int n_kv, int head_dim) {
+    pdl_launch_next();
+    pdl_wait();
+    const int h = blockIdx.x, i = threadIdx.x, half = head_dim >> 1;
+    const u32 pos = meta->pos;
+    float* v = qkv + h * head_dim;
+    const size_t slot = (size_t)pos * n_kv * head_dim;
+    if (h < n_heads + n_kv) {
+        float s, c;
+        sincosf((float)pos * inv_freq[i], &s, &c);
+        float a = v[i], b = v[i + half];
+        float ra = a * c - b * s, rb = b * c + a * s;
+        if (h < n_heads) {
+            v[i] = ra; v[i + half] = rb;
+        } else {
+            bf16_t* k = k_cache + slot + (h - n_heads) * head_dim;
+            k[i] = f32_to_bf16(ra); k[i + half] = f32_to_bf16(rb);
+        }
+    } else {
+        bf16_t* dst = v_cache + slot + (h - n_heads - n_kv) * head_dim;
+        dst[i] = f32_to_bf16(v[i]); dst[i + half] = f32_to_bf16(v[i + half]);
+    }
+}
+
+// One block per query head over positions [0, pos]; warps split positions, then merge.
+extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
+                                        const TokenMeta* meta, int n_heads, int n_kv, int head_dim) {
+    extern __shared__ float st[];
+    pdl_launch_next();
+    pdl_wait();
+    const int h = blockIdx.x, kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
+    const int len = meta->pos + 1;
+    float qd[ATT_MAX_D], acc[ATT_MAX_D];
+    for (int j = 0; j < D; j++) { qd[j] = q[h * head_dim + lane * D + j]; acc[j] = 0.f; }
+    float m = NEG_INF, l = 0.f;
+    attend_warp(qd, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, D, rsqrtf((float)head_dim),
+                warp, len, nwarps, m, l, acc);
+    float* mine = st + warp * (2 + head_dim);
+    if (lane == 0) { mine[0] = m; mine[1] = l; }
+    for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];
+    __syncthreads();
+    merge_warp_states(st, nwarps, head_dim, out + h * head_dim);
+}
+
+// act = silu(gate) * up, with gu = [gate; up].
+extern "C" __global__ void bl_silu_mul(const float* gu, float* act, int inter) {
+    pdl_launch_next();
+    pdl_wait();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < inter; i += gridDim.x * blockDim.x)
+        act[i] = silu(gu[i]) * gu[inter + i];
+}
+
+// One block: greedy next token into meta->next and meta->token, position advanced, so the
+// next replay of the graph decodes it without the host.
+extern "C" __global__ void bl_argmax(const float* logits, int n, TokenMeta* meta, u32* history) {
+    __shared__ float sv[32];
+    __shared__ u32 si[32];
+    pdl_launch_next();
+    pdl_wait();
+    float v = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) argmax_merge(v, idx, logits[i], (u32)i);
+    warp_argmax(v, idx);
+    if ((threadIdx.x & 31) == 0) { sv[threadIdx.x >> 5] = v; si[threadIdx.x >> 5] = idx; }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        int nw = blockDim.x >> 5;
+        v = threadIdx.x < nw ? sv[threadIdx.x] : NEG_INF;
+        idx = threadIdx.x < nw ? si[threadIdx.x] : 0xffffffffu;
+        warp_argmax(v, idx);
+        if (threadIdx.x == 0) {
+            history[meta->pos + 1] = idx;
+            meta->next = idx; meta->token = idx; meta->pos += 1;
+        }
+    }
+}

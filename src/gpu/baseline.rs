@@ -1,0 +1,260 @@
+//! The conventional decode path: one kernel per operation, launched one by one (eager) or
+//! replayed from a CUDA graph, optionally with programmatic dependent launch (PDL).
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaModule, CudaSlice};
+use cudarc::nvrtc::Ptx;
+
+use super::compile::compile_cubin;
+use super::device::{ptr, Gpu};
+use super::launch::Kernel;
+use super::model::{DeviceModel, KvCache};
+use super::sources;
+use crate::generate::Backend;
+use crate::kargs;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Eager,
+    Graph,
+    GraphPdl,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Eager => "eager",
+            Mode::Graph => "graph",
+            Mode::GraphPdl => "graph-pdl",
+        }
+    }
+}
+
+struct Kernels {
+    embed: Kernel,
+    rmsnorm: Kernel,
+    gemv: Kernel,
+    rope_kv: Kernel,
+    attention: Kernel,
+    silu_mul: Kernel,
+    argmax: Kernel,
+}
+
+const GEMV_THREADS: u32 = 256;
+const GEMV_ROWS_PER_BLOCK: u32 = 16; // 8 warps × GEMV_ROWS_PER_WARP
+const ATT_THREADS: u32 = 128;
+
+pub struct BaselinePath<'g> {
+    gpu: &'g Gpu,
+    model: &'g DeviceModel,
+    mode: Mode,
+    k: Kernels,
+    _module: Arc<CudaModule>,
+    kv: KvCache,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// TokenMeta {token, pos, next, pad}.
+    meta: CudaSlice<u32>,
+    /// history[p + 1] = greedy token chosen after position p.
+    history: CudaSlice<u32>,
+    graph: Option<CudaGraph>,
+    pos: usize,
+    /// The device meta already holds {token: last greedy token, pos: self.pos}.
+    meta_current: Option<u32>,
+}
+
+impl<'g> BaselinePath<'g> {
+    pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, mode: Mode, max_seq: usize) -> Result<Self> {
+        let c = &model.config;
+        let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
+        let module = gpu.ctx.load_module(Ptx::from_binary(cubin)).context("loading the baseline CUBIN")?;
+        let k = Kernels {
+            embed: Kernel::load(&module, "bl_embed")?,
+            rmsnorm: Kernel::load(&module, "bl_rmsnorm")?,
+            gemv: Kernel::load(&module, "bl_gemv")?,
+            rope_kv: Kernel::load(&module, "bl_rope_kv")?,
+            attention: Kernel::load(&module, "bl_attention")?,
+            silu_mul: Kernel::load(&module, "bl_silu_mul")?,
+            argmax: Kernel::load(&module, "bl_argmax")?,
+        };
+        let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
+        k.gemv.allow_smem(max_cols * 4)?;
+        let qkv_rows = c.q_dim() + 2 * c.kv_dim();
+        let mut p = Self {
+            kv: KvCache::new(gpu, c, max_seq)?,
+            x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
+            xn: gpu.alloc_zeros(c.hidden_size, "normed hidden")?,
+            qkv: gpu.alloc_zeros(qkv_rows, "qkv")?,
+            attn: gpu.alloc_zeros(c.q_dim(), "attention output")?,
+            gu: gpu.alloc_zeros(2 * c.intermediate_size, "gate/up")?,
+            act: gpu.alloc_zeros(c.intermediate_size, "mlp activation")?,
+            logits: gpu.alloc_zeros(c.vocab_size, "logits")?,
+            meta: gpu.alloc_zeros(4, "token meta")?,
+            history: gpu.alloc_zeros(max_seq + 1, "token history")?,
+            graph: None,
+            gpu,
+            model,
+            mode,
+            k,
+            _module: module,
+            pos: 0,
+            meta_current: None,
+        };
+        if mode != Mode::Eager {
+            p.capture()?;
+        }
+        Ok(p)
+    }
+
+    fn gemv(&self, w: u64, x: u64, y: u64, rows: usize, cols: usize, accumulate: bool) -> Result<()> {
+        let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
+        let grid = (rows as u32).div_ceil(GEMV_ROWS_PER_BLOCK);
+        let mut a = kargs![&w, &x, &y, &rows_i, &cols_i, &acc];
+        self.k.gemv.launch(&self.gpu.stream, grid, GEMV_THREADS, (cols * 4) as u32, self.pdl(), &mut a)
+    }
+
+    fn pdl(&self) -> bool {
+        self.mode == Mode::GraphPdl
+    }
+
+    /// Enqueues one decode step for the token and position in `meta`.
+    fn enqueue_step(&self) -> Result<()> {
+        let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
+        let pdl = self.pdl();
+        let (x, xn, qkv, attn, gu, act, logits, meta, history) = (
+            ptr(&self.x, s),
+            ptr(&self.xn, s),
+            ptr(&self.qkv, s),
+            ptr(&self.attn, s),
+            ptr(&self.gu, s),
+            ptr(&self.act, s),
+            ptr(&self.logits, s),
+            ptr(&self.meta, s),
+            ptr(&self.history, s),
+        );
+        let (hidden, inter, eps) = (c.hidden_size as i32, c.intermediate_size as i32, c.rms_norm_eps);
+        let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
+        let embed = ptr(&self.model.embed, s);
+        self.k.embed.launch(s, (hidden as u32).div_ceil(256), 256, 0, pdl, &mut kargs![&embed, &meta, &x, &hidden])?;
+        let inv_freq = ptr(&self.model.inv_freq, s);
+        for (l, lw) in self.model.layers.iter().enumerate() {
+            let norm = ptr(&lw.attn_norm, s);
+            self.k.rmsnorm.launch(s, 1, 1024, 0, pdl, &mut kargs![&x, &norm, &xn, &hidden, &eps])?;
+            self.gemv(ptr(&lw.w_qkv, s), xn, qkv, c.q_dim() + 2 * c.kv_dim(), c.hidden_size, false)?;
+            let off = (l * self.kv.layer_stride * 2) as u64;
+            let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
+            self.k.rope_kv.launch(
+                s,
+                (c.num_heads + 2 * c.num_kv_heads) as u32,
+                (c.head_dim / 2) as u32,
+                0,
+                pdl,
+                &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
+            )?;
+            let att_smem = (ATT_THREADS / 32) * (2 + c.head_dim as u32) * 4;
+            self.k.attention.launch(
+                s,
+                c.num_heads as u32,
+                ATT_THREADS,
+                att_smem,
+                pdl,
+                &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
+            )?;
+            self.gemv(ptr(&lw.wo, s), attn, x, c.hidden_size, c.q_dim(), true)?;
+            let norm = ptr(&lw.ffn_norm, s);
+            self.k.rmsnorm.launch(s, 1, 1024, 0, pdl, &mut kargs![&x, &norm, &xn, &hidden, &eps])?;
+            self.gemv(ptr(&lw.w_gu, s), xn, gu, 2 * c.intermediate_size, c.hidden_size, false)?;
+            self.k.silu_mul.launch(s, (inter as u32).div_ceil(256), 256, 0, pdl, &mut kargs![&gu, &act, &inter])?;
+            self.gemv(ptr(&lw.w_down, s), act, x, c.hidden_size, c.intermediate_size, true)?;
+        }
+        let norm = ptr(&self.model.final_norm, s);
+        self.k.rmsnorm.launch(s, 1, 1024, 0, pdl, &mut kargs![&x, &norm, &xn, &hidden, &eps])?;
+        self.gemv(self.model.lm_head_ptr(g), xn, logits, c.vocab_size, c.hidden_size, false)?;
+        let vocab = c.vocab_size as i32;
+        self.k.argmax.launch(s, 1, 1024, 0, pdl, &mut kargs![&logits, &vocab, &meta, &history])
+    }
+
+    fn capture(&mut self) -> Result<()> {
+        let s = &self.gpu.stream;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .context("beginning CUDA graph capture")?;
+        let enqueued = self.enqueue_step();
+        let graph = s.end_capture(CUgraphInstantiate_flags(0)).context("ending CUDA graph capture")?;
+        enqueued?;
+        self.graph = Some(graph.context("CUDA graph capture produced no graph")?);
+        Ok(())
+    }
+
+    fn launch_step(&self) -> Result<()> {
+        match &self.graph {
+            Some(g) => g.launch().context("launching the decode graph"),
+            None => self.enqueue_step(),
+        }
+    }
+
+    fn check_room(&self, n: usize) -> Result<()> {
+        if self.pos + n > self.kv.max_seq {
+            bail!(
+                "sequence of {} tokens exceeds the context of {} tokens (--max-context)",
+                self.pos + n,
+                self.kv.max_seq
+            );
+        }
+        Ok(())
+    }
+
+    fn set_meta(&mut self, token: u32) -> Result<()> {
+        if self.meta_current == Some(token) {
+            return Ok(());
+        }
+        let v = [token, self.pos as u32, 0, 0];
+        self.gpu.stream.memcpy_htod(&v, &mut self.meta)?;
+        Ok(())
+    }
+
+    /// Runs `n` greedy steps back to back from `token` with no host round trip between them,
+    /// and returns the tokens chosen.
+    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        self.check_room(n)?;
+        self.set_meta(token)?;
+        let start = self.pos;
+        for _ in 0..n {
+            self.launch_step()?;
+        }
+        self.pos += n;
+        let hist = self.gpu.stream.clone_dtoh(&self.history)?;
+        let out = hist[start + 1..start + 1 + n].to_vec();
+        let vocab = self.model.config.vocab_size as u32;
+        if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
+            bail!("GPU argmax produced token {bad} outside the vocabulary (NaN logits?)");
+        }
+        self.meta_current = out.last().copied();
+        Ok(out)
+    }
+}
+
+impl Backend for BaselinePath<'_> {
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.check_room(tokens.len())?;
+        for &t in tokens {
+            self.meta_current = None;
+            self.set_meta(t)?;
+            self.launch_step()?;
+            self.pos += 1;
+        }
+        self.meta_current = None;
+        Ok(self.gpu.stream.clone_dtoh(&self.logits)?)
+    }
+
+    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(self.decode_greedy(token, 1)?[0])
+    }
+}

@@ -1,0 +1,110 @@
+//! Run-time compilation of the CUDA sources with NVRTC, to a CUBIN for the device's own
+//! architecture, cached on disk so later starts skip the compiler.
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::nvrtc::{result as nvrtc, sys};
+use sha2::{Digest, Sha256};
+
+/// Whether libnvrtc can be loaded (cudarc panics on first use when it cannot).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only probes for the shared library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// `$CUDA_HOME/include`, `$CUDA_PATH/include` or `/usr/local/cuda/include`, when present.
+fn cuda_include_dir() -> Option<PathBuf> {
+    ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).map(|d| PathBuf::from(d).join("include")))
+        .chain(std::iter::once(PathBuf::from("/usr/local/cuda/include")))
+        .find(|d| d.is_dir())
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| anyhow!("nvrtcVersion failed: {e:?}"))?;
+    Ok((major, minor))
+}
+
+/// Compiles `source` for `arch` (e.g. `sm_90a`) and returns the CUBIN, from the disk cache
+/// when the same source, architecture, options and NVRTC version were compiled before.
+pub fn compile_cubin(name: &str, source: &str, arch: &str, extra_options: &[String]) -> Result<Vec<u8>> {
+    if !nvrtc_present() {
+        bail!("NVRTC (libnvrtc.so) could not be loaded: install the CUDA toolkit or add its lib directory to LD_LIBRARY_PATH");
+    }
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--use_fast_math".to_string(),
+        "-default-device".to_string(),
+    ];
+    if let Some(inc) = cuda_include_dir() {
+        options.push(format!("--include-path={}", inc.display()));
+    }
+    options.extend_from_slice(extra_options);
+    let version = nvrtc_version()?;
+
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    h.update(format!("{arch}|{options:?}|{version:?}").as_bytes());
+    let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let cache_path = crate::fetch::cache_dir()
+        .ok()
+        .map(|d| d.join("kernels").join(format!("{name}-{arch}-{key}.cubin")));
+    if let Some(p) = &cache_path {
+        if let Ok(bytes) = std::fs::read(p) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+    }
+
+    let cubin = compile_uncached(name, source, &options)?;
+    if let Some(p) = &cache_path {
+        // A cache that cannot be written only costs a recompile next time.
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(cubin)
+}
+
+fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    let src = CString::new(source).context("CUDA source contains a NUL byte")?;
+    let cname = CString::new(name).context("program name contains a NUL byte")?;
+    let prog = nvrtc::create_program(&src, Some(&cname)).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+    // SAFETY: `prog` is live until destroy_program below; src and cname outlive it.
+    let result = unsafe {
+        let compiled = nvrtc::compile_program(prog, options);
+        let log = nvrtc::get_program_log(prog)
+            .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match compiled {
+            Err(e) => Err(anyhow!("NVRTC failed to compile {name} ({e:?}) with {options:?}:\n{log}")),
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+                let mut buf = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
+                    .result()
+                    .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?} (architecture must be a real sm_XX)"))?;
+                Ok(buf)
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}

@@ -1,0 +1,79 @@
+//! Kernel launches through cuLaunchKernelEx, so the same call can ask for programmatic
+//! dependent launch (PDL) or not.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use cudarc::driver::sys::{self, CUlaunchAttributeID, CUfunction_attribute};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream};
+
+pub struct Kernel {
+    pub name: &'static str,
+    func: CudaFunction,
+}
+
+impl Kernel {
+    pub fn load(module: &Arc<CudaModule>, name: &'static str) -> Result<Self> {
+        let func = module
+            .load_function(name)
+            .map_err(|e| anyhow!("kernel {name} missing from the compiled module: {e}"))?;
+        Ok(Self { name, func })
+    }
+
+    /// Allows more than 48 KiB of dynamic shared memory.
+    pub fn allow_smem(&self, bytes: usize) -> Result<()> {
+        self.func
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| anyhow!("{}: cannot allow {bytes} B of shared memory: {e}", self.name))
+    }
+
+    pub fn occupancy(&self, block: u32, smem: usize) -> Result<u32> {
+        self.func
+            .occupancy_max_active_blocks_per_multiprocessor(block, smem, None)
+            .map_err(|e| anyhow!("{}: occupancy query failed: {e}", self.name))
+    }
+
+    /// Launches with raw argument pointers (each points at the argument's value).
+    pub fn launch(
+        &self,
+        stream: &CudaStream,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: pdl as u32,
+        };
+        // SAFETY: args match the kernel's parameter list (checked by each caller's
+        // construction); the function belongs to the stream's context.
+        unsafe { sys::cuLaunchKernelEx(&cfg, self.func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| anyhow!("launching {} (grid {grid}, block {block}, smem {smem}): {e}", self.name))
+    }
+}
+
+/// Builds the `void**` argument array from references to plain values.
+#[macro_export]
+macro_rules! kargs {
+    ($($a:expr),* $(,)?) => {
+        [$( $a as *const _ as *mut ::std::ffi::c_void ),*]
+    };
+}

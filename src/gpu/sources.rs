@@ -1,0 +1,10 @@
+//! The CUDA sources, embedded in the binary and assembled into compilation units.
+
+const COMMON: &str = include_str!("../../megakernel/common.cuh");
+const ATTENTION: &str = include_str!("../../megakernel/attention.cuh");
+const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
+
+/// The one-kernel-per-operation path (graph, graph + PDL, eager).
+pub fn baseline() -> String {
+    [COMMON, ATTENTION, BASELINE].join("\n")
+}
