@@ -21,6 +21,15 @@ fn baseline_kernels_compile_for_sm90a() {
 }
 
 #[test]
+fn megakernel_compiles_for_sm90a() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let cubin = compile::compile_cubin("megakernel", &sources::megakernel(), "sm_90a", &[]).unwrap();
+    assert_eq!(&cubin[..4], b"\x7fELF", "NVRTC output is not a CUBIN (ELF) image");
+}
+
+#[test]
 fn nvrtc_errors_carry_the_compiler_log() {
     if !nvrtc_or_skip() {
         return;

@@ -92,6 +92,9 @@ fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<
         match compiled {
             Err(e) => Err(anyhow!("NVRTC failed to compile {name} ({e:?}) with {options:?}:\n{log}")),
             Ok(()) => {
+                if std::env::var_os("MEGAINFER_NVRTC_LOG").is_some() {
+                    eprintln!("NVRTC log for {name}:\n{log}");
+                }
                 let mut size = 0usize;
                 sys::nvrtcGetCUBINSize(prog, &mut size)
                     .result()

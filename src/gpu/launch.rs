@@ -21,6 +21,10 @@ impl Kernel {
         Ok(Self { name, func })
     }
 
+    pub fn cu_function(&self) -> cudarc::driver::sys::CUfunction {
+        self.func.cu_function()
+    }
+
     /// Allows more than 48 KiB of dynamic shared memory.
     pub fn allow_smem(&self, bytes: usize) -> Result<()> {
         self.func

@@ -3,8 +3,15 @@
 const COMMON: &str = include_str!("../../megakernel/common.cuh");
 const ATTENTION: &str = include_str!("../../megakernel/attention.cuh");
 const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
+const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
+const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
 pub fn baseline() -> String {
     [COMMON, ATTENTION, BASELINE].join("\n")
+}
+
+/// The persistent interpreter.
+pub fn megakernel() -> String {
+    [COMMON, ATTENTION, PIPELINE, MEGAKERNEL].join("\n")
 }

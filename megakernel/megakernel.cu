@@ -1,0 +1,445 @@
+// The megakernel: one persistent CTA per SM interprets its instruction stream for one decode
+// step. Warp 0 is the loader (weights -> paged shared memory, running ahead of the consumers);
+// warps 1..CONSUMER_WARPS compute. Instructions wait on global counters (acquire) and signal
+// them (release); targets are base * (epoch + 1), so streams and counters are reused for every
+// token without host work.
+
+#define MK_WORDS 16
+#define MAX_WAITS 3
+#define CONSUMER_WARPS 16
+#define CONSUMERS (CONSUMER_WARPS * 32)
+#define MK_THREADS (CONSUMERS + 32)
+#define RES_MAX 2048
+#define NO_COUNTER 0xffffffffu
+#define ABORT_CHECK_SPINS 1024
+
+enum Op : u32 {
+    OP_NOOP = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_REDUCE = 3, OP_OPROJ = 4,
+    OP_UPGATE = 5, OP_DOWN = 6, OP_LMHEAD = 7, OP_ARGMAX = 8,
+};
+
+// Word layout of one instruction (mirrored in src/gpu/megakernel.rs).
+#define W_OP 0
+#define W_LAYER 1
+#define W_A 2
+#define W_B 3
+#define W_C 4
+#define W_D 5
+#define W_NWAIT 6
+#define W_WAITS 7
+#define W_E 13
+#define W_SIGNAL 15
+
+struct LayerW {
+    const bf16_t* attn_norm;
+    const bf16_t* w_qkv;
+    const bf16_t* wo;
+    const bf16_t* ffn_norm;
+    const bf16_t* w_gu;
+    const bf16_t* w_down;
+};
+
+struct MkParams {
+    const u32* instrs;
+    const u32* sm_offsets;
+    u32* counters;
+    u32* error;          // [flag, sm, instruction, counter, expected, seen]
+    TokenMeta* meta;     // two slots, by epoch parity
+    u32* history;
+    const LayerW* layers;
+    const bf16_t* embed;
+    const bf16_t* final_norm;
+    const bf16_t* lm_head;
+    const float* inv_freq;
+    bf16_t* k_cache;
+    bf16_t* v_cache;
+    float* resid_attn;   // [layers][hidden]
+    float* mlp_part;     // [layers][chunks][hidden]
+    float* q;            // [layers][heads*head_dim]
+    float* attn_out;     // [layers][heads*head_dim]
+    float* attn_part;    // [layers][heads][parts_max][head_dim + 2]
+    float* act;          // [layers][inter]
+    float* logits;       // [vocab]
+    float* lm_best;      // [n_lm][2]: value, index bits
+    int hidden, inter, heads, kv_heads, head_dim, vocab, n_layers, chunks, max_seq, n_lm;
+    int xs_floats, pages;
+    float eps;
+    u32 epoch;
+    u64 timeout_ns;
+};
+
+__device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
+
+__device__ void raise_error(const MkParams& p, u32 instr, u32 counter, u32 expected, u32 seen) {
+    if (atomicCAS(p.error, 0u, 1u) == 0u) {
+        p.error[1] = blockIdx.x; p.error[2] = instr; p.error[3] = counter; p.error[4] = expected; p.error[5] = seen;
+        __threadfence();
+    }
+}
+
+// ---- geometry of an instruction's weight rows (shared by loader and consumers) ----
+
+__device__ __forceinline__ int seg_cols(const u32* w, const MkParams& p) {
+    switch (w[W_OP]) {
+        case OP_OPROJ: return p.heads * p.head_dim;
+        case OP_DOWN: return (int)w[W_E];
+        case OP_QKV: case OP_UPGATE: case OP_LMHEAD: return p.hidden;
+        default: return 0;
+    }
+}
+
+__device__ __forceinline__ int seg_count(const u32* w) {
+    switch (w[W_OP]) {
+        case OP_QKV: return 2 * (int)w[W_C];
+        case OP_UPGATE: return 2 * (int)w[W_B];
+        case OP_OPROJ: case OP_DOWN: case OP_LMHEAD: return (int)w[W_B];
+        default: return 0;
+    }
+}
+
+__device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p, int j) {
+    const LayerW& L = p.layers[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
+    switch (w[W_OP]) {
+        case OP_QKV: {
+            int pc = w[W_C], half = p.head_dim / 2;
+            int row = w[W_A] * p.head_dim + (j < pc ? (int)w[W_B] + j : half + (int)w[W_B] + j - pc);
+            return L.w_qkv + (size_t)row * p.hidden;
+        }
+        case OP_UPGATE: {
+            int rc = w[W_B];
+            int row = j < rc ? (int)w[W_A] + j : p.inter + (int)w[W_A] + j - rc;
+            return L.w_gu + (size_t)row * p.hidden;
+        }
+        case OP_OPROJ: return L.wo + (size_t)(w[W_A] + j) * (p.heads * p.head_dim);
+        case OP_DOWN: return L.w_down + (size_t)(w[W_A] + j) * p.inter + w[W_D];
+        case OP_LMHEAD: return p.lm_head + (size_t)(w[W_A] + j) * p.hidden;
+        default: return nullptr;
+    }
+}
+
+__device__ __forceinline__ int rows_per_tile(int cols) { return PAGE_BYTES / (cols * 2); }
+
+__device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
+    int n = seg_count(w);
+    if (n == 0) return 0;
+    int rpt = rows_per_tile(seg_cols(w, p));
+    return (n + rpt - 1) / rpt;
+}
+
+// ---- loader warp ----
+
+__device__ void loader(const MkParams& p, const u32* begin, const u32* end, bf16_t* pages, u64* full, u64* empty) {
+    const int lane = threadIdx.x & 31;
+    u32 seq = 0;
+    for (const u32* w = begin; w < end; w += MK_WORDS) {
+        int n = seg_count(w);
+        if (n == 0) continue;
+        int cols = seg_cols(w, p), rpt = rows_per_tile(cols);
+        u32 bytes_per_row = cols * 2;
+        for (int t = 0; t * rpt < n; t++, seq++) {
+            u32 slot = seq % p.pages, round = seq / p.pages;
+            int spins = 0;
+            while (!mbar_try_wait(&empty[slot], (round & 1) ^ 1)) {
+                if (++spins % ABORT_CHECK_SPINS == 0 && aborted(p)) return;
+            }
+            int rows = min(rpt, n - t * rpt);
+            if (lane == 0) mbar_expect_tx(&full[slot], rows * bytes_per_row);
+            __syncwarp();
+            char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
+            for (int r = lane; r < rows; r += 32)
+                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, t * rpt + r), bytes_per_row, &full[slot]);
+        }
+    }
+}
+
+// ---- consumer helpers (ct = consumer thread index, cw = consumer warp index) ----
+
+__device__ __forceinline__ void consumers_sync() { named_sync(1, CONSUMERS); }
+
+// Sum over all consumer threads; every caller gets the total.
+__device__ float consumers_sum(float v, float* red) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5;
+    v = warp_sum(v);
+    if ((ct & 31) == 0) red[cw] = v;
+    consumers_sync();
+    float t = 0.f;
+    for (int i = 0; i < CONSUMER_WARPS; i++) t += red[i];
+    consumers_sync();
+    return t;
+}
+
+// Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
+// attention residual plus its down-projection partial sums (each written once per token).
+__device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
+    if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
+    int l = layer - 1;
+    float v = __ldcg(p.resid_attn + (size_t)l * p.hidden + i);
+    for (int c = 0; c < p.chunks; c++) v += __ldcg(p.mlp_part + ((size_t)l * p.chunks + c) * p.hidden + i);
+    return v;
+}
+
+// xs = rmsnorm(src) * g, src given by resid_in(layer) or resid_attn[l] (after_attn).
+__device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
+                               float* xs, float* red) {
+    const int ct = threadIdx.x - 32;
+    float ss = 0.f;
+    for (int i = ct; i < p.hidden; i += CONSUMERS) {
+        float v = after_attn ? __ldcg(p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
+        xs[i] = v;
+        ss += v * v;
+    }
+    float total = consumers_sum(ss, red);
+    float scale = rsqrtf(total / p.hidden + p.eps);
+    for (int i = ct; i < p.hidden; i += CONSUMERS) xs[i] = xs[i] * scale * bf16_to_f32(g[i]);
+}
+
+// Dot products of the instruction's weight rows (from the paged ring) with xs into res.
+__device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf16_t* pages, u64* full, u64* empty,
+                              const float* xs, float* res) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
+    int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols);
+    int ntiles = (n + rpt - 1) / rpt;
+    for (int t = cw; t < ntiles; t += CONSUMER_WARPS) {
+        u32 s = seq + t, slot = s % p.pages;
+        int spins = 0;
+        while (!mbar_try_wait(&full[slot], (s / p.pages) & 1)) {
+            if (++spins % ABORT_CHECK_SPINS == 0 && aborted(p)) return;
+        }
+        const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
+        int rows = min(rpt, n - t * rpt);
+        for (int r = 0; r < rows; r++) {
+            const bf16_t* row = page + r * cols;
+            float acc = 0.f;
+            for (int c = lane * 8; c < cols; c += 256) acc += dot8(*(const uint4*)(row + c), xs + c);
+            acc = warp_sum(acc);
+            if (lane == 0) res[t * rpt + r] = acc;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+}
+
+__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
+    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
+    const int hd = p.head_dim, D = hd >> 5, group = p.heads / p.kv_heads, wph = CONSUMER_WARPS / group;
+    const int len = m.pos + 1, p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
+    const size_t layer_off = (size_t)layer * p.max_seq * p.kv_heads * hd;
+    const int kv_stride = p.kv_heads * hd;
+    const int hq = cw / wph, sub = cw % wph;
+    float* st = scratch + cw * (2 + hd);
+    if (hq < group) {
+        const int head = kvh * group + hq;
+        float qd[ATT_MAX_D], acc[ATT_MAX_D];
+        for (int j = 0; j < D; j++) { qd[j] = __ldcg(p.q + (size_t)layer * p.heads * hd + head * hd + lane * D + j); acc[j] = 0.f; }
+        float mx = NEG_INF, l = 0.f;
+        attend_warp(qd, p.k_cache + layer_off + kvh * hd, p.v_cache + layer_off + kvh * hd, kv_stride, D,
+                    rsqrtf((float)hd), p0 + sub, p1, wph, mx, l, acc);
+        if (lane == 0) { st[0] = mx; st[1] = l; }
+        for (int j = 0; j < D; j++) st[2 + lane * D + j] = acc[j];
+    }
+    consumers_sync();
+    for (int idx = ct; idx < group * hd; idx += CONSUMERS) {
+        const int h = idx / hd, d = idx % hd, head = kvh * group + h;
+        float M = NEG_INF;
+        for (int k = 0; k < wph; k++) M = fmaxf(M, scratch[(h * wph + k) * (2 + hd)]);
+        float L = 0.f, A = 0.f;
+        for (int k = 0; k < wph; k++) {
+            const float* s = scratch + (h * wph + k) * (2 + hd);
+            if (s[1] == 0.f) continue;
+            float c = __expf(s[0] - M);
+            L += s[1] * c;
+            A += s[2 + d] * c;
+        }
+        float o = L > 0.f ? A / L : 0.f;
+        if (parts == 1) {
+            p.attn_out[(size_t)layer * p.heads * hd + head * hd + d] = o;
+        } else {
+            float* dst = p.attn_part + (((size_t)layer * p.heads + head) * parts + part) * (hd + 2);
+            dst[d] = o;
+            if (d == 0) { dst[hd] = M; dst[hd + 1] = L; }
+        }
+    }
+}
+
+__device__ void op_attn_reduce(const MkParams& p, const u32* w) {
+    const int ct = threadIdx.x - 32, layer = w[W_LAYER], kvh = w[W_A], parts = w[W_C];
+    const int hd = p.head_dim, group = p.heads / p.kv_heads;
+    for (int idx = ct; idx < group * hd; idx += CONSUMERS) {
+        const int head = kvh * group + idx / hd, d = idx % hd;
+        const float* src = p.attn_part + ((size_t)layer * p.heads + head) * parts * (hd + 2);
+        float M = NEG_INF;
+        for (int k = 0; k < parts; k++) M = fmaxf(M, __ldcg(src + k * (hd + 2) + hd));
+        float L = 0.f, A = 0.f;
+        for (int k = 0; k < parts; k++) {
+            const float* s = src + k * (hd + 2);
+            float l = __ldcg(s + hd + 1);
+            if (l == 0.f) continue;
+            float c = l * __expf(__ldcg(s + hd) - M);
+            L += c;
+            A += __ldcg(s + d) * c;
+        }
+        p.attn_out[(size_t)layer * p.heads * hd + head * hd + d] = A / L;
+    }
+}
+
+__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res) {
+    const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
+    const int hd = p.head_dim, half = hd / 2;
+    for (int j = ct; j < pc; j += CONSUMERS) {
+        float a = res[j], b = res[pc + j];
+        const int i = ps + j;
+        if (head < p.heads + p.kv_heads) {
+            float s, c;
+            sincosf((float)m.pos * p.inv_freq[i], &s, &c);
+            float ra = a * c - b * s, rb = b * c + a * s;
+            a = ra; b = rb;
+        }
+        if (head < p.heads) {
+            float* q = p.q + (size_t)layer * p.heads * hd + head * hd;
+            q[i] = a; q[i + half] = b;
+        } else {
+            bool is_k = head < p.heads + p.kv_heads;
+            int kvh = head - p.heads - (is_k ? 0 : p.kv_heads);
+            bf16_t* cache = (is_k ? p.k_cache : p.v_cache) +
+                            (((size_t)layer * p.max_seq + m.pos) * p.kv_heads + kvh) * hd;
+            cache[i] = f32_to_bf16(a); cache[i + half] = f32_to_bf16(b);
+        }
+    }
+}
+
+__device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, float* red) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, rs = w[W_A], rc = w[W_B];
+    float v = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (int j = ct; j < rc; j += CONSUMERS) {
+        p.logits[rs + j] = res[j];
+        argmax_merge(v, idx, res[j], (u32)(rs + j));
+    }
+    warp_argmax(v, idx);
+    u32* redi = (u32*)(red + CONSUMER_WARPS);
+    if ((ct & 31) == 0) { red[cw] = v; redi[cw] = idx; }
+    consumers_sync();
+    if (ct == 0) {
+        for (int k = 1; k < CONSUMER_WARPS; k++) argmax_merge(v, idx, red[k], redi[k]);
+        p.lm_best[2 * w[W_D]] = v;
+        p.lm_best[2 * w[W_D] + 1] = __uint_as_float(idx);
+    }
+}
+
+__device__ void op_argmax(const MkParams& p, const TokenMeta& m) {
+    const int ct = threadIdx.x - 32;
+    if (ct != 0) return;
+    float v = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (int k = 0; k < p.n_lm; k++) argmax_merge(v, idx, __ldcg(p.lm_best + 2 * k), __float_as_uint(__ldcg(p.lm_best + 2 * k + 1)));
+    p.history[m.pos + 1] = idx;
+    TokenMeta* cur = p.meta + (p.epoch & 1);
+    TokenMeta* nxt = p.meta + ((p.epoch + 1) & 1);
+    cur->next = idx;
+    nxt->token = idx;
+    nxt->pos = m.pos + 1;
+    nxt->next = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __grid_constant__ MkParams p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16_t* pages = (bf16_t*)smem;
+    float* xs = (float*)(smem + (size_t)p.pages * PAGE_BYTES);
+    float* res = xs + p.xs_floats;
+    float* red = res + RES_MAX;                 // 2 * CONSUMER_WARPS words
+    u64* full = (u64*)(red + 2 * CONSUMER_WARPS);
+    u64* empty = full + p.pages;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < p.pages; i++) { mbar_init(&full[i], 1); mbar_init(&empty[i], 1); }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    const u32* begin = p.instrs + (size_t)p.sm_offsets[blockIdx.x] * MK_WORDS;
+    const u32* end = p.instrs + (size_t)p.sm_offsets[blockIdx.x + 1] * MK_WORDS;
+    if (threadIdx.x < 32) {
+        loader(p, begin, end, pages, full, empty);
+        return;
+    }
+    const int ct = threadIdx.x - 32;
+    const TokenMeta m = p.meta[p.epoch & 1];
+    const u32 mult = p.epoch + 1;
+    u32 seq = 0;
+    for (const u32* w = begin; w < end; w += MK_WORDS) {
+        const u32 op = w[W_OP];
+        if (ct == 0) {
+            for (u32 k = 0; k < w[W_NWAIT]; k++) {
+                const u32 ctr = w[W_WAITS + 2 * k], target = w[W_WAITS + 2 * k + 1] * mult;
+                const u64 t0 = global_ns();
+                u32 seen;
+                int spins = 0;
+                while ((int)((seen = ld_acquire(p.counters + ctr)) - target) < 0) {
+                    if (++spins % 64 == 0 && (aborted(p) || global_ns() - t0 > p.timeout_ns)) {
+                        raise_error(p, (u32)((w - p.instrs) / MK_WORDS), ctr, target, seen);
+                        break;
+                    }
+                }
+            }
+        }
+        consumers_sync();
+        if (aborted(p)) return;
+        switch (op) {
+            case OP_QKV:
+                prepare_normed(p, w[W_LAYER], false, m.token, p.layers[w[W_LAYER]].attn_norm, xs, red);
+                break;
+            case OP_UPGATE:
+                prepare_normed(p, w[W_LAYER], true, m.token, p.layers[w[W_LAYER]].ffn_norm, xs, red);
+                break;
+            case OP_LMHEAD:
+                prepare_normed(p, p.n_layers, false, m.token, p.final_norm, xs, red);
+                break;
+            case OP_OPROJ: {
+                const float* src = p.attn_out + (size_t)w[W_LAYER] * p.heads * p.head_dim;
+                for (int i = ct; i < p.heads * p.head_dim; i += CONSUMERS) xs[i] = __ldcg(src + i);
+                break;
+            }
+            case OP_DOWN: {
+                const float* src = p.act + (size_t)w[W_LAYER] * p.inter + w[W_D];
+                for (int i = ct; i < (int)w[W_E]; i += CONSUMERS) xs[i] = __ldcg(src + i);
+                break;
+            }
+            case OP_ATTN: op_attention(p, w, m, xs); break;
+            case OP_ATTN_REDUCE: op_attn_reduce(p, w); break;
+            case OP_ARGMAX: op_argmax(p, m); break;
+            default: break;
+        }
+        const int ntiles = tile_count(w, p);
+        if (ntiles > 0) {
+            consumers_sync();
+            consume_tiles(p, w, seq, pages, full, empty, xs, res);
+            seq += ntiles;
+            consumers_sync();
+            if (aborted(p)) return;
+            const int layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
+            switch (op) {
+                case OP_QKV: post_qkv(p, w, m, res); break;
+                case OP_OPROJ:
+                    for (int j = ct; j < rc; j += CONSUMERS)
+                        p.resid_attn[(size_t)layer * p.hidden + rs + j] = resid_in(p, layer, m.token, rs + j) + res[j];
+                    break;
+                case OP_UPGATE:
+                    for (int j = ct; j < rc; j += CONSUMERS)
+                        p.act[(size_t)layer * p.inter + rs + j] = silu(res[j]) * res[rc + j];
+                    break;
+                case OP_DOWN:
+                    for (int j = ct; j < rc; j += CONSUMERS)
+                        p.mlp_part[((size_t)layer * p.chunks + w[W_C]) * p.hidden + rs + j] = res[j];
+                    break;
+                case OP_LMHEAD: post_lmhead(p, w, res, red); break;
+                default: break;
+            }
+        }
+        consumers_sync();
+        if (ct == 0 && w[W_SIGNAL] != NO_COUNTER) {
+            __threadfence();
+            red_release_add(p.counters + w[W_SIGNAL], 1);
+        }
+    }
+}

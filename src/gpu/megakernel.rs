@@ -1,0 +1,424 @@
+//! The megakernel path: a scheduler `Schedule` lowered to the interpreter's words, device
+//! buffers for every activation, and one persistent launch per decode step.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::sys::{self, CUlaunchAttributeID};
+use cudarc::driver::{CudaModule, CudaSlice};
+use cudarc::nvrtc::Ptx;
+use scheduler::{Instr, Op, Schedule};
+
+use super::compile::compile_cubin;
+use super::device::{ptr, Gpu};
+use super::launch::Kernel;
+use super::model::{DeviceModel, KvCache};
+use super::sources;
+use crate::generate::Backend;
+
+// Mirrors megakernel/megakernel.cu.
+const WORDS: usize = 16;
+const MAX_WAITS: usize = 3;
+const CONSUMER_WARPS: usize = 16;
+const THREADS: u32 = (CONSUMER_WARPS as u32 + 1) * 32;
+const RES_MAX: usize = 2048;
+const PAGE_BYTES: usize = 16384;
+const NO_COUNTER: u32 = u32::MAX;
+/// Counters grow by their base each launch; they are cleared (and the epoch restarted) long
+/// before any can wrap.
+const EPOCH_RESET: u32 = 1 << 22;
+
+mod opcode {
+    pub const QKV: u32 = 1;
+    pub const ATTN: u32 = 2;
+    pub const ATTN_REDUCE: u32 = 3;
+    pub const OPROJ: u32 = 4;
+    pub const UPGATE: u32 = 5;
+    pub const DOWN: u32 = 6;
+    pub const LMHEAD: u32 = 7;
+    pub const ARGMAX: u32 = 8;
+}
+
+/// Word layout: op, layer, a, b, c, d, n_waits, (counter, base) × 3, e, spare, signal.
+fn lower_instr(i: &Instr) -> Result<[u32; WORDS]> {
+    let mut w = [0u32; WORDS];
+    let (op, layer, a, b, c, d, e) = match i.op {
+        Op::RmsQkvRope { layer, head, pair_start, pair_count } => {
+            (opcode::QKV, layer, head, pair_start, pair_count, 0, 0)
+        }
+        Op::Attention { layer, kv_head, part, parts } => (opcode::ATTN, layer, kv_head, part, parts, 0, 0),
+        Op::AttnReduce { layer, kv_head, parts } => (opcode::ATTN_REDUCE, layer, kv_head, 0, parts, 0, 0),
+        Op::OProjResidual { layer, row_start, row_count } => (opcode::OPROJ, layer, row_start, row_count, 0, 0, 0),
+        Op::RmsUpGateSilu { layer, row_start, row_count } => (opcode::UPGATE, layer, row_start, row_count, 0, 0, 0),
+        Op::DownProjResidual { layer, row_start, row_count, chunk, col_start, col_count } => {
+            (opcode::DOWN, layer, row_start, row_count, chunk, col_start, col_count)
+        }
+        Op::RmsLmHead { row_start, row_count, block } => (opcode::LMHEAD, 0, row_start, row_count, 0, block, 0),
+        Op::Argmax { blocks } => (opcode::ARGMAX, 0, 0, 0, blocks, 0, 0),
+    };
+    let rows = match i.op {
+        Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
+        Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
+        Op::OProjResidual { row_count, .. }
+        | Op::DownProjResidual { row_count, .. }
+        | Op::RmsLmHead { row_count, .. } => row_count as usize,
+        _ => 0,
+    };
+    if rows > RES_MAX {
+        bail!("schedule: {:?} computes {rows} rows; the megakernel holds at most {RES_MAX}", i.op);
+    }
+    if i.waits.len() > MAX_WAITS {
+        bail!("schedule: {:?} has {} waits; the megakernel encodes at most {MAX_WAITS}", i.op, i.waits.len());
+    }
+    w[..6].copy_from_slice(&[op, layer, a, b, c, d]);
+    w[6] = i.waits.len() as u32;
+    for (k, wt) in i.waits.iter().enumerate() {
+        w[7 + 2 * k] = wt.counter;
+        w[8 + 2 * k] = wt.base;
+    }
+    w[13] = e;
+    w[15] = i.signal.unwrap_or(NO_COUNTER);
+    Ok(w)
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MkParams {
+    instrs: u64,
+    sm_offsets: u64,
+    counters: u64,
+    error: u64,
+    meta: u64,
+    history: u64,
+    layers: u64,
+    embed: u64,
+    final_norm: u64,
+    lm_head: u64,
+    inv_freq: u64,
+    k_cache: u64,
+    v_cache: u64,
+    resid_attn: u64,
+    mlp_part: u64,
+    q: u64,
+    attn_out: u64,
+    attn_part: u64,
+    act: u64,
+    logits: u64,
+    lm_best: u64,
+    hidden: i32,
+    inter: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    vocab: i32,
+    n_layers: i32,
+    chunks: i32,
+    max_seq: i32,
+    n_lm: i32,
+    xs_floats: i32,
+    pages: i32,
+    eps: f32,
+    epoch: u32,
+    timeout_ns: u64,
+}
+
+/// A wait that exceeded its time limit, as the kernel reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitTimeout {
+    pub sm: u32,
+    pub instruction: u32,
+    pub counter: u32,
+    pub expected: u32,
+    pub seen: u32,
+}
+
+pub struct MegakernelPath<'g> {
+    gpu: &'g Gpu,
+    model: &'g DeviceModel,
+    kernel: Kernel,
+    _module: Arc<CudaModule>,
+    params: MkParams,
+    smem: u32,
+    pub instructions: usize,
+    words: CudaSlice<u32>,
+    _sm_offsets: CudaSlice<u32>,
+    counters: CudaSlice<u32>,
+    error: CudaSlice<u32>,
+    meta: CudaSlice<u32>,
+    history: CudaSlice<u32>,
+    logits: CudaSlice<f32>,
+    _buffers: Vec<CudaSlice<f32>>,
+    _layers: CudaSlice<u64>,
+    _kv: KvCache,
+    pos: usize,
+    max_seq: usize,
+    meta_current: Option<u32>,
+}
+
+impl<'g> MegakernelPath<'g> {
+    pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, schedule: &Schedule, max_seq: usize) -> Result<Self> {
+        let c = &model.config;
+        if schedule.sm_count() != gpu.sm_count {
+            bail!("schedule built for {} SMs, the GPU has {}", schedule.sm_count(), gpu.sm_count);
+        }
+        if c.num_heads / c.num_kv_heads > CONSUMER_WARPS {
+            bail!("megakernel: more than {CONSUMER_WARPS} query heads per KV head is not supported");
+        }
+        let mut words = Vec::new();
+        let mut offsets = vec![0u32];
+        let (mut n_lm, mut parts, mut chunks, mut max_cols) = (0usize, 1usize, 1usize, c.hidden_size.max(c.q_dim()));
+        for stream in schedule.streams() {
+            for i in stream {
+                words.extend_from_slice(&lower_instr(i)?);
+                match i.op {
+                    Op::RmsLmHead { .. } => n_lm += 1,
+                    Op::Attention { parts: p, .. } => parts = parts.max(p as usize),
+                    Op::DownProjResidual { chunk, col_count, .. } => {
+                        chunks = chunks.max(chunk as usize + 1);
+                        max_cols = max_cols.max(col_count as usize);
+                    }
+                    _ => {}
+                }
+            }
+            offsets.push((words.len() / WORDS) as u32);
+        }
+        let instructions = words.len() / WORDS;
+        let xs_floats = max_cols.max(CONSUMER_WARPS * (2 + c.head_dim)).next_multiple_of(4);
+        let fixed = (xs_floats + RES_MAX + 2 * CONSUMER_WARPS) * 4;
+        let pages = (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16);
+        if pages < 2 {
+            bail!("megakernel: {} B of shared memory per block leaves fewer than 2 pages", gpu.max_smem_per_block);
+        }
+        let smem = (pages * PAGE_BYTES + fixed + pages * 16) as u32;
+
+        let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &[])?;
+        let module = gpu.ctx.load_module(Ptx::from_binary(cubin)).context("loading the megakernel CUBIN")?;
+        let kernel = Kernel::load(&module, "megakernel")?;
+        kernel.allow_smem(smem as usize)?;
+        let occ = kernel.occupancy(THREADS, smem as usize)?;
+        if occ < 1 {
+            bail!("megakernel: a CTA of {THREADS} threads and {smem} B shared memory does not fit on an SM");
+        }
+
+        let s = &gpu.stream;
+        let f = |n: usize, what: &str| gpu.alloc_zeros::<f32>(n, what);
+        let (l, h, qd) = (c.num_layers, c.hidden_size, c.q_dim());
+        let buffers = vec![
+            f(l * h, "resid_attn")?,
+            f(l * chunks * h, "mlp_part")?,
+            f(l * qd, "q")?,
+            f(l * qd, "attn_out")?,
+            f(l * c.num_heads * parts * (c.head_dim + 2), "attn_part")?,
+            f(l * c.intermediate_size, "act")?,
+            f(2 * n_lm.max(1), "lm_best")?,
+        ];
+        let logits = f(c.vocab_size, "logits")?;
+        let layer_ptrs: Vec<u64> = model
+            .layers
+            .iter()
+            .flat_map(|lw| {
+                [&lw.attn_norm, &lw.w_qkv, &lw.wo, &lw.ffn_norm, &lw.w_gu, &lw.w_down].map(|b| ptr(b, s))
+            })
+            .collect();
+        let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
+        let kv = KvCache::new(gpu, c, max_seq)?;
+        let words_d = gpu.upload(&words, "instruction streams")?;
+        let offsets_d = gpu.upload(&offsets, "stream offsets")?;
+        let counters = gpu.alloc_zeros::<u32>(schedule.counter_count(), "counters")?;
+        let error = gpu.alloc_zeros::<u32>(8, "error word")?;
+        let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
+        let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
+        let timeout_ms: u64 = std::env::var("MEGAINFER_WAIT_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+        let params = MkParams {
+            instrs: ptr(&words_d, s),
+            sm_offsets: ptr(&offsets_d, s),
+            counters: ptr(&counters, s),
+            error: ptr(&error, s),
+            meta: ptr(&meta, s),
+            history: ptr(&history, s),
+            layers: ptr(&layers, s),
+            embed: ptr(&model.embed, s),
+            final_norm: ptr(&model.final_norm, s),
+            lm_head: model.lm_head_ptr(gpu),
+            inv_freq: ptr(&model.inv_freq, s),
+            k_cache: ptr(&kv.k, s),
+            v_cache: ptr(&kv.v, s),
+            resid_attn: ptr(&buffers[0], s),
+            mlp_part: ptr(&buffers[1], s),
+            q: ptr(&buffers[2], s),
+            attn_out: ptr(&buffers[3], s),
+            attn_part: ptr(&buffers[4], s),
+            act: ptr(&buffers[5], s),
+            logits: ptr(&logits, s),
+            lm_best: ptr(&buffers[6], s),
+            hidden: h as i32,
+            inter: c.intermediate_size as i32,
+            heads: c.num_heads as i32,
+            kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            vocab: c.vocab_size as i32,
+            n_layers: l as i32,
+            chunks: chunks as i32,
+            max_seq: max_seq as i32,
+            n_lm: n_lm as i32,
+            xs_floats: xs_floats as i32,
+            pages: pages as i32,
+            eps: c.rms_norm_eps,
+            epoch: 0,
+            timeout_ns: timeout_ms * 1_000_000,
+        };
+        Ok(Self {
+            gpu,
+            model,
+            kernel,
+            _module: module,
+            params,
+            smem,
+            instructions,
+            words: words_d,
+            _sm_offsets: offsets_d,
+            counters,
+            error,
+            meta,
+            history,
+            logits,
+            _buffers: buffers,
+            _layers: layers,
+            _kv: kv,
+            pos: 0,
+            max_seq,
+            meta_current: None,
+        })
+    }
+
+    pub fn shared_memory_bytes(&self) -> u32 {
+        self.smem
+    }
+
+    pub fn pages(&self) -> i32 {
+        self.params.pages
+    }
+
+    /// Replaces one encoded word on the device: lets tests break a schedule on purpose.
+    pub fn poke_word(&mut self, instruction: usize, word: usize, value: u32) -> Result<()> {
+        let mut all = self.gpu.stream.clone_dtoh(&self.words)?;
+        all[instruction * WORDS + word] = value;
+        self.gpu.stream.memcpy_htod(&all, &mut self.words)?;
+        Ok(())
+    }
+
+    fn launch(&mut self) -> Result<()> {
+        if self.params.epoch >= EPOCH_RESET {
+            self.gpu.stream.memset_zeros(&mut self.counters)?;
+            // The meta slot of the next step moves with the epoch's parity.
+            if self.params.epoch % 2 == 1 {
+                let m = self.gpu.stream.clone_dtoh(&self.meta)?;
+                let swapped: Vec<u32> = m[4..8].iter().chain(&m[0..4]).copied().collect();
+                self.gpu.stream.memcpy_htod(&swapped, &mut self.meta)?;
+            }
+            self.params.epoch = 0;
+        }
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr.value.cooperative = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: self.gpu.sm_count as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: self.smem,
+            hStream: self.gpu.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut args = [&self.params as *const MkParams as *mut c_void];
+        // SAFETY: one argument, the MkParams struct the kernel declares, by value.
+        unsafe { sys::cuLaunchKernelEx(&cfg, self.kernel_fn(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .context("launching the megakernel (co-residency of one CTA per SM is required)")?;
+        self.params.epoch += 1;
+        Ok(())
+    }
+
+    fn kernel_fn(&self) -> sys::CUfunction {
+        self.kernel.cu_function()
+    }
+
+    /// Reads the kernel's error word; a timed-out wait becomes an error naming it.
+    pub fn check_error(&self) -> Result<()> {
+        let e = self.gpu.stream.clone_dtoh(&self.error).context("megakernel failed")?;
+        if e[0] != 0 {
+            let t = WaitTimeout { sm: e[1], instruction: e[2], counter: e[3], expected: e[4], seen: e[5] };
+            bail!(
+                "megakernel: SM {} instruction {} waited too long on counter {} (expected {}, saw {}): \
+                 the schedule cannot make progress",
+                t.sm,
+                t.instruction,
+                t.counter,
+                t.expected,
+                t.seen
+            );
+        }
+        Ok(())
+    }
+
+    fn check_room(&self, n: usize) -> Result<()> {
+        if self.pos + n > self.max_seq {
+            bail!("sequence of {} tokens exceeds the context of {} tokens (--max-context)", self.pos + n, self.max_seq);
+        }
+        Ok(())
+    }
+
+    fn set_meta(&mut self, token: u32) -> Result<()> {
+        if self.meta_current == Some(token) {
+            return Ok(());
+        }
+        let slot = (self.params.epoch & 1) as usize;
+        let mut m = self.gpu.stream.clone_dtoh(&self.meta)?;
+        m[slot * 4..slot * 4 + 4].copy_from_slice(&[token, self.pos as u32, 0, 0]);
+        self.gpu.stream.memcpy_htod(&m, &mut self.meta)?;
+        Ok(())
+    }
+
+    /// `n` greedy steps back to back; the token never visits the host between them.
+    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        self.check_room(n)?;
+        self.set_meta(token)?;
+        let start = self.pos;
+        for _ in 0..n {
+            self.launch()?;
+        }
+        self.pos += n;
+        self.check_error()?;
+        let hist = self.gpu.stream.clone_dtoh(&self.history)?;
+        let out = hist[start + 1..start + 1 + n].to_vec();
+        let vocab = self.model.config.vocab_size as u32;
+        if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
+            bail!("megakernel argmax produced token {bad} outside the vocabulary (NaN logits?)");
+        }
+        self.meta_current = out.last().copied();
+        Ok(out)
+    }
+}
+
+impl Backend for MegakernelPath<'_> {
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.check_room(tokens.len())?;
+        for &t in tokens {
+            self.meta_current = None;
+            self.set_meta(t)?;
+            self.launch()?;
+            self.pos += 1;
+        }
+        self.meta_current = None;
+        self.check_error()?;
+        Ok(self.gpu.stream.clone_dtoh(&self.logits)?)
+    }
+
+    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(self.decode_greedy(token, 1)?[0])
+    }
+}
