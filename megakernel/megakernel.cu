@@ -10,6 +10,10 @@
 #define CONSUMERS (CONSUMER_WARPS * 32)
 #define MK_THREADS (CONSUMERS + 32)
 #define RES_MAX 2048
+// Each tile is consumed by a pair of warps splitting its columns. At most TILE_GROUPS tiles
+// are waited on at once, and the host guarantees pages >= TILE_GROUPS: a warp must never wait
+// for a page more than one phase ahead, or the mbarrier parity test would pass falsely.
+#define TILE_GROUPS (CONSUMER_WARPS / 2)
 #define NO_COUNTER 0xffffffffu
 #define ABORT_CHECK_SPINS 1024
 
@@ -193,13 +197,14 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
     for (int i = ct; i < p.hidden; i += CONSUMERS) xs[i] = xs[i] * scale * bf16_to_f32(g[i]);
 }
 
-// Dot products of the instruction's weight rows (from the paged ring) with xs into res.
+// Dot products of the instruction's weight rows (from the paged ring) with xs: the two
+// column halves of row j land in res[2j] and res[2j + 1] (summed in that order by res_at).
 __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf16_t* pages, u64* full, u64* empty,
                               const float* xs, float* res) {
-    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
     int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols);
     int ntiles = (n + rpt - 1) / rpt;
-    for (int t = cw; t < ntiles; t += CONSUMER_WARPS) {
+    for (int t = grp; t < ntiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % p.pages;
         int spins = 0;
         while (!mbar_try_wait(&full[slot], (s / p.pages) & 1)) {
@@ -210,14 +215,16 @@ __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf
         for (int r = 0; r < rows; r++) {
             const bf16_t* row = page + r * cols;
             float acc = 0.f;
-            for (int c = lane * 8; c < cols; c += 256) acc += dot8(*(const uint4*)(row + c), xs + c);
+            for (int c = (half * 32 + lane) * 8; c < cols; c += 512) acc += dot8(*(const uint4*)(row + c), xs + c);
             acc = warp_sum(acc);
-            if (lane == 0) res[t * rpt + r] = acc;
+            if (lane == 0) res[2 * (t * rpt + r) + half] = acc;
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
     }
 }
+
+__device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }
 
 __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
@@ -287,7 +294,7 @@ __device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, co
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
     const int hd = p.head_dim, half = hd / 2;
     for (int j = ct; j < pc; j += CONSUMERS) {
-        float a = res[j], b = res[pc + j];
+        float a = res_at(res, j), b = res_at(res, pc + j);
         const int i = ps + j;
         if (head < p.heads + p.kv_heads) {
             float s, c;
@@ -313,8 +320,9 @@ __device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, f
     float v = NEG_INF;
     u32 idx = 0xffffffffu;
     for (int j = ct; j < rc; j += CONSUMERS) {
-        p.logits[rs + j] = res[j];
-        argmax_merge(v, idx, res[j], (u32)(rs + j));
+        float x = res_at(res, j);
+        p.logits[rs + j] = x;
+        argmax_merge(v, idx, x, (u32)(rs + j));
     }
     warp_argmax(v, idx);
     u32* redi = (u32*)(red + CONSUMER_WARPS);
@@ -347,12 +355,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     bf16_t* pages = (bf16_t*)smem;
     float* xs = (float*)(smem + (size_t)p.pages * PAGE_BYTES);
     float* res = xs + p.xs_floats;
-    float* red = res + RES_MAX;                 // 2 * CONSUMER_WARPS words
+    float* red = res + 2 * RES_MAX;             // 2 * CONSUMER_WARPS words
     u64* full = (u64*)(red + 2 * CONSUMER_WARPS);
     u64* empty = full + p.pages;
 
     if (threadIdx.x == 0) {
-        for (int i = 0; i < p.pages; i++) { mbar_init(&full[i], 1); mbar_init(&empty[i], 1); }
+        for (int i = 0; i < p.pages; i++) { mbar_init(&full[i], 1); mbar_init(&empty[i], 2); }
         mbar_fence_init();
     }
     __syncthreads();
@@ -422,15 +430,15 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
                 case OP_QKV: post_qkv(p, w, m, res); break;
                 case OP_OPROJ:
                     for (int j = ct; j < rc; j += CONSUMERS)
-                        p.resid_attn[(size_t)layer * p.hidden + rs + j] = resid_in(p, layer, m.token, rs + j) + res[j];
+                        p.resid_attn[(size_t)layer * p.hidden + rs + j] = resid_in(p, layer, m.token, rs + j) + res_at(res, j);
                     break;
                 case OP_UPGATE:
                     for (int j = ct; j < rc; j += CONSUMERS)
-                        p.act[(size_t)layer * p.inter + rs + j] = silu(res[j]) * res[rc + j];
+                        p.act[(size_t)layer * p.inter + rs + j] = silu(res_at(res, j)) * res_at(res, rc + j);
                     break;
                 case OP_DOWN:
                     for (int j = ct; j < rc; j += CONSUMERS)
-                        p.mlp_part[((size_t)layer * p.chunks + w[W_C]) * p.hidden + rs + j] = res[j];
+                        p.mlp_part[((size_t)layer * p.chunks + w[W_C]) * p.hidden + rs + j] = res_at(res, j);
                     break;
                 case OP_LMHEAD: post_lmhead(p, w, res, red); break;
                 default: break;

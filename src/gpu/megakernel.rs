@@ -23,11 +23,11 @@ const MAX_WAITS: usize = 3;
 const CONSUMER_WARPS: usize = 16;
 const THREADS: u32 = (CONSUMER_WARPS as u32 + 1) * 32;
 const RES_MAX: usize = 2048;
+const TILE_GROUPS: usize = CONSUMER_WARPS / 2;
 const PAGE_BYTES: usize = 16384;
 const NO_COUNTER: u32 = u32::MAX;
-/// Counters grow by their base each launch; they are cleared (and the epoch restarted) long
-/// before any can wrap.
-const EPOCH_RESET: u32 = 1 << 22;
+/// A counter wait longer than this is a scheduling bug: the kernel stops and reports it.
+const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
 
 mod opcode {
     pub const QKV: u32 = 1;
@@ -154,22 +154,31 @@ pub struct MegakernelPath<'g> {
     pos: usize,
     max_seq: usize,
     meta_current: Option<u32>,
+    /// Counters grow by their base each launch; they are cleared (and the epoch restarted)
+    /// before any can wrap.
+    max_epochs: u64,
+    /// Per encoded position: the instruction and the counters, for error messages.
+    descs: Vec<String>,
+    counter_names: Vec<String>,
 }
 
 impl<'g> MegakernelPath<'g> {
     pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, schedule: &Schedule, max_seq: usize) -> Result<Self> {
         let c = &model.config;
-        if schedule.sm_count() != gpu.sm_count {
-            bail!("schedule built for {} SMs, the GPU has {}", schedule.sm_count(), gpu.sm_count);
+        if schedule.streams.len() != gpu.sm_count {
+            bail!("schedule built for {} SMs, the GPU has {}", schedule.streams.len(), gpu.sm_count);
         }
         if c.num_heads / c.num_kv_heads > CONSUMER_WARPS {
             bail!("megakernel: more than {CONSUMER_WARPS} query heads per KV head is not supported");
         }
         let mut words = Vec::new();
         let mut offsets = vec![0u32];
+        let mut descs = Vec::new();
         let (mut n_lm, mut parts, mut chunks, mut max_cols) = (0usize, 1usize, 1usize, c.hidden_size.max(c.q_dim()));
-        for stream in schedule.streams() {
-            for i in stream {
+        for stream in &schedule.streams {
+            for &k in stream {
+                let i = &schedule.instrs[k as usize];
+                descs.push(schedule.describe(k as usize));
                 words.extend_from_slice(&lower_instr(i)?);
                 match i.op {
                     Op::RmsLmHead { .. } => n_lm += 1,
@@ -185,10 +194,13 @@ impl<'g> MegakernelPath<'g> {
         }
         let instructions = words.len() / WORDS;
         let xs_floats = max_cols.max(CONSUMER_WARPS * (2 + c.head_dim)).next_multiple_of(4);
-        let fixed = (xs_floats + RES_MAX + 2 * CONSUMER_WARPS) * 4;
+        let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
         let pages = (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16);
-        if pages < 2 {
-            bail!("megakernel: {} B of shared memory per block leaves fewer than 2 pages", gpu.max_smem_per_block);
+        if pages < TILE_GROUPS {
+            bail!(
+                "megakernel: {} B of shared memory per block leaves {pages} pages; at least {TILE_GROUPS} are needed",
+                gpu.max_smem_per_block
+            );
         }
         let smem = (pages * PAGE_BYTES + fixed + pages * 16) as u32;
 
@@ -225,11 +237,10 @@ impl<'g> MegakernelPath<'g> {
         let kv = KvCache::new(gpu, c, max_seq)?;
         let words_d = gpu.upload(&words, "instruction streams")?;
         let offsets_d = gpu.upload(&offsets, "stream offsets")?;
-        let counters = gpu.alloc_zeros::<u32>(schedule.counter_count(), "counters")?;
+        let counters = gpu.alloc_zeros::<u32>(schedule.counters.count() as usize, "counters")?;
         let error = gpu.alloc_zeros::<u32>(8, "error word")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
-        let timeout_ms: u64 = std::env::var("MEGAINFER_WAIT_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
         let params = MkParams {
             instrs: ptr(&words_d, s),
             sm_offsets: ptr(&offsets_d, s),
@@ -266,7 +277,7 @@ impl<'g> MegakernelPath<'g> {
             pages: pages as i32,
             eps: c.rms_norm_eps,
             epoch: 0,
-            timeout_ns: timeout_ms * 1_000_000,
+            timeout_ns: DEFAULT_WAIT_TIMEOUT_MS * 1_000_000,
         };
         Ok(Self {
             gpu,
@@ -289,7 +300,14 @@ impl<'g> MegakernelPath<'g> {
             pos: 0,
             max_seq,
             meta_current: None,
+            max_epochs: schedule.max_epochs(),
+            descs,
+            counter_names: (0..schedule.counters.count()).map(|c| schedule.counters.name(c)).collect(),
         })
+    }
+
+    pub fn set_wait_timeout_ms(&mut self, ms: u64) {
+        self.params.timeout_ns = ms * 1_000_000;
     }
 
     pub fn shared_memory_bytes(&self) -> u32 {
@@ -309,7 +327,7 @@ impl<'g> MegakernelPath<'g> {
     }
 
     fn launch(&mut self) -> Result<()> {
-        if self.params.epoch >= EPOCH_RESET {
+        if self.params.epoch as u64 + 1 >= self.max_epochs {
             self.gpu.stream.memset_zeros(&mut self.counters)?;
             // The meta slot of the next step moves with the epoch's parity.
             if self.params.epoch % 2 == 1 {
@@ -352,12 +370,15 @@ impl<'g> MegakernelPath<'g> {
         let e = self.gpu.stream.clone_dtoh(&self.error).context("megakernel failed")?;
         if e[0] != 0 {
             let t = WaitTimeout { sm: e[1], instruction: e[2], counter: e[3], expected: e[4], seen: e[5] };
+            let name = |v: &[String], i: u32| v.get(i as usize).cloned().unwrap_or_else(|| "?".into());
             bail!(
-                "megakernel: SM {} instruction {} waited too long on counter {} (expected {}, saw {}): \
+                "megakernel: SM {} instruction {} ({}) waited too long on counter {} ({}): expected {}, saw {}; \
                  the schedule cannot make progress",
                 t.sm,
                 t.instruction,
+                name(&self.descs, t.instruction),
                 t.counter,
+                name(&self.counter_names, t.counter),
                 t.expected,
                 t.seen
             );
@@ -421,4 +442,17 @@ impl Backend for MegakernelPath<'_> {
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(self.decode_greedy(token, 1)?[0])
     }
+}
+
+/// The schedule the megakernel runs for `config` on `gpu`: granularity from the cost model,
+/// attention costed at `context` positions, `attn_parts` overriding the split-KV partitions.
+pub fn schedule_for(config: &crate::model::Config, gpu: &Gpu, context: usize, attn_parts: Option<usize>) -> Result<Schedule> {
+    let shape = crate::reference::sliced::shape_of(config);
+    let gs = scheduler::GpuShape::with_sms(gpu.sm_count);
+    let cost = scheduler::CostModel { context, ..Default::default() };
+    let mut opts = scheduler::Options::auto(&shape, &gs, &cost);
+    if let Some(p) = attn_parts {
+        opts.attn_parts = p;
+    }
+    scheduler::build(&shape, &gs, &opts).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
 }

@@ -34,3 +34,4 @@ pub mod baseline;
 pub mod device;
 pub mod launch;
 pub mod model;
+pub mod megakernel;

@@ -3,5 +3,6 @@
 
 pub mod forward;
 pub mod ops;
+pub mod sliced;
 
 pub use forward::CpuForward;

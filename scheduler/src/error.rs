@@ -1,0 +1,63 @@
+use thiserror::Error;
+
+use crate::Buffer;
+
+/// Why a schedule could not be built, or why a schedule is wrong. Instructions are named by
+/// their index in the global order and described by their operation.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ScheduleError {
+    #[error("model shape: {0}")]
+    Shape(String),
+    #[error("GPU shape: {0}")]
+    Gpu(String),
+    #[error("options: {0}")]
+    Options(String),
+    #[error("streams: {0}")]
+    Streams(String),
+    #[error("counters: {0}")]
+    Counters(String),
+    #[error(
+        "unreachable target: {instr} waits for {counter} to reach {base} per token, \
+         but {signallers} instructions signal it"
+    )]
+    Unreachable {
+        instr: String,
+        counter: String,
+        base: u32,
+        signallers: u32,
+    },
+    #[error(
+        "possible deadlock: {instr} waits for {counter}, which {signaller} signals later in \
+         the global order"
+    )]
+    Deadlock {
+        instr: String,
+        counter: String,
+        signaller: String,
+    },
+    #[error("{buffer:?}[{element}] is written twice per token: by {first} and by {second}")]
+    DoubleWrite {
+        buffer: Buffer,
+        element: u32,
+        first: String,
+        second: String,
+    },
+    #[error("{instr} writes {buffer:?}, an input of the launch")]
+    WriteToInput { instr: String, buffer: Buffer },
+    #[error("{instr} reads {buffer:?}[{element}], which no instruction writes")]
+    Unwritten {
+        instr: String,
+        buffer: Buffer,
+        element: u32,
+    },
+    #[error(
+        "race: {reader} reads {buffer:?}[{element}] written by {writer}, which does not \
+         happen before it"
+    )]
+    Race {
+        reader: String,
+        writer: String,
+        buffer: Buffer,
+        element: u32,
+    },
+}

@@ -1,0 +1,188 @@
+//! Granularity of the schedule and the cost model that picks it.
+//!
+//! The cost of an instruction, in bytes-equivalent, is the HBM bytes it streams (bf16 weights,
+//! plus the bf16 KV cache for attention) plus a fixed cost standing for the per-instruction
+//! latency (waiting, signalling, pipeline fill). Activation reads (f32 vectors of a few KiB,
+//! shared by all SMs) hit L2 and are left out. Each granularity is chosen so that the most
+//! loaded SM of its stage carries as little as possible: `rounds × (rows × bytes_per_row +
+//! fixed)`, `rounds = ceil(instructions / sm_count)`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{GpuShape, ModelShape, ScheduleError};
+
+/// Matrix-vector instructions cover whole 16-row steps, the tile a GPU mat-vec loop uses,
+/// except where the dimension itself is smaller.
+const ROW_GRANULE: usize = 16;
+const MAX_ATTN_PARTS: usize = 64;
+
+/// Machine and workload figures the granularity and the time estimate are computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    /// Streaming read bandwidth of the whole GPU, GB/s (1e9 bytes per second).
+    pub bandwidth_gbps: f64,
+    /// Time an instruction costs beyond streaming its bytes, µs.
+    pub latency_us: f64,
+    /// Sequence length attention is costed at (KV positions read per token).
+    pub context: usize,
+}
+
+impl Default for CostModel {
+    /// H100 SXM as measured (DESIGN.md), a 0.5 µs instruction overhead, a 1024-token context.
+    fn default() -> Self {
+        CostModel {
+            bandwidth_gbps: 3110.0,
+            latency_us: 0.5,
+            context: 1024,
+        }
+    }
+}
+
+impl CostModel {
+    /// Bytes one SM streams per µs when all SMs stream at once.
+    pub fn sm_bytes_per_us(&self, gpu: &GpuShape) -> f64 {
+        self.bandwidth_gbps * 1e3 / gpu.sm_count as f64
+    }
+
+    /// The per-instruction latency expressed as bytes one SM could have streamed meanwhile.
+    pub fn fixed_cost_bytes(&self, gpu: &GpuShape) -> u64 {
+        (self.latency_us * self.sm_bytes_per_us(gpu)).round() as u64
+    }
+}
+
+/// How finely each stage is cut into instructions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Options {
+    /// RoPE pairs per `RmsQkvRope` (it computes `2 × qkv_pairs` rows of one head).
+    pub qkv_pairs: usize,
+    pub oproj_rows: usize,
+    /// Rows of gate and of up per `RmsUpGateSilu`; instructions never straddle a down chunk.
+    pub upgate_rows: usize,
+    pub down_rows: usize,
+    /// The intermediate dimension is cut into this many k-chunks; chunk `c` covers
+    /// `[c·I/chunks, (c+1)·I/chunks)` (integer division).
+    pub down_chunks: usize,
+    /// Split-KV partitions per KV head; 1 means attention writes its output directly.
+    pub attn_parts: usize,
+    pub lmhead_rows: usize,
+    /// Fixed cost per instruction in bytes-equivalent, used to balance SMs.
+    pub fixed_cost_bytes: u64,
+    /// Sequence length attention is costed at.
+    pub context: usize,
+}
+
+impl Options {
+    /// Granularity chosen by the cost model (see the module documentation).
+    pub fn auto(model: &ModelShape, gpu: &GpuShape, cost: &CostModel) -> Options {
+        let sms = gpu.sm_count.max(1);
+        let fixed = cost.fixed_cost_bytes(gpu);
+        let (h, i, hd) = (model.hidden, model.intermediate, model.head_dim);
+        let down_chunks = down_chunks(model, gpu);
+        let chunk_len = i.div_ceil(down_chunks);
+        let pick = |segments, len, bytes_per_row, granule| {
+            best_rows(segments, len, bytes_per_row, fixed, sms, granule)
+        };
+        Options {
+            qkv_pairs: pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2),
+            oproj_rows: pick(1, h, 2 * model.q_dim() as u64, ROW_GRANULE),
+            upgate_rows: pick(down_chunks, chunk_len, 2 * 2 * h as u64, ROW_GRANULE),
+            down_rows: pick(down_chunks, h, 2 * chunk_len as u64, ROW_GRANULE),
+            down_chunks,
+            attn_parts: attn_parts(model, sms, fixed, cost.context.max(1)),
+            lmhead_rows: pick(1, model.vocab, 2 * h as u64, ROW_GRANULE),
+            fixed_cost_bytes: fixed,
+            context: cost.context.max(1),
+        }
+    }
+
+    pub(crate) fn check(&self, model: &ModelShape) -> Result<(), ScheduleError> {
+        let bad = |why: String| Err(ScheduleError::Options(why));
+        let counts = [
+            ("qkv_pairs", self.qkv_pairs),
+            ("oproj_rows", self.oproj_rows),
+            ("upgate_rows", self.upgate_rows),
+            ("down_rows", self.down_rows),
+            ("down_chunks", self.down_chunks),
+            ("attn_parts", self.attn_parts),
+            ("lmhead_rows", self.lmhead_rows),
+        ];
+        for (name, v) in counts {
+            if v == 0 {
+                return bad(format!("{name} must be positive"));
+            }
+        }
+        if self.qkv_pairs > model.head_dim / 2 {
+            return bad(format!(
+                "qkv_pairs = {} exceeds head_dim/2 = {}",
+                self.qkv_pairs,
+                model.head_dim / 2
+            ));
+        }
+        if self.down_chunks > model.intermediate {
+            return bad(format!(
+                "down_chunks = {} exceeds intermediate = {}",
+                self.down_chunks, model.intermediate
+            ));
+        }
+        if self.attn_parts > 1 << 16 {
+            return bad(format!("attn_parts = {} exceeds 65536", self.attn_parts));
+        }
+        Ok(())
+    }
+}
+
+/// The fewest chunks whose f32 slice of the intermediate activation fits one shared-memory
+/// page: a down-proj instruction keeps its input slice in a single page.
+fn down_chunks(model: &ModelShape, gpu: &GpuShape) -> usize {
+    let per_page = (gpu.page_bytes / 4).max(1);
+    model
+        .intermediate
+        .div_ceil(per_page)
+        .clamp(1, model.intermediate)
+}
+
+/// Rows per instruction minimising the stage's most loaded SM, for `segments` independent
+/// runs of `len` rows (instructions never straddle segments). Ties go to bigger instructions.
+fn best_rows(
+    segments: usize,
+    len: usize,
+    bytes_per_row: u64,
+    fixed: u64,
+    sms: usize,
+    granule: usize,
+) -> usize {
+    if len <= granule {
+        return len.max(1);
+    }
+    let candidates = (granule..len).step_by(granule).chain([len]);
+    let mut best = (u64::MAX, len);
+    for rows in candidates {
+        let n = segments * len.div_ceil(rows);
+        let span = n.div_ceil(sms) as u64 * (rows as u64 * bytes_per_row + fixed);
+        if span <= best.0 {
+            best = (span, rows);
+        }
+    }
+    best.1
+}
+
+/// Partitions per KV head minimising the attention stage plus the reduction it then needs.
+fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, context: usize) -> usize {
+    let head_bytes = (2 * 2 * context * model.head_dim) as u64;
+    let kv = model.kv_heads;
+    let mut best = (u64::MAX, 1);
+    let mut parts = 1;
+    while parts <= MAX_ATTN_PARTS.min(context) {
+        let attn = (kv * parts).div_ceil(sms) as u64 * (head_bytes.div_ceil(parts as u64) + fixed);
+        let reduce = if parts > 1 {
+            kv.div_ceil(sms) as u64 * fixed
+        } else {
+            0
+        };
+        if attn + reduce < best.0 {
+            best = (attn + reduce, parts);
+        }
+        parts *= 2;
+    }
+    best.1
+}

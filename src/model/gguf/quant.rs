@@ -1,0 +1,262 @@
+//! ggml tensor types and dequantization of the ones we read.
+
+use std::fmt;
+
+use anyhow::{bail, Result};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Every ggml type a GGUF file may carry. Knowing the block geometry of types we cannot decode
+/// still matters: it is what lets the reader bound-check their data and name them in errors.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ3_XXS,
+    IQ1_S,
+    IQ4_NL,
+    IQ3_S,
+    IQ2_S,
+    IQ4_XS,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    IQ1_M,
+    BF16,
+    TQ1_0,
+    TQ2_0,
+    MXFP4,
+}
+
+/// Types `dequantize` decodes.
+const SUPPORTED: [GgmlType; 6] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+];
+
+const ALL: [GgmlType; 32] = {
+    use GgmlType::*;
+    [
+        F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ2_XXS,
+        IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, I8, I16, I32, I64, F64, IQ1_M, BF16,
+        TQ1_0, TQ2_0, MXFP4,
+    ]
+};
+
+struct Layout {
+    id: u32,
+    name: &'static str,
+    /// Elements per block.
+    block: usize,
+    /// Bytes per block.
+    bytes: usize,
+}
+
+impl GgmlType {
+    fn layout(self) -> Layout {
+        use GgmlType::*;
+        let (id, name, block, bytes) = match self {
+            F32 => (0, "F32", 1, 4),
+            F16 => (1, "F16", 1, 2),
+            Q4_0 => (2, "Q4_0", 32, 18),
+            Q4_1 => (3, "Q4_1", 32, 20),
+            // 4 and 5 were Q4_2 and Q4_3, removed from ggml before GGUF existed.
+            Q5_0 => (6, "Q5_0", 32, 22),
+            Q5_1 => (7, "Q5_1", 32, 24),
+            Q8_0 => (8, "Q8_0", 32, 34),
+            Q8_1 => (9, "Q8_1", 32, 36),
+            Q2_K => (10, "Q2_K", 256, 84),
+            Q3_K => (11, "Q3_K", 256, 110),
+            Q4_K => (12, "Q4_K", 256, 144),
+            Q5_K => (13, "Q5_K", 256, 176),
+            Q6_K => (14, "Q6_K", 256, 210),
+            Q8_K => (15, "Q8_K", 256, 292),
+            IQ2_XXS => (16, "IQ2_XXS", 256, 66),
+            IQ2_XS => (17, "IQ2_XS", 256, 74),
+            IQ3_XXS => (18, "IQ3_XXS", 256, 98),
+            IQ1_S => (19, "IQ1_S", 256, 50),
+            IQ4_NL => (20, "IQ4_NL", 32, 18),
+            IQ3_S => (21, "IQ3_S", 256, 110),
+            IQ2_S => (22, "IQ2_S", 256, 82),
+            IQ4_XS => (23, "IQ4_XS", 256, 136),
+            I8 => (24, "I8", 1, 1),
+            I16 => (25, "I16", 1, 2),
+            I32 => (26, "I32", 1, 4),
+            I64 => (27, "I64", 1, 8),
+            F64 => (28, "F64", 1, 8),
+            IQ1_M => (29, "IQ1_M", 256, 56),
+            BF16 => (30, "BF16", 1, 2),
+            // 31-33 and 36-38 were repacked Q4_0/IQ4_NL variants, no longer written to files.
+            TQ1_0 => (34, "TQ1_0", 256, 54),
+            TQ2_0 => (35, "TQ2_0", 256, 66),
+            MXFP4 => (39, "MXFP4", 32, 17),
+        };
+        Layout {
+            id,
+            name,
+            block,
+            bytes,
+        }
+    }
+
+    pub fn from_id(id: u32) -> Option<Self> {
+        ALL.into_iter().find(|t| t.id() == id)
+    }
+
+    /// The number GGUF stores for this type.
+    pub fn id(self) -> u32 {
+        self.layout().id
+    }
+
+    /// ggml's name for the type (`Q4_1`, `BF16`, ...).
+    pub fn name(self) -> &'static str {
+        self.layout().name
+    }
+
+    /// Elements per block; rows must be a whole number of blocks.
+    pub fn block_size(self) -> usize {
+        self.layout().block
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        self.layout().bytes
+    }
+
+    pub fn is_supported(self) -> bool {
+        SUPPORTED.contains(&self)
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Decodes `n` elements of type `ty` to bf16 (rounding each f32 value to nearest even).
+pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<bf16>> {
+    dequantize_with(ty, data, n, bf16::from_f32)
+}
+
+/// Decodes `n` elements of type `ty` to f32, for values that must not lose precision (RoPE
+/// frequency divisors).
+pub fn dequantize_f32(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
+    dequantize_with(ty, data, n, |x| x)
+}
+
+/// Fails, naming the type and the ones we decode, unless `dequantize` handles `ty`.
+pub fn ensure_supported(ty: GgmlType) -> Result<()> {
+    if !ty.is_supported() {
+        let names: Vec<&str> = SUPPORTED.iter().map(|t| t.name()).collect();
+        bail!(
+            "ggml type {ty} is not supported (supported: {})",
+            names.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Elements handed to one rayon task: large enough to amortise scheduling, small enough to
+/// spread one 1536×576 matrix over many cores.
+const ELEMENTS_PER_TASK: usize = 1 << 15;
+
+fn dequantize_with<T, F>(ty: GgmlType, data: &[u8], n: usize, convert: F) -> Result<Vec<T>>
+where
+    T: Copy + Default + Send,
+    F: Fn(f32) -> T + Sync,
+{
+    ensure_supported(ty)?;
+    let (block, bytes) = (ty.block_size(), ty.type_size());
+    if !n.is_multiple_of(block) {
+        bail!("{n} elements of {ty} are not a whole number of {block}-element blocks");
+    }
+    if (n / block).checked_mul(bytes) != Some(data.len()) {
+        bail!(
+            "{n} elements of {ty} need {} blocks of {bytes} bytes, got {} bytes",
+            n / block,
+            data.len()
+        );
+    }
+    let mut out = vec![T::default(); n];
+    let blocks_per_task = (ELEMENTS_PER_TASK / block).max(1);
+    out.par_chunks_mut(blocks_per_task * block)
+        .zip(data.par_chunks(blocks_per_task * bytes))
+        .for_each(|(out, data)| decode_run(ty, data, out, &convert));
+    Ok(out)
+}
+
+fn le_f16(b: &[u8]) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// Decodes whole blocks; `data` and `out` hold the same number of them.
+fn decode_run<T>(ty: GgmlType, data: &[u8], out: &mut [T], convert: &impl Fn(f32) -> T) {
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
+                *o = convert(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = convert(le_f16(b));
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = convert(bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32());
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(34)) {
+                let d = le_f16(b);
+                for (o, &q) in o.iter_mut().zip(&b[2..]) {
+                    *o = convert(f32::from(q as i8) * d);
+                }
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(18)) {
+                let d = le_f16(b);
+                let (lo, hi) = o.split_at_mut(16);
+                for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&b[2..]) {
+                    *l = convert(f32::from(i16::from(q & 0x0f) - 8) * d);
+                    *h = convert(f32::from(i16::from(q >> 4) - 8) * d);
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(20)) {
+                let (d, m) = (le_f16(b), le_f16(&b[2..]));
+                let (lo, hi) = o.split_at_mut(16);
+                for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&b[4..]) {
+                    *l = convert(f32::from(q & 0x0f) * d + m);
+                    *h = convert(f32::from(q >> 4) * d + m);
+                }
+            }
+        }
+        _ => unreachable!("dequantize_with rejects {ty} before decoding"),
+    }
+}

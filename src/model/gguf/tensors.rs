@@ -1,0 +1,202 @@
+//! GGUF tensors -> `Weights`: the expected set and shapes, dequantization, and undoing
+//! llama.cpp's Q/K row permutation.
+
+use std::collections::HashSet;
+use std::io::IsTerminal;
+
+use anyhow::{anyhow, bail, Result};
+use half::bf16;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::quant::{dequantize, dequantize_f32, ensure_supported};
+use super::reader::GgufFile;
+use crate::model::{Config, LayerWeights, Weights};
+
+const OUTPUT: &str = "output.weight";
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// Every tensor a llama model with `cfg`'s shape has in this file, with its GGUF dims
+/// (innermost first: a `[rows, cols]` matrix is `[cols, rows]`).
+fn expected(cfg: &Config, file: &GgufFile) -> Vec<(String, Vec<usize>)> {
+    let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+    let mut out = vec![
+        ("token_embd.weight".to_string(), vec![h, v]),
+        ("output_norm.weight".to_string(), vec![h]),
+    ];
+    if !cfg.tie_word_embeddings {
+        out.push((OUTPUT.to_string(), vec![h, v]));
+    }
+    if file.tensor(ROPE_FREQS).is_some() {
+        out.push((ROPE_FREQS.to_string(), vec![cfg.head_dim / 2]));
+    }
+    for l in 0..cfg.num_layers {
+        for (name, dims) in [
+            ("attn_norm", vec![h]),
+            ("attn_q", vec![h, q]),
+            ("attn_k", vec![h, kv]),
+            ("attn_v", vec![h, kv]),
+            ("attn_output", vec![q, h]),
+            ("ffn_norm", vec![h]),
+            ("ffn_gate", vec![h, f]),
+            ("ffn_up", vec![h, f]),
+            ("ffn_down", vec![f, h]),
+        ] {
+            out.push((format!("blk.{l}.{name}.weight"), dims));
+        }
+    }
+    out
+}
+
+/// ggml treats dimensions past `n_dims` as 1, so trailing 1s carry no meaning.
+fn trimmed(dims: &[usize]) -> &[usize] {
+    let keep = dims.iter().rposition(|&d| d != 1).map_or(0, |i| i + 1);
+    &dims[..keep]
+}
+
+/// Checks, before any dequantization, that the file holds exactly the tensors `cfg` implies,
+/// each with its shape and a type we decode.
+pub fn check(cfg: &Config, file: &GgufFile) -> Result<()> {
+    let src = file.source();
+    // Every layer has several tensors, so a block count above the tensor count is absurd; refusing
+    // it here keeps a crafted count from making us list millions of expected names.
+    if cfg.num_layers > file.tensors().len() {
+        bail!(
+            "{src}: llama.block_count is {}, but the file holds only {} tensors",
+            cfg.num_layers,
+            file.tensors().len()
+        );
+    }
+    let expected = expected(cfg, file);
+    let names: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    for t in file.tensors() {
+        if !names.contains(t.name.as_str()) {
+            bail!(
+                "{src}: unexpected tensor '{}' (not part of a {}-layer llama model)",
+                t.name,
+                cfg.num_layers
+            );
+        }
+    }
+    for (name, dims) in &expected {
+        let t = file
+            .tensor(name)
+            .ok_or_else(|| anyhow!("{src}: tensor '{name}' is missing"))?;
+        if trimmed(&t.dims) != trimmed(dims) {
+            bail!(
+                "{src}: tensor '{name}' has shape {:?}, expected {dims:?} (GGUF order, innermost \
+                 first)",
+                t.dims
+            );
+        }
+        ensure_supported(t.ty).map_err(|e| anyhow!("{src}: tensor '{name}': {e}"))?;
+    }
+    Ok(())
+}
+
+/// Dequantizes every weight to bf16 in our layout; also returns `rope_freqs.weight` when the
+/// file has it. Call `check` first.
+pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)> {
+    let src = file.source();
+    let progress = progress_bar(file);
+    let raw = |name: &str| {
+        let (t, data) = file
+            .tensor(name)
+            .zip(file.tensor_data(name))
+            .ok_or_else(|| anyhow!("{src}: tensor '{name}' is missing"))?;
+        progress.inc(t.n_bytes as u64);
+        Ok::<_, anyhow::Error>((t, data))
+    };
+    let get = |name: &str| -> Result<Vec<bf16>> {
+        let (t, data) = raw(name)?;
+        dequantize(t.ty, data, t.n_elements).map_err(|e| anyhow!("{src}: tensor '{name}': {e}"))
+    };
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+
+    let embed = get("token_embd.weight")?;
+    let layers = (0..cfg.num_layers)
+        .map(|l| {
+            let name = |n: &str| format!("blk.{l}.{n}.weight");
+            Ok(LayerWeights {
+                attn_norm: get(&name("attn_norm"))?,
+                wq: unpermute_qk_rows(&get(&name("attn_q"))?, cfg.num_heads, hd, h),
+                wk: unpermute_qk_rows(&get(&name("attn_k"))?, cfg.num_kv_heads, hd, h),
+                wv: get(&name("attn_v"))?,
+                wo: get(&name("attn_output"))?,
+                ffn_norm: get(&name("ffn_norm"))?,
+                w_gate: get(&name("ffn_gate"))?,
+                w_up: get(&name("ffn_up"))?,
+                w_down: get(&name("ffn_down"))?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let final_norm = get("output_norm.weight")?;
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(get(OUTPUT)?)
+    };
+    let rope_freqs = match file.tensor(ROPE_FREQS) {
+        Some(t) => {
+            let (_, data) = raw(ROPE_FREQS)?;
+            Some(
+                dequantize_f32(t.ty, data, t.n_elements)
+                    .map_err(|e| anyhow!("{src}: tensor '{ROPE_FREQS}': {e}"))?,
+            )
+        }
+        None => None,
+    };
+    progress.finish_and_clear();
+    Ok((
+        Weights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        },
+        rope_freqs,
+    ))
+}
+
+fn progress_bar(file: &GgufFile) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let total = file.tensors().iter().map(|t| t.n_bytes as u64).sum();
+    let bar = ProgressBar::new(total).with_message("dequantizing");
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({elapsed})")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Undoes the row permutation llama.cpp's converter applies to Q and K so that its RoPE can
+/// rotate adjacent pairs: within each head, GGUF row `2i + j` holds HF row `j * head_dim/2 + i`.
+/// The result is in HF order, where RoPE pairs element `i` with `i + head_dim/2`.
+///
+/// `w` is `[n_heads * head_dim, cols]` row-major.
+pub fn unpermute_qk_rows(w: &[bf16], n_heads: usize, head_dim: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(
+        w.len(),
+        n_heads * head_dim * cols,
+        "unpermute_qk_rows: matrix size does not match its shape"
+    );
+    if w.is_empty() {
+        return Vec::new();
+    }
+    let half = head_dim / 2;
+    let mut out = vec![bf16::ZERO; w.len()];
+    for (head_in, head_out) in w
+        .chunks_exact(head_dim * cols)
+        .zip(out.chunks_exact_mut(head_dim * cols))
+    {
+        for (gguf_row, row) in head_in.chunks_exact(cols).enumerate() {
+            let (i, j) = (gguf_row / 2, gguf_row % 2);
+            let hf_row = j * half + i;
+            head_out[hf_row * cols..(hf_row + 1) * cols].copy_from_slice(row);
+        }
+    }
+    out
+}

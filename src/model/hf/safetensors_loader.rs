@@ -1,0 +1,392 @@
+//! Weights from `model.safetensors` or a sharded `model.safetensors.index.json`: memory-mapped,
+//! checked tensor by tensor against the config, converted to bf16.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
+use serde_json::Value;
+
+use crate::model::{Config, LayerWeights, Weights};
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The safetensors crate refuses larger headers; the diagnosis follows the same bound.
+const MAX_HEADER_BYTES: usize = 100_000_000;
+/// Enough problems to see a pattern (e.g. one whole layer missing) without flooding the terminal.
+const MAX_PROBLEMS_SHOWN: usize = 12;
+
+pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
+    let ckpt = Checkpoint::open(dir)?;
+    ckpt.check(cfg)?;
+    let layer = |i: usize, name: &str| ckpt.read(&format!("model.layers.{i}.{name}.weight"));
+    let layers = (0..cfg.num_layers)
+        .map(|i| {
+            Ok(LayerWeights {
+                attn_norm: layer(i, "input_layernorm")?,
+                wq: layer(i, "self_attn.q_proj")?,
+                wk: layer(i, "self_attn.k_proj")?,
+                wv: layer(i, "self_attn.v_proj")?,
+                wo: layer(i, "self_attn.o_proj")?,
+                ffn_norm: layer(i, "post_attention_layernorm")?,
+                w_gate: layer(i, "mlp.gate_proj")?,
+                w_up: layer(i, "mlp.up_proj")?,
+                w_down: layer(i, "mlp.down_proj")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Weights {
+        embed: ckpt.read("model.embed_tokens.weight")?,
+        layers,
+        final_norm: ckpt.read("model.norm.weight")?,
+        lm_head: if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(ckpt.read("lm_head.weight")?)
+        },
+    })
+}
+
+/// Every tensor a `LlamaForCausalLM` with this config has, with its `[out, in]` shape.
+fn expected_tensors(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (h, q, kv, ff) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        out.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
+        ]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+/// Tensors that may be present but carry nothing we use.
+fn ignorable(name: &str, cfg: &Config) -> bool {
+    // Old checkpoints saved RoPE's inv_freq buffer; we derive it from the config. A tied model
+    // that still ships lm_head.weight is tied in HF too: the embedding wins.
+    name.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && name == "lm_head.weight")
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// Where one tensor's bytes lie.
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range in the shard's mapping, header included.
+    start: usize,
+    end: usize,
+}
+
+struct Checkpoint {
+    shards: Vec<Shard>,
+    tensors: HashMap<String, Entry>,
+    /// The file that says which tensors exist: blamed for missing ones.
+    listing: PathBuf,
+}
+
+impl Checkpoint {
+    fn open(dir: &Path) -> Result<Self> {
+        // HF prefers the single file when both exist.
+        let single = dir.join(SINGLE_FILE);
+        let index = dir.join(INDEX_FILE);
+        if single.is_file() {
+            let (map, entries) = open_shard(&single)?;
+            let tensors = entries.into_iter().collect();
+            Ok(Self {
+                shards: vec![Shard {
+                    path: single.clone(),
+                    map,
+                }],
+                tensors,
+                listing: single,
+            })
+        } else if index.is_file() {
+            Self::open_sharded(dir, index)
+        } else {
+            bail!(
+                "{}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)",
+                dir.display()
+            )
+        }
+    }
+
+    fn open_sharded(dir: &Path, index: PathBuf) -> Result<Self> {
+        let shown = index.display();
+        let text =
+            std::fs::read_to_string(&index).with_context(|| format!("{shown}: cannot read"))?;
+        let root: Value =
+            serde_json::from_str(&text).with_context(|| format!("{shown}: not valid JSON"))?;
+        let weight_map = root
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| anyhow!("{shown}: no weight_map object"))?;
+        // Tensor name -> shard file name, and the shards in a stable order.
+        let mut wanted: BTreeMap<&str, &str> = BTreeMap::new();
+        for (name, file) in weight_map {
+            let file = file
+                .as_str()
+                .ok_or_else(|| anyhow!("{shown}: weight_map entry for {name} is not a string"))?;
+            // A hostile index must not make us read files outside the model directory.
+            if Path::new(file).file_name().is_none_or(|f| f != file) {
+                bail!("{shown}: tensor {name} is mapped to {file:?}, which is not a plain file name in the model directory");
+            }
+            wanted.insert(name, file);
+        }
+        let files: BTreeSet<&str> = wanted.values().copied().collect();
+
+        let mut shards = Vec::with_capacity(files.len());
+        let mut tensors = HashMap::with_capacity(wanted.len());
+        for (shard, file) in files.into_iter().enumerate() {
+            let path = dir.join(file);
+            if !path.is_file() {
+                let mut held = wanted.iter().filter(|(_, f)| **f == file).map(|(n, _)| *n);
+                let first = held.next().unwrap_or_default();
+                bail!(
+                    "{shown}: shard {} does not exist (it should hold tensor {first} and {} more)",
+                    path.display(),
+                    held.count()
+                );
+            }
+            let (map, entries) = open_shard(&path)?;
+            for (name, e) in entries {
+                if wanted.get(name.as_str()) != Some(&file) {
+                    bail!(
+                        "{}: tensor {name} is in this shard, but {shown} does not map it here",
+                        path.display()
+                    );
+                }
+                tensors.insert(name, Entry { shard, ..e });
+            }
+            shards.push(Shard { path, map });
+        }
+        if let Some((name, file)) = wanted.iter().find(|(n, _)| !tensors.contains_key(**n)) {
+            bail!(
+                "{}: tensor {name} is listed in {shown} but not in the file",
+                dir.join(file).display()
+            );
+        }
+        Ok(Self {
+            shards,
+            tensors,
+            listing: index,
+        })
+    }
+
+    /// Names, shapes and dtypes against the config, all problems at once.
+    fn check(&self, cfg: &Config) -> Result<()> {
+        let mut problems = Vec::new();
+        let expected = expected_tensors(cfg);
+        for (name, shape) in &expected {
+            let Some(e) = self.tensors.get(name) else {
+                problems.push(format!(
+                    "{}: tensor {name} is missing",
+                    self.listing.display()
+                ));
+                continue;
+            };
+            let file = self.shards[e.shard].path.display();
+            if !matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                problems.push(format!(
+                    "{file}: tensor {name} has dtype {}, expected BF16, F16 or F32",
+                    e.dtype
+                ));
+            }
+            if &e.shape != shape {
+                problems.push(format!(
+                    "{file}: tensor {name} has shape {:?}, expected {shape:?}",
+                    e.shape
+                ));
+            }
+        }
+        let known: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+        let mut extra: Vec<(&String, &Entry)> = self
+            .tensors
+            .iter()
+            .filter(|(n, _)| !known.contains(n.as_str()) && !ignorable(n, cfg))
+            .collect();
+        extra.sort_by_key(|(n, _)| *n);
+        for (name, e) in extra {
+            problems.push(format!(
+                "{}: unexpected tensor {name} (not part of a {} with this config)",
+                self.shards[e.shard].path.display(),
+                cfg.architecture
+            ));
+        }
+        if problems.is_empty() {
+            return Ok(());
+        }
+        let total = problems.len();
+        problems.truncate(MAX_PROBLEMS_SHOWN);
+        let plural = if total == 1 { "" } else { "s" };
+        let mut msg = format!("weights do not match the config ({total} problem{plural}):");
+        for p in &problems {
+            msg.push_str("\n  ");
+            msg.push_str(p);
+        }
+        if total > MAX_PROBLEMS_SHOWN {
+            msg.push_str(&format!("\n  ... and {} more", total - MAX_PROBLEMS_SHOWN));
+        }
+        bail!(msg)
+    }
+
+    fn read(&self, name: &str) -> Result<Vec<bf16>> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| anyhow!("{}: tensor {name} is missing", self.listing.display()))?;
+        let bytes = &self.shards[e.shard].map[e.start..e.end];
+        // Chunks of 64K elements amortise rayon's per-task cost; a norm vector is one task.
+        const MIN: usize = 1 << 16;
+        Ok(match e.dtype {
+            Dtype::BF16 => bytes
+                .par_chunks_exact(2)
+                .with_min_len(MIN)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+            Dtype::F16 => bytes
+                .par_chunks_exact(2)
+                .with_min_len(MIN)
+                .map(|b| bf16::from_f32(f16::from_le_bytes([b[0], b[1]]).to_f32()))
+                .collect(),
+            Dtype::F32 => bytes
+                .par_chunks_exact(4)
+                .with_min_len(MIN)
+                .map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                .collect(),
+            other => bail!(
+                "{}: tensor {name} has dtype {other}, expected BF16, F16 or F32",
+                self.shards[e.shard].path.display()
+            ),
+        })
+    }
+}
+
+/// Maps one safetensors file and lists its tensors (shard index left at 0).
+fn open_shard(path: &Path) -> Result<(Mmap, Vec<(String, Entry)>)> {
+    let shown = path.display();
+    let file = File::open(path).with_context(|| format!("{shown}: cannot open"))?;
+    // SAFETY: the mapping is read-only and lives while we convert; like every mmap-based loader
+    // we rely on nobody truncating or rewriting the weight files while the model loads.
+    let map = unsafe { Mmap::map(&file) }.with_context(|| format!("{shown}: cannot map"))?;
+    let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+        anyhow!(
+            "{shown}: not a valid safetensors file: {}",
+            explain(&map, e)
+        )
+    })?;
+    // The crate checked that the offsets tile the data area exactly, so these ranges are in bounds.
+    let base = 8 + header_len;
+    let entries = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| {
+            let entry = Entry {
+                shard: 0,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                start: base + info.data_offsets.0,
+                end: base + info.data_offsets.1,
+            };
+            (name, entry)
+        })
+        .collect();
+    Ok((map, entries))
+}
+
+/// The safetensors crate's errors for a broken file do not say which tensor is at fault, nor
+/// that the file looks truncated; re-reading the header leniently usually can.
+fn explain(bytes: &[u8], err: SafeTensorError) -> String {
+    match diagnose(bytes) {
+        Some(why) => why,
+        None => err.to_string(),
+    }
+}
+
+fn diagnose(bytes: &[u8]) -> Option<String> {
+    let Some(prefix) = bytes.get(..8) else {
+        return Some(format!(
+            "{} bytes is shorter than the 8-byte header length (truncated?)",
+            bytes.len()
+        ));
+    };
+    let n = usize::try_from(u64::from_le_bytes(prefix.try_into().ok()?)).ok()?;
+    if n > MAX_HEADER_BYTES {
+        return None;
+    }
+    let Some(header) = bytes.get(8..8 + n) else {
+        return Some(format!(
+            "the header should be {n} bytes but only {} follow its length (truncated?)",
+            bytes.len() - 8
+        ));
+    };
+    let map: serde_json::Map<String, Value> = serde_json::from_slice(header).ok()?;
+    let data_len = bytes.len() - 8 - n;
+    let mut tensors = Vec::new();
+    for (name, info) in map.iter().filter(|(k, _)| *k != "__metadata__") {
+        let dtype_value = info.get("dtype")?;
+        let Ok(dtype) = serde_json::from_value::<Dtype>(dtype_value.clone()) else {
+            return Some(format!("tensor {name} has unknown dtype {dtype_value}"));
+        };
+        let shape: Vec<usize> = serde_json::from_value(info.get("shape")?.clone()).ok()?;
+        let (start, end): (usize, usize) =
+            serde_json::from_value(info.get("data_offsets")?.clone()).ok()?;
+        let bits = shape
+            .iter()
+            .try_fold(dtype.bitsize(), |acc, &d| acc.checked_mul(d));
+        match bits {
+            Some(bits) if end >= start && bits == 8 * (end - start) => {}
+            _ => {
+                return Some(format!(
+                    "tensor {name}: shape {shape:?} of {dtype} does not fit data_offsets [{start}, {end}]"
+                ))
+            }
+        }
+        tensors.push((start, end, name));
+    }
+    tensors.sort();
+    let mut at = 0;
+    for (start, end, name) in tensors {
+        if end > data_len {
+            return Some(format!(
+                "tensor {name} ends at data byte {end} but the file holds only {data_len} data bytes (truncated?)"
+            ));
+        }
+        if start != at {
+            return Some(format!(
+                "tensor {name} starts at data byte {start}, expected {at} (overlap or gap)"
+            ));
+        }
+        at = end;
+    }
+    (at != data_len).then(|| format!("{} stray bytes after the last tensor", data_len - at))
+}

@@ -1,0 +1,166 @@
+//! `tokenizer.json` plus what `tokenizer_config.json` (or `chat_template.jinja`) says about
+//! BOS, EOS and the chat template.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+
+use crate::model::Config;
+use crate::tokenizer::Tokenizer;
+
+/// `None` when the directory holds no `tokenizer.json` (weight-only checkpoints).
+pub(super) fn load_tokenizer(dir: &Path, cfg: &Config) -> Result<Option<Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let inner = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
+    let settings = TokenizerConfig::read(dir)?;
+
+    // tokenizer_config.json names the tokens the tokenizer itself adds, so its ids win over
+    // config.json's; a name missing from the vocabulary falls back to config.json.
+    let bos_token_id = settings
+        .token("bos_token")
+        .and_then(|t| inner.token_to_id(t))
+        .or(cfg.bos_token_id);
+    let mut eos_token_ids = cfg.eos_token_ids.clone();
+    if let Some(id) = settings
+        .token("eos_token")
+        .and_then(|t| inner.token_to_id(t))
+    {
+        if !eos_token_ids.contains(&id) {
+            eos_token_ids.push(id);
+        }
+    }
+    let add_bos = match settings.add_bos_token()? {
+        Some(flag) => flag,
+        None => post_processor_adds(&inner, bos_token_id)?,
+    };
+    let chat_template = match settings.chat_template()? {
+        Some(t) => Some(t),
+        None => chat_template_file(dir)?,
+    };
+
+    let largest = inner
+        .get_vocab(true)
+        .into_values()
+        .chain(bos_token_id)
+        .chain(eos_token_ids.iter().copied())
+        .max();
+    if let Some(id) = largest.filter(|&id| id as usize >= cfg.vocab_size) {
+        bail!(
+            "{}: token id {id} is outside the model's vocabulary of {} (config.json vocab_size)",
+            path.display(),
+            cfg.vocab_size
+        );
+    }
+    Ok(Some(Tokenizer {
+        inner,
+        bos_token_id,
+        eos_token_ids,
+        add_bos,
+        chat_template,
+    }))
+}
+
+/// Whether encoding with special tokens starts with BOS where encoding without does not:
+/// Llama 3's tokenizer.json adds BOS in its post-processor and has no add_bos_token flag.
+fn post_processor_adds(inner: &tokenizers::Tokenizer, bos: Option<u32>) -> Result<bool> {
+    let Some(bos) = bos else { return Ok(false) };
+    let first = |special: bool| -> Result<Option<u32>> {
+        let enc = inner
+            .encode("a", special)
+            .map_err(|e| anyhow!("tokenizer.json: cannot encode a probe string: {e}"))?;
+        Ok(enc.get_ids().first().copied())
+    };
+    Ok(first(true)? == Some(bos) && first(false)? != Some(bos))
+}
+
+struct TokenizerConfig {
+    /// `None` when the file does not exist.
+    json: Option<Value>,
+    source: String,
+}
+
+impl TokenizerConfig {
+    fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer_config.json");
+        let source = path.display().to_string();
+        if !path.is_file() {
+            return Ok(Self { json: None, source });
+        }
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("{source}: cannot read"))?;
+        let json =
+            serde_json::from_str(&text).with_context(|| format!("{source}: not valid JSON"))?;
+        Ok(Self {
+            json: Some(json),
+            source,
+        })
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.json.as_ref()?.get(key).filter(|v| !v.is_null())
+    }
+
+    /// A special token is a string, or (older files) an AddedToken object with `content`.
+    fn token(&self, key: &str) -> Option<&str> {
+        let v = self.get(key)?;
+        v.as_str()
+            .or_else(|| v.get("content").and_then(Value::as_str))
+    }
+
+    fn add_bos_token(&self) -> Result<Option<bool>> {
+        self.get("add_bos_token")
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| anyhow!("{}: add_bos_token must be true or false", self.source))
+            })
+            .transpose()
+    }
+
+    /// A string, or a list of `{name, template}` of which the one named `default` is the chat
+    /// template (the others are for tool use or RAG, which we do not render).
+    fn chat_template(&self) -> Result<Option<String>> {
+        match self.get("chat_template") {
+            None => Ok(None),
+            Some(Value::String(t)) => Ok(Some(t.clone())),
+            Some(Value::Array(named)) => Ok(named
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string)),
+            Some(_) => bail!(
+                "{}: chat_template must be a string or a list of {{name, template}}",
+                self.source
+            ),
+        }
+    }
+}
+
+/// Newer transformers save the template beside tokenizer_config.json instead of inside it.
+fn chat_template_file(dir: &Path) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        let text = std::fs::read_to_string(&jinja)
+            .with_context(|| format!("{}: cannot read", jinja.display()))?;
+        return Ok(Some(text));
+    }
+    let json = dir.join("chat_template.json");
+    if json.is_file() {
+        let shown = json.display();
+        let text =
+            std::fs::read_to_string(&json).with_context(|| format!("{shown}: cannot read"))?;
+        let v: Value =
+            serde_json::from_str(&text).with_context(|| format!("{shown}: not valid JSON"))?;
+        let t = v
+            .get("chat_template")
+            .and_then(Value::as_str)
+            .ok_or_else(|| anyhow!("{shown}: no chat_template string"))?;
+        return Ok(Some(t.to_string()));
+    }
+    Ok(None)
+}

@@ -1,0 +1,199 @@
+//! Chat templates rendered as transformers' `apply_chat_template` renders them.
+
+use megainfer::tokenizer::chat::{render, ChatMessage};
+
+/// `chat_template` of HuggingFaceTB/SmolLM2-135M-Instruct's tokenizer_config.json.
+const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// `chat_template` of meta-llama/Llama-3.2-1B-Instruct's tokenizer_config.json.
+const LLAMA32: &str = r#"{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"#;
+
+fn user(text: &str) -> ChatMessage {
+    ChatMessage::new("user", text)
+}
+
+#[test]
+fn smollm2_adds_its_default_system_prompt() {
+    let out = render(SMOLLM2, &[user("Hi")], "<|im_start|>", "<|im_end|>", true).unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn smollm2_keeps_a_given_system_prompt_and_history() {
+    let messages = [
+        ChatMessage::new("system", "Be brief."),
+        user("Hi"),
+        ChatMessage::new("assistant", "Hello."),
+        user("Bye"),
+    ];
+    let out = render(SMOLLM2, &messages, "<|im_start|>", "<|im_end|>", false).unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+    );
+}
+
+#[test]
+fn llama32_renders_with_todays_date() {
+    let messages = [ChatMessage::new("system", "  Be brief. "), user(" Hi ")];
+    let out = render(LLAMA32, &messages, "<|begin_of_text|>", "<|eot_id|>", true).unwrap();
+    let prefix = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n\
+                  Cutting Knowledge Date: December 2023\nToday Date: ";
+    let suffix = "\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+                  <|start_header_id|>assistant<|end_header_id|>\n\n";
+    assert!(out.starts_with(prefix), "{out:?}");
+    assert!(out.ends_with(suffix), "{out:?}");
+    // strftime_now("%d %b %Y"), e.g. "26 Jul 2024".
+    let date = &out[prefix.len()..out.len() - suffix.len()];
+    let parts: Vec<&str> = date.split(' ').collect();
+    assert_eq!(parts.len(), 3, "{date:?}");
+    assert!(parts[0].len() == 2 && parts[0].chars().all(|c| c.is_ascii_digit()));
+    let months = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec";
+    assert!(months.split(' ').any(|m| m == parts[1]), "{date:?}");
+    assert!(parts[2].len() == 4 && parts[2].parse::<u32>().unwrap() >= 2024);
+}
+
+#[test]
+fn raise_exception_becomes_the_error() {
+    let template = "{% for m in messages %}{% if m.role == 'system' %}\
+                    {{ raise_exception('System role not supported') }}{% endif %}\
+                    {{ m.content }}{% endfor %}";
+    let err = render(template, &[ChatMessage::new("system", "x")], "", "", true).unwrap_err();
+    assert!(
+        err.to_string().contains("System role not supported"),
+        "{err}"
+    );
+    assert_eq!(render(template, &[user("ok")], "", "", true).unwrap(), "ok");
+}
+
+#[test]
+fn blocks_are_trimmed_as_in_transformers() {
+    // trim_blocks drops the newline after a block tag; lstrip_blocks the indentation before one.
+    let template = "{% for m in messages %}\n    {% if m.role == 'user' %}\n  {{ m.content }}\n    {% endif %}\n{% endfor %}";
+    let out = render(template, &[user("a"), user("b")], "", "", false).unwrap();
+    assert_eq!(out, "  a\n  b\n");
+}
+
+#[test]
+fn python_string_methods_and_bos_eos_variables() {
+    let template = "{{ bos_token }}{% for m in messages %}{{ m.content.strip().upper() }}\
+                    {% if m.content.startswith(' h') %}!{% endif %}{% endfor %}{{ eos_token }}";
+    let out = render(template, &[user(" hi ")], "<s>", "</s>", false).unwrap();
+    assert_eq!(out, "<s>HI!</s>");
+}
+
+#[test]
+fn tojson_matches_python_json_dumps() {
+    let template = "{{ {'a': 1, 'b': [2.5, none, true, 'x\"<y>'], 'c': {}} | tojson }}|\
+                    {{ {'a': [1, 2]} | tojson(indent=2) }}|{{ 'é' | tojson(ensure_ascii=true) }}";
+    let out = render(template, &[], "", "", false).unwrap();
+    assert_eq!(
+        out,
+        "{\"a\": 1, \"b\": [2.5, null, true, \"x\\\"<y>\"], \"c\": {}}|\
+         {\n  \"a\": [\n    1,\n    2\n  ]\n}|\"\\u00e9\""
+    );
+}
+
+#[test]
+fn template_syntax_errors_are_reported() {
+    let err = render("{% for m in messages %}", &[user("x")], "", "", false).unwrap_err();
+    assert!(err.to_string().contains("does not parse"), "{err}");
+}

@@ -1,0 +1,116 @@
+//! The megakernel against the CPU reference and the graph baseline. Skipped (with a message)
+//! where no GPU or driver is present, as on CI.
+
+use megainfer::generate::Backend;
+use megainfer::gpu::baseline::{BaselinePath, Mode};
+use megainfer::gpu::device::Gpu;
+use megainfer::gpu::megakernel::{schedule_for, MegakernelPath};
+use megainfer::gpu::model::DeviceModel;
+use megainfer::model::{presets, random::random_weights, Config, Weights};
+use megainfer::reference::CpuForward;
+use megainfer::sampling::argmax;
+
+fn gpu_or_skip() -> Option<Gpu> {
+    if !megainfer::gpu::available() {
+        eprintln!("SKIPPED: no CUDA GPU/driver on this machine");
+        return None;
+    }
+    Some(Gpu::new(0).expect("GPU present but could not be opened"))
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+fn tiny(hidden: usize, heads: usize, kv: usize, head_dim: usize, inter: usize) -> Config {
+    let mut c = presets::by_name("smollm2-135m").unwrap();
+    c.hidden_size = hidden;
+    c.num_heads = heads;
+    c.num_kv_heads = kv;
+    c.head_dim = head_dim;
+    c.intermediate_size = inter;
+    c.num_layers = 3;
+    c.vocab_size = 1000;
+    c
+}
+
+fn teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], parts: Option<usize>, label: &str) {
+    let dm = DeviceModel::upload(gpu, cfg, w).unwrap();
+    let want = CpuForward::new(cfg, w, 64).forward_all(tokens).unwrap();
+    let sched = schedule_for(cfg, gpu, 64, parts).unwrap();
+    let mut mk = MegakernelPath::new(gpu, &dm, &sched, 64).unwrap();
+    for (i, t) in tokens.iter().enumerate() {
+        let got = mk.feed(&[*t]).unwrap();
+        let err = rel_l2(&got, &want[i]);
+        println!("{label} megakernel parts={parts:?} step {i}: rel L2 {err:.2e}");
+        assert!(err <= 1e-2, "{label}: step {i} rel L2 {err} > 1e-2");
+        assert_eq!(argmax(&got), argmax(&want[i]), "{label}: step {i} argmax differs");
+    }
+}
+
+#[test]
+fn megakernel_matches_reference_on_small_random_models() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for (i, (h, nh, nkv, hd, inter)) in
+        [(192, 3, 3, 64, 520), (576, 9, 3, 64, 1536), (1024, 8, 2, 128, 2056)].into_iter().enumerate()
+    {
+        let cfg = tiny(h, nh, nkv, hd, inter);
+        let w = random_weights(&cfg, 11 + i as u64);
+        let tokens: Vec<u32> = (0..9).map(|k| (k * 97 + i * 13) as u32 % 1000).collect();
+        teacher_forced(&gpu, &cfg, &w, &tokens, None, &format!("tiny{i}"));
+        teacher_forced(&gpu, &cfg, &w, &tokens, Some(3), &format!("tiny{i}-split"));
+    }
+}
+
+#[test]
+fn megakernel_matches_reference_on_llama_1b_shape() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cfg = presets::by_name("llama-3.2-1b").unwrap();
+    let w = random_weights(&cfg, 7);
+    teacher_forced(&gpu, &cfg, &w, &[128000, 791, 6864, 315, 9822], None, "llama-1b");
+}
+
+#[test]
+fn megakernel_and_graph_agree_on_greedy_tokens() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cfg = tiny(576, 9, 3, 64, 1536);
+    let w = random_weights(&cfg, 5);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let sched = schedule_for(&cfg, &gpu, 128, None).unwrap();
+    let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 128).unwrap();
+    let mut graph = BaselinePath::new(&gpu, &dm, Mode::Graph, 128).unwrap();
+    let a = argmax(&mk.feed(&[1, 2, 3]).unwrap());
+    let b = argmax(&graph.feed(&[1, 2, 3]).unwrap());
+    assert_eq!(a, b);
+    let ma = mk.decode_greedy(a, 60).unwrap();
+    let gb = graph.decode_greedy(b, 60).unwrap();
+    assert_eq!(ma, gb, "megakernel and graph greedy tokens differ");
+}
+
+#[test]
+fn broken_schedule_is_an_error_not_a_hang() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cfg = tiny(192, 3, 3, 64, 520);
+    let w = random_weights(&cfg, 3);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let sched = schedule_for(&cfg, &gpu, 16, None).unwrap();
+    // The first instruction (in stream order) that waits gets an unreachable target.
+    let flat: Vec<u32> = sched.streams.iter().flatten().copied().collect();
+    let (pos, _) = flat
+        .iter()
+        .enumerate()
+        .find(|(_, &k)| !sched.instrs[k as usize].waits.is_empty())
+        .expect("some instruction waits");
+    let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 16).unwrap();
+    mk.set_wait_timeout_ms(200);
+    mk.poke_word(pos, 8, 1_000_000).unwrap();
+    let start = std::time::Instant::now();
+    let err = mk.feed(&[1]).unwrap_err().to_string();
+    println!("broken schedule: {err} after {:?}", start.elapsed());
+    // The poked wait, or one downstream of it, times out first; either names what it waited on.
+    assert!(err.contains("waited too long on counter"), "{err}");
+    assert!(err.contains("cannot make progress"), "{err}");
+    assert!(start.elapsed().as_secs() < 20);
+}
