@@ -158,3 +158,20 @@ extern "C" __global__ void bl_argmax(const float* logits, int n, TokenMeta* meta
         }
     }
 }
+
+// Streaming-read probe for `megainfer bench`: every 16-byte word read once, 8 loads in flight
+// per thread; the xor keeps the loads alive.
+extern "C" __global__ void bw_read(const uint4* p, unsigned long long n, u32* sink) {
+    u32 acc = 0;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 7 * stride < n; i += 8 * stride) {
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = ld_stream(p + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < 8; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; i < n; i += stride) { uint4 v = ld_stream(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}

@@ -22,17 +22,17 @@ enum Op : u32 {
     OP_UPGATE = 5, OP_DOWN = 6, OP_LMHEAD = 7, OP_ARGMAX = 8,
 };
 
-// Word layout of one instruction (mirrored in src/gpu/megakernel.rs).
+// Word layout of one instruction: scheduler/src/encode.rs (operands a0..a4 = W_A..W_E).
 #define W_OP 0
 #define W_LAYER 1
 #define W_A 2
 #define W_B 3
 #define W_C 4
 #define W_D 5
-#define W_NWAIT 6
-#define W_WAITS 7
-#define W_E 13
-#define W_SIGNAL 15
+#define W_E 6
+#define W_SIGNAL 8
+#define W_NWAIT 9
+#define W_WAITS 10
 
 struct LayerW {
     const bf16_t* attn_norm;
@@ -270,7 +270,7 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
 }
 
 __device__ void op_attn_reduce(const MkParams& p, const u32* w) {
-    const int ct = threadIdx.x - 32, layer = w[W_LAYER], kvh = w[W_A], parts = w[W_C];
+    const int ct = threadIdx.x - 32, layer = w[W_LAYER], kvh = w[W_A], parts = w[W_B];
     const int hd = p.head_dim, group = p.heads / p.kv_heads;
     for (int idx = ct; idx < group * hd; idx += CONSUMERS) {
         const int head = kvh * group + idx / hd, d = idx % hd;
@@ -330,8 +330,8 @@ __device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, f
     consumers_sync();
     if (ct == 0) {
         for (int k = 1; k < CONSUMER_WARPS; k++) argmax_merge(v, idx, red[k], redi[k]);
-        p.lm_best[2 * w[W_D]] = v;
-        p.lm_best[2 * w[W_D] + 1] = __uint_as_float(idx);
+        p.lm_best[2 * w[W_C]] = v;
+        p.lm_best[2 * w[W_C] + 1] = __uint_as_float(idx);
     }
 }
 

@@ -14,12 +14,18 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming it to stdout.
     Run(cli::run::RunArgs),
+    /// Compare the GPU decode paths on one model in one process.
+    Bench(cli::bench::BenchArgs),
+    /// Build and summarise the megakernel's instruction streams for a model shape.
+    Schedule(cli::schedule::ScheduleArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Run(a) => cli::run::run(a),
+        Command::Bench(a) => cli::bench::run(a),
+        Command::Schedule(a) => cli::schedule::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

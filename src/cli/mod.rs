@@ -1,3 +1,5 @@
 //! Subcommands of the `megainfer` binary.
 
+pub mod bench;
 pub mod run;
+pub mod schedule;

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::generate::generate;
+use crate::gpu::device::Gpu;
+use crate::gpu::model::{DeviceModel, KvCache};
+use crate::gpu::paths::{GpuPath, PathKind};
 use crate::model::{self, Model};
 use crate::reference::CpuForward;
 use crate::sampling::{Sampler, SamplingParams};
@@ -49,6 +52,9 @@ pub struct RunArgs {
     /// Context length to allocate (prompt + new tokens); default: the model's, capped at 4096.
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// GPU decode path.
+    #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
+    pub path: PathKind,
 }
 
 pub fn resolve_model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
@@ -81,7 +87,12 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
     } else {
         prompt.to_string()
     };
-    tok.encode(&text)
+    let mut ids = tok.encode(&text)?;
+    // Templates that write the BOS token themselves must not get a second one.
+    if chat_mode && tok.add_bos && ids.len() > 1 && ids[0] == ids[1] && Some(ids[0]) == tok.bos_token_id {
+        ids.remove(0);
+    }
+    Ok(ids)
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
@@ -120,7 +131,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
         DeviceChoice::Auto => crate::gpu::available(),
     };
     if use_cuda {
-        bail!("--device cuda: the GPU path is not available in this build yet; use --device cpu");
+        let gpu = Gpu::new(0)?;
+        eprintln!(
+            "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB \
+             (prompt fed one token per step: simple prefill)",
+            gpu.describe(),
+            args.path.name(),
+            KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
+        );
+        let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
+        let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context)?;
+        return stream(&model, &mut backend, &ids, max_tokens, params);
     }
     eprintln!("megainfer: running on the CPU ({} threads)", rayon::current_num_threads());
     let mut backend = CpuForward::new(&model.config, &model.weights, max_context);

@@ -200,6 +200,12 @@ impl<'g> BaselinePath<'g> {
         }
     }
 
+    /// Starts a new sequence (the KV cache is simply overwritten).
+    pub fn reset(&mut self) {
+        self.pos = 0;
+        self.meta_current = None;
+    }
+
     fn check_room(&self, n: usize) -> Result<()> {
         if self.pos + n > self.kv.max_seq {
             bail!(
@@ -257,4 +263,39 @@ impl Backend for BaselinePath<'_> {
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(self.decode_greedy(token, 1)?[0])
     }
+}
+
+/// Streaming read bandwidth of the device in GB/s (1e9 B/s): a 4 GiB buffer of non-zero
+/// bytes read once per repetition with 16-byte loads, median of several timed runs.
+pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
+    let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
+    let module = gpu.ctx.load_module(Ptx::from_binary(cubin))?;
+    let k = Kernel::load(&module, "bw_read")?;
+    let bytes: usize = 4 << 30;
+    let mut buf = gpu.alloc_zeros::<u8>(bytes, "bandwidth probe buffer")?;
+    gpu.stream.memset_zeros(&mut buf)?;
+    // Non-zero contents: some memory systems compress zeros.
+    let pattern: Vec<u8> = (0..(64usize << 20)).map(|i| (i * 2654435761usize >> 13) as u8).collect();
+    for off in (0..bytes).step_by(pattern.len()) {
+        let mut view = buf.slice_mut(off..off + pattern.len());
+        gpu.stream.memcpy_htod(&pattern, &mut view)?;
+    }
+    let sink = gpu.alloc_zeros::<u32>(1, "bandwidth sink")?;
+    let (p, sp) = (ptr(&buf, &gpu.stream), ptr(&sink, &gpu.stream));
+    let n = (bytes / 16) as u64;
+    let grid = (gpu.sm_count * 8) as u32;
+    let start = gpu.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let stop = gpu.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        start.record(&gpu.stream)?;
+        k.launch(&gpu.stream, grid, 512, 0, false, &mut kargs![&p, &n, &sp])?;
+        stop.record(&gpu.stream)?;
+        stop.synchronize()?;
+        if rep > 0 {
+            times.push(start.elapsed_ms(&stop)? as f64);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(bytes as f64 / (times[times.len() / 2] * 1e-3) / 1e9)
 }

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{self, CUlaunchAttributeID};
 use cudarc::driver::{CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
-use scheduler::{Instr, Op, Schedule};
+use scheduler::{Op, Schedule};
 
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
@@ -18,69 +18,14 @@ use super::sources;
 use crate::generate::Backend;
 
 // Mirrors megakernel/megakernel.cu.
-const WORDS: usize = 16;
-const MAX_WAITS: usize = 3;
+const WORDS: usize = scheduler::WORDS_PER_INSTR;
 const CONSUMER_WARPS: usize = 16;
 const THREADS: u32 = (CONSUMER_WARPS as u32 + 1) * 32;
 const RES_MAX: usize = 2048;
 const TILE_GROUPS: usize = CONSUMER_WARPS / 2;
 const PAGE_BYTES: usize = 16384;
-const NO_COUNTER: u32 = u32::MAX;
 /// A counter wait longer than this is a scheduling bug: the kernel stops and reports it.
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
-
-mod opcode {
-    pub const QKV: u32 = 1;
-    pub const ATTN: u32 = 2;
-    pub const ATTN_REDUCE: u32 = 3;
-    pub const OPROJ: u32 = 4;
-    pub const UPGATE: u32 = 5;
-    pub const DOWN: u32 = 6;
-    pub const LMHEAD: u32 = 7;
-    pub const ARGMAX: u32 = 8;
-}
-
-/// Word layout: op, layer, a, b, c, d, n_waits, (counter, base) × 3, e, spare, signal.
-fn lower_instr(i: &Instr) -> Result<[u32; WORDS]> {
-    let mut w = [0u32; WORDS];
-    let (op, layer, a, b, c, d, e) = match i.op {
-        Op::RmsQkvRope { layer, head, pair_start, pair_count } => {
-            (opcode::QKV, layer, head, pair_start, pair_count, 0, 0)
-        }
-        Op::Attention { layer, kv_head, part, parts } => (opcode::ATTN, layer, kv_head, part, parts, 0, 0),
-        Op::AttnReduce { layer, kv_head, parts } => (opcode::ATTN_REDUCE, layer, kv_head, 0, parts, 0, 0),
-        Op::OProjResidual { layer, row_start, row_count } => (opcode::OPROJ, layer, row_start, row_count, 0, 0, 0),
-        Op::RmsUpGateSilu { layer, row_start, row_count } => (opcode::UPGATE, layer, row_start, row_count, 0, 0, 0),
-        Op::DownProjResidual { layer, row_start, row_count, chunk, col_start, col_count } => {
-            (opcode::DOWN, layer, row_start, row_count, chunk, col_start, col_count)
-        }
-        Op::RmsLmHead { row_start, row_count, block } => (opcode::LMHEAD, 0, row_start, row_count, 0, block, 0),
-        Op::Argmax { blocks } => (opcode::ARGMAX, 0, 0, 0, blocks, 0, 0),
-    };
-    let rows = match i.op {
-        Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
-        Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
-        Op::OProjResidual { row_count, .. }
-        | Op::DownProjResidual { row_count, .. }
-        | Op::RmsLmHead { row_count, .. } => row_count as usize,
-        _ => 0,
-    };
-    if rows > RES_MAX {
-        bail!("schedule: {:?} computes {rows} rows; the megakernel holds at most {RES_MAX}", i.op);
-    }
-    if i.waits.len() > MAX_WAITS {
-        bail!("schedule: {:?} has {} waits; the megakernel encodes at most {MAX_WAITS}", i.op, i.waits.len());
-    }
-    w[..6].copy_from_slice(&[op, layer, a, b, c, d]);
-    w[6] = i.waits.len() as u32;
-    for (k, wt) in i.waits.iter().enumerate() {
-        w[7 + 2 * k] = wt.counter;
-        w[8 + 2 * k] = wt.base;
-    }
-    w[13] = e;
-    w[15] = i.signal.unwrap_or(NO_COUNTER);
-    Ok(w)
-}
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -171,27 +116,31 @@ impl<'g> MegakernelPath<'g> {
         if c.num_heads / c.num_kv_heads > CONSUMER_WARPS {
             bail!("megakernel: more than {CONSUMER_WARPS} query heads per KV head is not supported");
         }
-        let mut words = Vec::new();
-        let mut offsets = vec![0u32];
+        let enc = schedule.encode();
         let mut descs = Vec::new();
-        let (mut n_lm, mut parts, mut chunks, mut max_cols) = (0usize, 1usize, 1usize, c.hidden_size.max(c.q_dim()));
-        for stream in &schedule.streams {
-            for &k in stream {
-                let i = &schedule.instrs[k as usize];
-                descs.push(schedule.describe(k as usize));
-                words.extend_from_slice(&lower_instr(i)?);
-                match i.op {
-                    Op::RmsLmHead { .. } => n_lm += 1,
-                    Op::Attention { parts: p, .. } => parts = parts.max(p as usize),
-                    Op::DownProjResidual { chunk, col_count, .. } => {
-                        chunks = chunks.max(chunk as usize + 1);
-                        max_cols = max_cols.max(col_count as usize);
-                    }
-                    _ => {}
+        let mut max_cols = c.hidden_size.max(c.q_dim());
+        for &k in schedule.streams.iter().flatten() {
+            let i = &schedule.instrs[k as usize];
+            descs.push(schedule.describe(k as usize));
+            let rows = match i.op {
+                Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
+                Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
+                Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => row_count as usize,
+                Op::DownProjResidual { row_count, col_count, .. } => {
+                    max_cols = max_cols.max(col_count as usize);
+                    row_count as usize
                 }
+                _ => 0,
+            };
+            if rows > RES_MAX {
+                bail!("schedule: {:?} computes {rows} rows; the megakernel holds at most {RES_MAX}", i.op);
             }
-            offsets.push((words.len() / WORDS) as u32);
         }
+        if max_cols * 2 > PAGE_BYTES {
+            bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
+        }
+        let (words, offsets) = (enc.words, enc.sm_offsets);
+        let (n_lm, parts, chunks) = (enc.lm_blocks as usize, enc.attn_parts as usize, enc.down_chunks as usize);
         let instructions = words.len() / WORDS;
         let xs_floats = max_cols.max(CONSUMER_WARPS * (2 + c.head_dim)).next_multiple_of(4);
         let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
@@ -237,7 +186,7 @@ impl<'g> MegakernelPath<'g> {
         let kv = KvCache::new(gpu, c, max_seq)?;
         let words_d = gpu.upload(&words, "instruction streams")?;
         let offsets_d = gpu.upload(&offsets, "stream offsets")?;
-        let counters = gpu.alloc_zeros::<u32>(schedule.counters.count() as usize, "counters")?;
+        let counters = gpu.alloc_zeros::<u32>(enc.counters, "counters")?;
         let error = gpu.alloc_zeros::<u32>(8, "error word")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
@@ -300,7 +249,7 @@ impl<'g> MegakernelPath<'g> {
             pos: 0,
             max_seq,
             meta_current: None,
-            max_epochs: schedule.max_epochs(),
+            max_epochs: enc.max_epochs,
             descs,
             counter_names: (0..schedule.counters.count()).map(|c| schedule.counters.name(c)).collect(),
         })
@@ -384,6 +333,12 @@ impl<'g> MegakernelPath<'g> {
             );
         }
         Ok(())
+    }
+
+    /// Starts a new sequence (the KV cache is simply overwritten).
+    pub fn reset(&mut self) {
+        self.pos = 0;
+        self.meta_current = None;
     }
 
     fn check_room(&self, n: usize) -> Result<()> {

@@ -35,3 +35,4 @@ pub mod device;
 pub mod launch;
 pub mod model;
 pub mod megakernel;
+pub mod paths;

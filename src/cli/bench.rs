@@ -1,0 +1,188 @@
+//! `megainfer bench`: every decode path on the same model, in one process, side by side.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use crate::generate::Backend;
+use crate::gpu::baseline::measure_read_bandwidth;
+use crate::gpu::device::Gpu;
+use crate::gpu::model::DeviceModel;
+use crate::gpu::paths::{GpuPath, PathKind};
+use crate::model::{self, presets, random::random_weights};
+use crate::sampling::argmax;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// HF directory or .gguf file.
+    #[arg(short = 'm', long, conflicts_with = "preset")]
+    pub model: Option<PathBuf>,
+    /// Model shape with random bf16 weights (no file needed): llama-3.2-1b, llama-3.2-3b, smollm2-135m.
+    #[arg(long)]
+    pub preset: Option<String>,
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// New tokens per run.
+    #[arg(long, default_value_t = 128)]
+    pub gen: usize,
+    /// Comma-separated: megakernel, graph-pdl, graph, eager; or all.
+    #[arg(long, default_value = "all")]
+    pub paths: String,
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Seed of the random weights and the prompt.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Serialize)]
+struct PathResult {
+    path: String,
+    tpot_ms_median: f64,
+    tpot_ms_min: f64,
+    tpot_ms_max: f64,
+    tokens_per_s: f64,
+    gb_per_s: f64,
+    percent_of_bandwidth: f64,
+    ttft_ms_median: f64,
+    tokens: Vec<u32>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device: String,
+    model: String,
+    prompt_len: usize,
+    gen: usize,
+    reps: usize,
+    weight_bytes_per_token: usize,
+    read_bandwidth_gbps: f64,
+    commit: Option<String>,
+    results: Vec<PathResult>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if args.gen < 2 || args.prompt_len == 0 || args.reps == 0 {
+        bail!("--gen must be >= 2, --prompt-len and --reps >= 1");
+    }
+    let paths = PathKind::parse_list(&args.paths)?;
+    let gpu = Gpu::new(0)?;
+    let (config, weights, model_name) = match (&args.model, &args.preset) {
+        (_, Some(p)) => {
+            let c = presets::by_name(p)?;
+            eprintln!("bench: generating random weights of the {p} shape (seed {})", args.seed);
+            let w = random_weights(&c, args.seed);
+            (c, w, format!("{p} (random bf16 weights)"))
+        }
+        (Some(m), None) => {
+            let m2 = model::load(m)?;
+            (m2.config, m2.weights, m.display().to_string())
+        }
+        (None, None) => {
+            let path = crate::fetch::default_model()?;
+            let m2 = model::load(&path)?;
+            (m2.config, m2.weights, "SmolLM2-135M-Instruct Q4_1 (default, as bf16)".to_string())
+        }
+    };
+    let max_seq = args.prompt_len + args.gen + 1;
+    if max_seq > config.max_position_embeddings {
+        bail!("--prompt-len + --gen exceed the model's {} positions", config.max_position_embeddings);
+    }
+    let dm = DeviceModel::upload(&gpu, &config, &weights)?;
+    drop(weights);
+    let bw = measure_read_bandwidth(&gpu).context("measuring the read bandwidth")?;
+    let prompt: Vec<u32> =
+        (0..args.prompt_len).map(|i| ((i as u64 * 7919 + args.seed * 31 + 13) % config.vocab_size as u64) as u32).collect();
+    eprintln!("bench: {} | {model_name} | streaming read {bw:.0} GB/s", gpu.describe());
+
+    let mut results = Vec::new();
+    for kind in paths {
+        let mut path = GpuPath::new(kind, &gpu, &dm, max_seq).with_context(|| format!("setting up {}", kind.name()))?;
+        // Warm-up: compilation, module load, first-touch of every buffer.
+        let first = argmax(&path.feed(&prompt)?);
+        path.decode_greedy(first, args.gen - 1)?;
+        let (mut tpot, mut ttft) = (Vec::new(), Vec::new());
+        let mut tokens = Vec::new();
+        for _ in 0..args.reps {
+            path.reset();
+            let t0 = Instant::now();
+            let first = argmax(&path.feed(&prompt)?);
+            ttft.push(t0.elapsed().as_secs_f64() * 1e3);
+            let t1 = Instant::now();
+            let rest = path.decode_greedy(first, args.gen - 1)?;
+            tpot.push(t1.elapsed().as_secs_f64() * 1e3 / (args.gen - 1) as f64);
+            tokens = std::iter::once(first).chain(rest).collect();
+        }
+        let (lo, hi) = (
+            tpot.iter().cloned().fold(f64::INFINITY, f64::min),
+            tpot.iter().cloned().fold(0.0, f64::max),
+        );
+        let med = median(&mut tpot);
+        let gbps = dm.bytes_per_token as f64 / (med * 1e-3) / 1e9;
+        results.push(PathResult {
+            path: kind.name().into(),
+            tpot_ms_median: med,
+            tpot_ms_min: lo,
+            tpot_ms_max: hi,
+            tokens_per_s: 1e3 / med,
+            gb_per_s: gbps,
+            percent_of_bandwidth: 100.0 * gbps / bw,
+            ttft_ms_median: median(&mut ttft),
+            tokens,
+        });
+    }
+
+    println!(
+        "device: {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | read bandwidth {bw:.0} GB/s (measured)",
+        gpu.describe(),
+        args.prompt_len,
+        args.gen,
+        args.reps,
+        dm.bytes_per_token as f64 / 1e9
+    );
+    println!("| path | TPOT median ms | TPOT min–max ms | tok/s | GB/s | % of BW | TTFT ms |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in &results {
+        println!(
+            "| {} | {:.4} | {:.4}–{:.4} | {:.1} | {:.0} | {:.1}% | {:.2} |",
+            r.path, r.tpot_ms_median, r.tpot_ms_min, r.tpot_ms_max, r.tokens_per_s, r.gb_per_s, r.percent_of_bandwidth,
+            r.ttft_ms_median
+        );
+    }
+    if let Some(base) = results.iter().find(|r| r.path == "megakernel") {
+        for r in results.iter().filter(|r| r.path != "megakernel") {
+            let agree = r.tokens.iter().zip(&base.tokens).take_while(|(a, b)| a == b).count();
+            println!(
+                "megakernel vs {}: {:.2}x faster; greedy tokens identical for {agree}/{}",
+                r.path,
+                r.tpot_ms_median / base.tpot_ms_median,
+                base.tokens.len()
+            );
+        }
+    }
+    println!("TPOT: wall time of {} back-to-back greedy steps / {}, host launch overhead included; TTFT: prompt fed one token per step (simple prefill).", args.gen - 1, args.gen - 1);
+    if let Some(path) = &args.json {
+        let report = Report {
+            device: gpu.describe(),
+            model: model_name,
+            prompt_len: args.prompt_len,
+            gen: args.gen,
+            reps: args.reps,
+            weight_bytes_per_token: dm.bytes_per_token,
+            read_bandwidth_gbps: bw,
+            commit: option_env!("MEGAINFER_COMMIT").map(String::from),
+            results,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! The GPU decode paths behind one type, for `run` and `bench`.
+
+use anyhow::{bail, Result};
+
+use super::baseline::{BaselinePath, Mode};
+use super::device::Gpu;
+use super::megakernel::{schedule_for, MegakernelPath};
+use super::model::DeviceModel;
+use crate::generate::Backend;
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathKind {
+    Megakernel,
+    GraphPdl,
+    Graph,
+    Eager,
+}
+
+impl PathKind {
+    pub const ALL: [PathKind; 4] = [PathKind::Megakernel, PathKind::GraphPdl, PathKind::Graph, PathKind::Eager];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PathKind::Megakernel => "megakernel",
+            PathKind::GraphPdl => "graph-pdl",
+            PathKind::Graph => "graph",
+            PathKind::Eager => "eager",
+        }
+    }
+
+    pub fn parse_list(s: &str) -> Result<Vec<PathKind>> {
+        if s == "all" {
+            return Ok(Self::ALL.to_vec());
+        }
+        s.split(',')
+            .map(|name| match Self::ALL.iter().find(|p| p.name() == name.trim()) {
+                Some(p) => Ok(*p),
+                None => bail!("--paths: unknown path '{name}' (known: megakernel, graph-pdl, graph, eager, all)"),
+            })
+            .collect()
+    }
+}
+
+pub enum GpuPath<'g> {
+    Megakernel(Box<MegakernelPath<'g>>),
+    Baseline(BaselinePath<'g>),
+}
+
+impl<'g> GpuPath<'g> {
+    pub fn new(kind: PathKind, gpu: &'g Gpu, model: &'g DeviceModel, max_seq: usize) -> Result<Self> {
+        let mode = match kind {
+            PathKind::Megakernel => {
+                let schedule = schedule_for(&model.config, gpu, max_seq, None)?;
+                return Ok(Self::Megakernel(Box::new(MegakernelPath::new(gpu, model, &schedule, max_seq)?)));
+            }
+            PathKind::GraphPdl => Mode::GraphPdl,
+            PathKind::Graph => Mode::Graph,
+            PathKind::Eager => Mode::Eager,
+        };
+        Ok(Self::Baseline(BaselinePath::new(gpu, model, mode, max_seq)?))
+    }
+
+    pub fn reset(&mut self) {
+        match self {
+            Self::Megakernel(p) => p.reset(),
+            Self::Baseline(p) => p.reset(),
+        }
+    }
+
+    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        match self {
+            Self::Megakernel(p) => p.decode_greedy(token, n),
+            Self::Baseline(p) => p.decode_greedy(token, n),
+        }
+    }
+}
+
+impl Backend for GpuPath<'_> {
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        match self {
+            Self::Megakernel(p) => p.feed(tokens),
+            Self::Baseline(p) => p.feed(tokens),
+        }
+    }
+
+    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(self.decode_greedy(token, 1)?[0])
+    }
+}
