@@ -47,7 +47,8 @@ struct MkParams {
     const u32* instrs;
     const u32* sm_offsets;
     u32* counters;
-    u32* error;          // [flag, sm, instruction, counter, expected, seen]
+    u32* error;          // [flag, sm, instruction, counter or tile, expected, seen, kind]
+    u32* progress;       // per SM: [consumer instruction, consumer stage, loader instruction, loader tile]
     TokenMeta* meta;     // two slots, by epoch parity
     u32* history;
     const LayerW* layers;
@@ -74,10 +75,35 @@ struct MkParams {
 
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
-__device__ void raise_error(const MkParams& p, u32 instr, u32 counter, u32 expected, u32 seen) {
+enum ErrorKind : u32 { ERR_COUNTER = 1, ERR_PAGE_CONSUMER = 2, ERR_PAGE_LOADER = 3 };
+enum Stage : u32 { ST_WAIT = 1, ST_PREPARE = 2, ST_TILES = 3, ST_POST = 4, ST_DONE = 5 };
+
+__device__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 counter, u32 expected, u32 seen) {
     if (atomicCAS(p.error, 0u, 1u) == 0u) {
         p.error[1] = blockIdx.x; p.error[2] = instr; p.error[3] = counter; p.error[4] = expected; p.error[5] = seen;
+        p.error[6] = kind;
         __threadfence();
+    }
+}
+
+__device__ __forceinline__ void note(const MkParams& p, int slot, u32 v) {
+    *(volatile u32*)(p.progress + blockIdx.x * 4 + slot) = v;
+}
+
+// Waits for an mbarrier phase; past the time limit (or once another SM failed) it reports
+// and gives up, so a pipeline bug is an error, never a hung GPU.
+__device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32 instr, u32 tile) {
+    if (mbar_try_wait(bar, parity)) return true;
+    const u64 t0 = global_ns();
+    for (int spins = 1;; spins++) {
+        if (mbar_try_wait(bar, parity)) return true;
+        if (spins % ABORT_CHECK_SPINS == 0) {
+            if (aborted(p)) return false;
+            if (global_ns() - t0 > p.timeout_ns) {
+                raise_error(p, kind, instr, tile, parity, 0);
+                return false;
+            }
+        }
     }
 }
 
@@ -138,14 +164,14 @@ __device__ void loader(const MkParams& p, const u32* begin, const u32* end, bf16
     for (const u32* w = begin; w < end; w += MK_WORDS) {
         int n = seg_count(w);
         if (n == 0) continue;
+        const u32 instr = (u32)((w - p.instrs) / MK_WORDS);
+        if (lane == 0) note(p, 2, instr);
         int cols = seg_cols(w, p), rpt = rows_per_tile(cols);
         u32 bytes_per_row = cols * 2;
         for (int t = 0; t * rpt < n; t++, seq++) {
             u32 slot = seq % p.pages, round = seq / p.pages;
-            int spins = 0;
-            while (!mbar_try_wait(&empty[slot], (round & 1) ^ 1)) {
-                if (++spins % ABORT_CHECK_SPINS == 0 && aborted(p)) return;
-            }
+            if (lane == 0) note(p, 3, seq);
+            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
             int rows = min(rpt, n - t * rpt);
             if (lane == 0) mbar_expect_tx(&full[slot], rows * bytes_per_row);
             __syncwarp();
@@ -206,10 +232,7 @@ __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf
     int ntiles = (n + rpt - 1) / rpt;
     for (int t = grp; t < ntiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % p.pages;
-        int spins = 0;
-        while (!mbar_try_wait(&full[slot], (s / p.pages) & 1)) {
-            if (++spins % ABORT_CHECK_SPINS == 0 && aborted(p)) return;
-        }
+        if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, (u32)((w - p.instrs) / MK_WORDS), s)) return;
         const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
         int rows = min(rpt, n - t * rpt);
         for (int r = 0; r < rows; r++) {
@@ -378,6 +401,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     for (const u32* w = begin; w < end; w += MK_WORDS) {
         const u32 op = w[W_OP];
         if (ct == 0) {
+            note(p, 0, (u32)((w - p.instrs) / MK_WORDS));
+            note(p, 1, ST_WAIT);
             for (u32 k = 0; k < w[W_NWAIT]; k++) {
                 const u32 ctr = w[W_WAITS + 2 * k], target = w[W_WAITS + 2 * k + 1] * mult;
                 const u64 t0 = global_ns();
@@ -385,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
                 int spins = 0;
                 while ((int)((seen = ld_acquire(p.counters + ctr)) - target) < 0) {
                     if (++spins % 64 == 0 && (aborted(p) || global_ns() - t0 > p.timeout_ns)) {
-                        raise_error(p, (u32)((w - p.instrs) / MK_WORDS), ctr, target, seen);
+                        raise_error(p, ERR_COUNTER, (u32)((w - p.instrs) / MK_WORDS), ctr, target, seen);
                         break;
                     }
                 }
@@ -393,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         }
         consumers_sync();
         if (aborted(p)) return;
+        if (ct == 0) note(p, 1, ST_PREPARE);
         switch (op) {
             case OP_QKV:
                 prepare_normed(p, w[W_LAYER], false, m.token, p.layers[w[W_LAYER]].attn_norm, xs, red);
@@ -421,10 +447,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         const int ntiles = tile_count(w, p);
         if (ntiles > 0) {
             consumers_sync();
+            if (ct == 0) note(p, 1, ST_TILES);
             consume_tiles(p, w, seq, pages, full, empty, xs, res);
             seq += ntiles;
             consumers_sync();
             if (aborted(p)) return;
+            if (ct == 0) note(p, 1, ST_POST);
             const int layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
             switch (op) {
                 case OP_QKV: post_qkv(p, w, m, res); break;
@@ -445,9 +473,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             }
         }
         consumers_sync();
-        if (ct == 0 && w[W_SIGNAL] != NO_COUNTER) {
-            __threadfence();
-            red_release_add(p.counters + w[W_SIGNAL], 1);
-        }
+        // The barrier orders every consumer's stores before thread 0's release add, which
+        // publishes them (release is cumulative): no separate fence is needed.
+        if (ct == 0 && w[W_SIGNAL] != NO_COUNTER) red_release_add(p.counters + w[W_SIGNAL], 1);
+        if (ct == 0) note(p, 1, ST_DONE);
     }
 }

@@ -26,10 +26,10 @@ for t in ${TESTS:-.carry/tests/*}; do
   start=$(date +%s.%N)
   "$t" --test-threads=1 ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
   rc=$?
-  secs=$(echo "$(date +%s.%N) - $start" | bc)
+  secs=$(python3 -c "import time; print(round(time.time() - $start, 1))")
   summary=$(grep -E "^test result:" "$OUT/$name.log" | tail -1)
   skipped=$(grep -c "SKIPPED" "$OUT/$name.log")
-  rows+=("$(printf '%-28s rc=%-3s %6.1fs skipped=%s %s' "$name" "$rc" "$secs" "$skipped" "$summary")")
+  rows+=("$(printf '%-28s rc=%-3s %6ss skipped=%s %s' "$name" "$rc" "$secs" "$skipped" "$summary")")
   grep -E "rel L2|tok/s|ms/token|FAILED|panicked|error" "$OUT/$name.log" | tail -40
 done
 if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi

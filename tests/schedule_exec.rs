@@ -9,7 +9,10 @@ use megainfer::reference::CpuForward;
 use scheduler::{build, validate, CostModel, Executor, GpuShape, Interleaving, Options, Schedule};
 
 const MAX_SEQ: usize = 16;
-const TOLERANCE: f64 = 1e-5;
+/// Sliced and whole-matrix sums differ only by f32 reassociation (~1e-7), but the K/V cache
+/// is rounded to bf16, and a 1-ulp f32 difference can flip a bf16 rounding (2^-8 relative):
+/// a few such flips move the logits by up to ~1e-4. A missing dependency gives NaN or O(1).
+const TOLERANCE: f64 = 5e-4;
 
 fn tiny(
     hidden: usize,

@@ -34,6 +34,7 @@ struct MkParams {
     sm_offsets: u64,
     counters: u64,
     error: u64,
+    progress: u64,
     meta: u64,
     history: u64,
     layers: u64,
@@ -68,16 +69,6 @@ struct MkParams {
     timeout_ns: u64,
 }
 
-/// A wait that exceeded its time limit, as the kernel reported it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WaitTimeout {
-    pub sm: u32,
-    pub instruction: u32,
-    pub counter: u32,
-    pub expected: u32,
-    pub seen: u32,
-}
-
 pub struct MegakernelPath<'g> {
     gpu: &'g Gpu,
     model: &'g DeviceModel,
@@ -90,6 +81,8 @@ pub struct MegakernelPath<'g> {
     _sm_offsets: CudaSlice<u32>,
     counters: CudaSlice<u32>,
     error: CudaSlice<u32>,
+    progress: CudaSlice<u32>,
+    sm_offsets: Vec<u32>,
     meta: CudaSlice<u32>,
     history: CudaSlice<u32>,
     logits: CudaSlice<f32>,
@@ -186,8 +179,10 @@ impl<'g> MegakernelPath<'g> {
         let kv = KvCache::new(gpu, c, max_seq)?;
         let words_d = gpu.upload(&words, "instruction streams")?;
         let offsets_d = gpu.upload(&offsets, "stream offsets")?;
+        let offsets_host = offsets.clone();
         let counters = gpu.alloc_zeros::<u32>(enc.counters, "counters")?;
         let error = gpu.alloc_zeros::<u32>(8, "error word")?;
+        let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
         let params = MkParams {
@@ -195,6 +190,7 @@ impl<'g> MegakernelPath<'g> {
             sm_offsets: ptr(&offsets_d, s),
             counters: ptr(&counters, s),
             error: ptr(&error, s),
+            progress: ptr(&progress, s),
             meta: ptr(&meta, s),
             history: ptr(&history, s),
             layers: ptr(&layers, s),
@@ -240,6 +236,8 @@ impl<'g> MegakernelPath<'g> {
             _sm_offsets: offsets_d,
             counters,
             error,
+            progress,
+            sm_offsets: offsets_host,
             meta,
             history,
             logits,
@@ -314,25 +312,51 @@ impl<'g> MegakernelPath<'g> {
         self.kernel.cu_function()
     }
 
-    /// Reads the kernel's error word; a timed-out wait becomes an error naming it.
+    /// Reads the kernel's error word; a timed-out wait becomes an error naming it and where
+    /// every unfinished SM stood.
     pub fn check_error(&self) -> Result<()> {
         let e = self.gpu.stream.clone_dtoh(&self.error).context("megakernel failed")?;
-        if e[0] != 0 {
-            let t = WaitTimeout { sm: e[1], instruction: e[2], counter: e[3], expected: e[4], seen: e[5] };
-            let name = |v: &[String], i: u32| v.get(i as usize).cloned().unwrap_or_else(|| "?".into());
-            bail!(
-                "megakernel: SM {} instruction {} ({}) waited too long on counter {} ({}): expected {}, saw {}; \
-                 the schedule cannot make progress",
-                t.sm,
-                t.instruction,
-                name(&self.descs, t.instruction),
-                t.counter,
-                name(&self.counter_names, t.counter),
-                t.expected,
-                t.seen
-            );
+        if e[0] == 0 {
+            return Ok(());
         }
-        Ok(())
+        let name = |v: &[String], i: u32| v.get(i as usize).cloned().unwrap_or_else(|| "?".into());
+        let what = match e[6] {
+            1 => format!(
+                "waited too long on counter {} ({}): expected {}, saw {}",
+                e[3],
+                name(&self.counter_names, e[3]),
+                e[4],
+                e[5]
+            ),
+            2 => format!("waited too long for weight page of tile {} to arrive", e[3]),
+            _ => format!("(loader) waited too long for tile {}'s page to be released", e[3]),
+        };
+        let progress = self.gpu.stream.clone_dtoh(&self.progress)?;
+        let stages = ["start", "waiting", "preparing", "tiles", "storing", "done"];
+        let stuck: Vec<String> = (0..self.sm_offsets.len() - 1)
+            .filter_map(|sm| {
+                let pr = &progress[sm * 4..sm * 4 + 4];
+                let last = self.sm_offsets[sm + 1];
+                let finished = last == self.sm_offsets[sm] || (pr[0] + 1 == last && pr[1] == 5);
+                (!finished).then(|| {
+                    format!(
+                        "SM {sm} at {} ({}), loader at {} tile {}",
+                        pr[0],
+                        stages.get(pr[1] as usize).unwrap_or(&"?"),
+                        pr[2],
+                        pr[3]
+                    )
+                })
+            })
+            .take(6)
+            .collect();
+        bail!(
+            "megakernel: SM {} instruction {} ({}) {what}; the schedule cannot make progress. Unfinished: {}",
+            e[1],
+            e[2],
+            name(&self.descs, e[2]),
+            stuck.join("; ")
+        );
     }
 
     /// Starts a new sequence (the KV cache is simply overwritten).
@@ -404,7 +428,9 @@ impl Backend for MegakernelPath<'_> {
 pub fn schedule_for(config: &crate::model::Config, gpu: &Gpu, context: usize, attn_parts: Option<usize>) -> Result<Schedule> {
     let shape = crate::reference::sliced::shape_of(config);
     let gs = scheduler::GpuShape::with_sms(gpu.sm_count);
-    let cost = scheduler::CostModel { context, ..Default::default() };
+    // Measured hops (wait, prepare, compute, signal) cost microseconds, not the default 0.5:
+    // a higher fixed cost keeps short contexts from paying an extra split-KV reduction hop.
+    let cost = scheduler::CostModel { context, latency_us: 2.0, ..Default::default() };
     let mut opts = scheduler::Options::auto(&shape, &gs, &cost);
     if let Some(p) = attn_parts {
         opts.attn_parts = p;

@@ -8,6 +8,11 @@ pub fn widen(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
 }
 
+/// f32 -> bf16 -> f32 with round-to-nearest-even, as the GPU stores the KV cache.
+pub fn round_bf16(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
 pub fn widen_all(xs: &[bf16]) -> Vec<f32> {
     xs.iter().map(|&x| widen(x)).collect()
 }

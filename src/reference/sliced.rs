@@ -8,13 +8,13 @@
 //! Every activation (and this token's KV-cache row) is set to NaN when a token begins, so
 //! an instruction that runs before something it reads was written yields NaN (or, for the
 //! argmax, the poison token `u32::MAX`) instead of a stale value that might pass.
-//! The KV cache is kept in f32 here (bf16 on the GPU) so the comparison stays exact.
+//! The KV cache holds f32 values rounded to bf16, as `CpuForward` and the GPU store it.
 
 use anyhow::{bail, Result};
 use half::bf16;
 use scheduler::{Machine, ModelShape, Op, Schedule};
 
-use super::ops::{attend, matmul, rmsnorm, rope, silu, widen};
+use super::ops::{attend, matmul, rmsnorm, round_bf16, rope, silu, widen};
 use crate::model::{Config, Weights};
 
 /// `token_out` (and a block's argmax) when the value it depends on was never written.
@@ -195,8 +195,14 @@ impl<'a> SlicedMachine<'a> {
         } else {
             (&mut self.v_cache[layer], self.pos * c.kv_dim())
         };
-        dest[base + lo..base + lo + pair_count].copy_from_slice(&out[..pair_count]);
-        dest[base + hi..base + hi + pair_count].copy_from_slice(&out[pair_count..]);
+        let is_cache = head >= c.num_heads;
+        let store = |x: f32| if is_cache { round_bf16(x) } else { x };
+        for (d, o) in dest[base + lo..base + lo + pair_count].iter_mut().zip(&out[..pair_count]) {
+            *d = store(*o);
+        }
+        for (d, o) in dest[base + hi..base + hi + pair_count].iter_mut().zip(&out[pair_count..]) {
+            *d = store(*o);
+        }
     }
 
     fn attention(&mut self, layer: usize, kv_head: usize, part: usize, parts: usize) {
