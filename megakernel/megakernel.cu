@@ -10,9 +10,12 @@
 #define CONSUMERS (CONSUMER_WARPS * 32)
 #define MK_THREADS (CONSUMERS + 32)
 #define RES_MAX 2048
-// Each tile is consumed by a pair of warps splitting its columns. At most TILE_GROUPS tiles
-// are waited on at once, and the host guarantees pages >= TILE_GROUPS: a warp must never wait
-// for a page more than one phase ahead, or the mbarrier parity test would pass falsely.
+// Each tile is consumed by a pair of warps splitting its columns; tile t goes to group
+// t % TILE_GROUPS and the host makes the page count a multiple of TILE_GROUPS, so a page is
+// always consumed by the same group. A warp then waits on a page's "full" barrier only after
+// it consumed the page's previous tile itself, so that phase is complete: the parity test
+// cannot pass for a phase two ahead. (Bulk copies complete out of order, so "issued earlier"
+// is not enough: with 12 pages shared round-robin by 8 groups the LM head hung.)
 #define TILE_GROUPS (CONSUMER_WARPS / 2)
 #define NO_COUNTER 0xffffffffu
 #define ABORT_CHECK_SPINS 1024
@@ -375,6 +378,9 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m) {
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __grid_constant__ MkParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
+    // After a failure every later launch stops at once, leaving the progress words as the
+    // failing launch left them.
+    if (aborted(p)) return;
     bf16_t* pages = (bf16_t*)smem;
     float* xs = (float*)(smem + (size_t)p.pages * PAGE_BYTES);
     float* res = xs + p.xs_floats;

@@ -73,6 +73,30 @@ fn megakernel_matches_reference_on_llama_1b_shape() {
 }
 
 #[test]
+fn megakernel_long_greedy_run_on_llama_1b_shape() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cfg = presets::by_name("llama-3.2-1b").unwrap();
+    let w = random_weights(&cfg, 9);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let sched = schedule_for(&cfg, &gpu, 512, None).unwrap();
+    let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 512).unwrap();
+    // 500 launches back to back: every page of the pipeline is reused thousands of times.
+    let first = argmax(&mk.feed(&[1, 2, 3, 4]).unwrap());
+    let toks = mk.decode_greedy(first, 500).unwrap();
+    assert_eq!(toks.len(), 500);
+    // Teacher-forced check at the end of the long run: position 505.
+    let mut cpu = CpuForward::new(&cfg, &w, 512);
+    let mut fed = vec![1, 2, 3, 4, first];
+    fed.extend_from_slice(&toks[..toks.len() - 1]);
+    cpu.forward(&fed).unwrap();
+    let got = mk.feed(&[*toks.last().unwrap()]).unwrap();
+    let want = cpu.forward(&[*toks.last().unwrap()]).unwrap();
+    let err = rel_l2(&got, &want);
+    println!("llama-1b after 505 positions: rel L2 {err:.2e}");
+    assert!(err <= 1e-2, "rel L2 {err} after a long run");
+}
+
+#[test]
 fn megakernel_and_graph_agree_on_greedy_tokens() {
     let Some(gpu) = gpu_or_skip() else { return };
     let cfg = tiny(576, 9, 3, 64, 1536);

@@ -137,7 +137,9 @@ impl<'g> MegakernelPath<'g> {
         let instructions = words.len() / WORDS;
         let xs_floats = max_cols.max(CONSUMER_WARPS * (2 + c.head_dim)).next_multiple_of(4);
         let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
-        let pages = (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16);
+        // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
+        // (see TILE_GROUPS in megakernel.cu).
+        let pages = (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16) / TILE_GROUPS * TILE_GROUPS;
         if pages < TILE_GROUPS {
             bail!(
                 "megakernel: {} B of shared memory per block leaves {pages} pages; at least {TILE_GROUPS} are needed",
