@@ -24,7 +24,7 @@ declare -a rows
 for t in ${TESTS:-.carry/tests/*}; do
   name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
   start=$(date +%s.%N)
-  "$t" --test-threads=1 ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
+  "$t" --test-threads=1 --nocapture ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
   rc=$?
   secs=$(python3 -c "import time; print(round(time.time() - $start, 1))")
   summary=$(grep -E "^test result:" "$OUT/$name.log" | tail -1)

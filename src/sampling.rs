@@ -15,12 +15,20 @@ pub struct SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
-            bail!("--temperature must be a finite number >= 0 (got {})", self.temperature);
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            bail!(
+                "--temperature must be a finite number >= 0 (got {})",
+                self.temperature
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             bail!("--top-p must be in (0, 1] (got {})", self.top_p);
@@ -63,7 +71,10 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Self { params, state: params.seed ^ 0x2545_F491_4F6C_DD1D }
+        Self {
+            params,
+            state: params.seed ^ 0x2545_F491_4F6C_DD1D,
+        }
     }
 
     fn next_f64(&mut self) -> f64 {
@@ -126,7 +137,12 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
         let logits = [0.1, 2.0, 1.9, -3.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 1, top_p: 1.0, seed: 9 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 9,
+        });
         for _ in 0..100 {
             assert_eq!(s.sample(&logits), 1);
         }
@@ -136,7 +152,12 @@ mod tests {
     fn top_p_excludes_the_tail_and_frequencies_follow_softmax() {
         // probs ∝ e^2, e^1, e^0, e^-10: top_p 0.9 keeps the first two (0.665 + 0.245 = 0.91).
         let logits = [2.0, 1.0, 0.0, -10.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.9, seed: 1 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 1,
+        });
         let mut counts = [0usize; 4];
         let n = 20000;
         for _ in 0..n {
@@ -151,18 +172,42 @@ mod tests {
     #[test]
     fn same_seed_same_samples() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let params = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.95, seed: 42 };
-        let a: Vec<u32> = { let mut s = Sampler::new(params); (0..64).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(params); (0..64).map(|_| s.sample(&logits)).collect() };
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 0.95,
+            seed: 42,
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(params);
+            (0..64).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(params);
+            (0..64).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
-        assert!(a.iter().any(|&t| t != a[0]), "sampling at T=0.8 never varied");
+        assert!(
+            a.iter().any(|&t| t != a[0]),
+            "sampling at T=0.8 never varied"
+        );
     }
 
     #[test]
     fn bad_params_are_rejected() {
-        let bad = SamplingParams { temperature: -1.0, ..SamplingParams::greedy() };
-        assert!(bad.validate().unwrap_err().to_string().contains("--temperature"));
-        let bad = SamplingParams { top_p: 0.0, ..SamplingParams::greedy() };
+        let bad = SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::greedy()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--temperature"));
+        let bad = SamplingParams {
+            top_p: 0.0,
+            ..SamplingParams::greedy()
+        };
         assert!(bad.validate().unwrap_err().to_string().contains("--top-p"));
     }
 }

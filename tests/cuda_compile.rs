@@ -1,13 +1,18 @@
 //! The CUDA sources compile with NVRTC for Hopper. Needs only libnvrtc, not a GPU; skipped
 //! (with a message) where NVRTC is absent, as on CI.
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod gpu_common;
+use gpu_common::skip_notice;
+
 use megainfer::gpu::{compile, sources};
 
 fn nvrtc_or_skip() -> bool {
     if compile::nvrtc_present() {
         return true;
     }
-    eprintln!("SKIPPED: libnvrtc not found; CUDA sources not compiled");
+    skip_notice("libnvrtc not found; CUDA sources not compiled");
     false
 }
 
@@ -17,7 +22,11 @@ fn baseline_kernels_compile_for_sm90a() {
         return;
     }
     let cubin = compile::compile_cubin("baseline", &sources::baseline(), "sm_90a", &[]).unwrap();
-    assert_eq!(&cubin[..4], b"\x7fELF", "NVRTC output is not a CUBIN (ELF) image");
+    assert_eq!(
+        &cubin[..4],
+        b"\x7fELF",
+        "NVRTC output is not a CUBIN (ELF) image"
+    );
 }
 
 #[test]
@@ -25,8 +34,13 @@ fn megakernel_compiles_for_sm90a() {
     if !nvrtc_or_skip() {
         return;
     }
-    let cubin = compile::compile_cubin("megakernel", &sources::megakernel(), "sm_90a", &[]).unwrap();
-    assert_eq!(&cubin[..4], b"\x7fELF", "NVRTC output is not a CUBIN (ELF) image");
+    let cubin =
+        compile::compile_cubin("megakernel", &sources::megakernel(), "sm_90a", &[]).unwrap();
+    assert_eq!(
+        &cubin[..4],
+        b"\x7fELF",
+        "NVRTC output is not a CUBIN (ELF) image"
+    );
 }
 
 #[test]
@@ -34,9 +48,14 @@ fn nvrtc_errors_carry_the_compiler_log() {
     if !nvrtc_or_skip() {
         return;
     }
-    let err = compile::compile_cubin("broken", "extern \"C\" __global__ void k() { int x = ; }", "sm_90a", &[])
-        .unwrap_err()
-        .to_string();
+    let err = compile::compile_cubin(
+        "broken",
+        "extern \"C\" __global__ void k() { int x = ; }",
+        "sm_90a",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("NVRTC failed to compile broken"), "{err}");
     assert!(err.contains("expected an expression"), "{err}");
 }

@@ -1,6 +1,11 @@
 //! The megakernel against the CPU reference and the graph baseline. Skipped (with a message)
 //! where no GPU or driver is present, as on CI.
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod gpu_common;
+use gpu_common::{gpu_or_skip, rel_l2, tiny};
+
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::Gpu;
@@ -10,33 +15,14 @@ use megainfer::model::{presets, random::random_weights, Config, Weights};
 use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
 
-fn gpu_or_skip() -> Option<Gpu> {
-    if !megainfer::gpu::available() {
-        eprintln!("SKIPPED: no CUDA GPU/driver on this machine");
-        return None;
-    }
-    Some(Gpu::new(0).expect("GPU present but could not be opened"))
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
-fn tiny(hidden: usize, heads: usize, kv: usize, head_dim: usize, inter: usize) -> Config {
-    let mut c = presets::by_name("smollm2-135m").unwrap();
-    c.hidden_size = hidden;
-    c.num_heads = heads;
-    c.num_kv_heads = kv;
-    c.head_dim = head_dim;
-    c.intermediate_size = inter;
-    c.num_layers = 3;
-    c.vocab_size = 1000;
-    c
-}
-
-fn teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], parts: Option<usize>, label: &str) {
+fn teacher_forced(
+    gpu: &Gpu,
+    cfg: &Config,
+    w: &Weights,
+    tokens: &[u32],
+    parts: Option<usize>,
+    label: &str,
+) {
     let dm = DeviceModel::upload(gpu, cfg, w).unwrap();
     let want = CpuForward::new(cfg, w, 64).forward_all(tokens).unwrap();
     let sched = schedule_for(cfg, gpu, 64, parts).unwrap();
@@ -46,15 +32,24 @@ fn teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], parts: O
         let err = rel_l2(&got, &want[i]);
         println!("{label} megakernel parts={parts:?} step {i}: rel L2 {err:.2e}");
         assert!(err <= 1e-2, "{label}: step {i} rel L2 {err} > 1e-2");
-        assert_eq!(argmax(&got), argmax(&want[i]), "{label}: step {i} argmax differs");
+        assert_eq!(
+            argmax(&got),
+            argmax(&want[i]),
+            "{label}: step {i} argmax differs"
+        );
     }
 }
 
 #[test]
 fn megakernel_matches_reference_on_small_random_models() {
     let Some(gpu) = gpu_or_skip() else { return };
-    for (i, (h, nh, nkv, hd, inter)) in
-        [(192, 3, 3, 64, 520), (576, 9, 3, 64, 1536), (1024, 8, 2, 128, 2056)].into_iter().enumerate()
+    for (i, (h, nh, nkv, hd, inter)) in [
+        (192, 3, 3, 64, 520),
+        (576, 9, 3, 64, 1536),
+        (1024, 8, 2, 128, 2056),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let cfg = tiny(h, nh, nkv, hd, inter);
         let w = random_weights(&cfg, 11 + i as u64);
@@ -69,7 +64,14 @@ fn megakernel_matches_reference_on_llama_1b_shape() {
     let Some(gpu) = gpu_or_skip() else { return };
     let cfg = presets::by_name("llama-3.2-1b").unwrap();
     let w = random_weights(&cfg, 7);
-    teacher_forced(&gpu, &cfg, &w, &[128000, 791, 6864, 315, 9822], None, "llama-1b");
+    teacher_forced(
+        &gpu,
+        &cfg,
+        &w,
+        &[128000, 791, 6864, 315, 9822],
+        None,
+        "llama-1b",
+    );
 }
 
 #[test]

@@ -1,6 +1,11 @@
 //! Every GPU decode path against the CPU reference forward. Skipped (with a message) where no
 //! GPU or driver is present, as on CI.
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod gpu_common;
+use gpu_common::{gpu_or_skip, rel_l2, tiny};
+
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::Gpu;
@@ -8,32 +13,6 @@ use megainfer::gpu::model::DeviceModel;
 use megainfer::model::{presets, random::random_weights, Config, Weights};
 use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
-
-fn gpu_or_skip() -> Option<Gpu> {
-    if !megainfer::gpu::available() {
-        eprintln!("SKIPPED: no CUDA GPU/driver on this machine");
-        return None;
-    }
-    Some(Gpu::new(0).expect("GPU present but could not be opened"))
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
-fn tiny(hidden: usize, heads: usize, kv: usize, head_dim: usize, inter: usize) -> Config {
-    let mut c = presets::by_name("smollm2-135m").unwrap();
-    c.hidden_size = hidden;
-    c.num_heads = heads;
-    c.num_kv_heads = kv;
-    c.head_dim = head_dim;
-    c.intermediate_size = inter;
-    c.num_layers = 3;
-    c.vocab_size = 1000;
-    c
-}
 
 const MODES: [Mode; 3] = [Mode::Eager, Mode::Graph, Mode::GraphPdl];
 
@@ -48,7 +27,11 @@ fn check_teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], la
             let got = path.feed(&[*t]).unwrap();
             let err = rel_l2(&got, &want[i]);
             println!("{label} {} step {i}: rel L2 {err:.2e}", mode.name());
-            assert!(err <= 1e-2, "{label} {}: step {i} rel L2 {err} > 1e-2", mode.name());
+            assert!(
+                err <= 1e-2,
+                "{label} {}: step {i} rel L2 {err} > 1e-2",
+                mode.name()
+            );
         }
     }
 }
@@ -57,8 +40,13 @@ fn check_teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], la
 fn baseline_matches_reference_on_small_random_models() {
     let Some(gpu) = gpu_or_skip() else { return };
     // GQA ratios 1, 3 and 4; head_dim 64 and 128; sizes that are not powers of two.
-    for (i, (h, nh, nkv, hd, inter)) in
-        [(192, 3, 3, 64, 520), (576, 9, 3, 64, 1536), (1024, 8, 2, 128, 2056)].into_iter().enumerate()
+    for (i, (h, nh, nkv, hd, inter)) in [
+        (192, 3, 3, 64, 520),
+        (576, 9, 3, 64, 1536),
+        (1024, 8, 2, 128, 2056),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let cfg = tiny(h, nh, nkv, hd, inter);
         let w = random_weights(&cfg, 11 + i as u64);

@@ -1,6 +1,11 @@
 //! GPU paths on real weights (SmolLM2-135M-Instruct, the default model) against the CPU
 //! reference. Skipped (with a message) where no GPU or driver is present, as on CI.
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod gpu_common;
+use gpu_common::{rel_l2, skip_notice};
+
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::Gpu;
@@ -8,12 +13,6 @@ use megainfer::gpu::megakernel::{schedule_for, MegakernelPath};
 use megainfer::gpu::model::DeviceModel;
 use megainfer::reference::CpuForward;
 use megainfer::sampling::{argmax, top_k};
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
 
 struct Setup {
     gpu: Gpu,
@@ -23,13 +22,22 @@ struct Setup {
 
 fn setup() -> Option<Setup> {
     if !megainfer::gpu::available() {
-        eprintln!("SKIPPED: no CUDA GPU/driver on this machine");
+        skip_notice("no CUDA GPU/driver on this machine");
         return None;
     }
     let path = megainfer::fetch::default_model().expect("default model");
     let model = megainfer::model::load(&path).expect("loading the default model");
-    let prompt = model.tokenizer.as_ref().unwrap().encode("The capital of France is").unwrap();
-    Some(Setup { gpu: Gpu::new(0).unwrap(), model, prompt })
+    let prompt = model
+        .tokenizer
+        .as_ref()
+        .unwrap()
+        .encode("The capital of France is")
+        .unwrap();
+    Some(Setup {
+        gpu: Gpu::new(0).unwrap(),
+        model,
+        prompt,
+    })
 }
 
 /// Greedy continuation on the CPU reference, and its logits at every step.
@@ -46,15 +54,31 @@ fn cpu_greedy(s: &Setup, n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
 
 /// Feeds prompt + reference tokens (teacher forcing), checking logits at every step; then
 /// free-running greedy from the prompt must equal the reference's tokens.
-fn check_path(s: &Setup, path: &mut dyn Backend, label: &str, want_toks: &[u32], want_logits: &[Vec<f32>]) {
+fn check_path(
+    s: &Setup,
+    path: &mut dyn Backend,
+    label: &str,
+    want_toks: &[u32],
+    want_logits: &[Vec<f32>],
+) {
     let mut worst = 0f64;
     for (i, want) in want_logits.iter().enumerate() {
-        let got = if i == 0 { path.feed(&s.prompt).unwrap() } else { path.feed(&[want_toks[i - 1]]).unwrap() };
+        let got = if i == 0 {
+            path.feed(&s.prompt).unwrap()
+        } else {
+            path.feed(&[want_toks[i - 1]]).unwrap()
+        };
         let err = rel_l2(&got, want);
         worst = worst.max(err);
-        assert!(err <= 1e-2, "{label}: teacher-forced step {i}: rel L2 {err} > 1e-2");
+        assert!(
+            err <= 1e-2,
+            "{label}: teacher-forced step {i}: rel L2 {err} > 1e-2"
+        );
     }
-    println!("{label}: teacher-forced {} steps, worst rel L2 {worst:.2e}", want_logits.len());
+    println!(
+        "{label}: teacher-forced {} steps, worst rel L2 {worst:.2e}",
+        want_logits.len()
+    );
 }
 
 fn free_run(path: &mut dyn Backend, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -68,11 +92,21 @@ fn free_run(path: &mut dyn Backend, prompt: &[u32], n: usize) -> Vec<u32> {
 /// Equal, or parting only where each side's token is in the other's top 5 (DESIGN.md).
 fn assert_greedy_agrees(label: &str, got: &[u32], want: &[u32], want_logits: &[Vec<f32>]) {
     match got.iter().zip(want).position(|(a, b)| a != b) {
-        None => println!("{label}: {} greedy tokens identical to the CPU reference", got.len()),
+        None => println!(
+            "{label}: {} greedy tokens identical to the CPU reference",
+            got.len()
+        ),
         Some(i) => {
             let top5 = top_k(&want_logits[i], 5);
-            assert!(top5.contains(&got[i]), "{label}: greedy token {i} = {} not in reference top 5 {top5:?}", got[i]);
-            panic!("{label}: greedy run parts from the reference at token {i} (near-tie: {} vs {})", got[i], want[i]);
+            assert!(
+                top5.contains(&got[i]),
+                "{label}: greedy token {i} = {} not in reference top 5 {top5:?}",
+                got[i]
+            );
+            panic!(
+                "{label}: greedy run parts from the reference at token {i} (near-tie: {} vs {})",
+                got[i], want[i]
+            );
         }
     }
 }
@@ -81,7 +115,13 @@ fn assert_greedy_agrees(label: &str, got: &[u32], want: &[u32], want_logits: &[V
 fn smollm2_gpu_paths_match_reference() {
     let Some(s) = setup() else { return };
     let (want_toks, want_logits) = cpu_greedy(&s, 32);
-    let text = s.model.tokenizer.as_ref().unwrap().decode(&want_toks).unwrap();
+    let text = s
+        .model
+        .tokenizer
+        .as_ref()
+        .unwrap()
+        .decode(&want_toks)
+        .unwrap();
     println!("CPU reference greedy: {text:?}");
     let dm = DeviceModel::upload(&s.gpu, &s.model.config, &s.model.weights).unwrap();
     let sched = schedule_for(&s.model.config, &s.gpu, 512, None).unwrap();
@@ -115,6 +155,11 @@ fn smollm2_megakernel_and_graph_agree_for_256_tokens() {
     let b = g.decode_greedy(first_g, 255).unwrap();
     match a.iter().zip(&b).position(|(x, y)| x != y) {
         None => println!("megakernel and graph: 256 identical greedy tokens"),
-        Some(i) => panic!("megakernel and graph part at token {}: {} vs {}", i + 1, a[i], b[i]),
+        Some(i) => panic!(
+            "megakernel and graph part at token {}: {} vs {}",
+            i + 1,
+            a[i],
+            b[i]
+        ),
     }
 }

@@ -79,7 +79,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let (config, weights, model_name) = match (&args.model, &args.preset) {
         (_, Some(p)) => {
             let c = presets::by_name(p)?;
-            eprintln!("bench: generating random weights of the {p} shape (seed {})", args.seed);
+            eprintln!(
+                "bench: generating random weights of the {p} shape (seed {})",
+                args.seed
+            );
             let w = random_weights(&c, args.seed);
             (c, w, format!("{p} (random bf16 weights)"))
         }
@@ -90,23 +93,35 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         (None, None) => {
             let path = crate::fetch::default_model()?;
             let m2 = model::load(&path)?;
-            (m2.config, m2.weights, "SmolLM2-135M-Instruct Q4_1 (default, as bf16)".to_string())
+            (
+                m2.config,
+                m2.weights,
+                "SmolLM2-135M-Instruct Q4_1 (default, as bf16)".to_string(),
+            )
         }
     };
     let max_seq = args.prompt_len + args.gen + 1;
     if max_seq > config.max_position_embeddings {
-        bail!("--prompt-len + --gen exceed the model's {} positions", config.max_position_embeddings);
+        bail!(
+            "--prompt-len + --gen exceed the model's {} positions",
+            config.max_position_embeddings
+        );
     }
     let dm = DeviceModel::upload(&gpu, &config, &weights)?;
     drop(weights);
     let bw = measure_read_bandwidth(&gpu).context("measuring the read bandwidth")?;
-    let prompt: Vec<u32> =
-        (0..args.prompt_len).map(|i| ((i as u64 * 7919 + args.seed * 31 + 13) % config.vocab_size as u64) as u32).collect();
-    eprintln!("bench: {} | {model_name} | streaming read {bw:.0} GB/s", gpu.describe());
+    let prompt: Vec<u32> = (0..args.prompt_len)
+        .map(|i| ((i as u64 * 7919 + args.seed * 31 + 13) % config.vocab_size as u64) as u32)
+        .collect();
+    eprintln!(
+        "bench: {} | {model_name} | streaming read {bw:.0} GB/s",
+        gpu.describe()
+    );
 
     let mut results = Vec::new();
     for kind in paths {
-        let mut path = GpuPath::new(kind, &gpu, &dm, max_seq).with_context(|| format!("setting up {}", kind.name()))?;
+        let mut path = GpuPath::new(kind, &gpu, &dm, max_seq)
+            .with_context(|| format!("setting up {}", kind.name()))?;
         // Warm-up: compilation, module load, first-touch of every buffer.
         let first = argmax(&path.feed(&prompt)?);
         path.decode_greedy(first, args.gen - 1)?;
@@ -154,13 +169,24 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for r in &results {
         println!(
             "| {} | {:.4} | {:.4}–{:.4} | {:.1} | {:.0} | {:.1}% | {:.2} |",
-            r.path, r.tpot_ms_median, r.tpot_ms_min, r.tpot_ms_max, r.tokens_per_s, r.gb_per_s, r.percent_of_bandwidth,
+            r.path,
+            r.tpot_ms_median,
+            r.tpot_ms_min,
+            r.tpot_ms_max,
+            r.tokens_per_s,
+            r.gb_per_s,
+            r.percent_of_bandwidth,
             r.ttft_ms_median
         );
     }
     if let Some(base) = results.iter().find(|r| r.path == "megakernel") {
         for r in results.iter().filter(|r| r.path != "megakernel") {
-            let agree = r.tokens.iter().zip(&base.tokens).take_while(|(a, b)| a == b).count();
+            let agree = r
+                .tokens
+                .iter()
+                .zip(&base.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
             println!(
                 "megakernel vs {}: {:.2}x faster; greedy tokens identical for {agree}/{}",
                 r.path,
@@ -182,7 +208,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             commit: option_env!("MEGAINFER_COMMIT").map(String::from),
             results,
         };
-        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

@@ -75,11 +75,15 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
             .as_deref()
             .context("--chat: this model has no chat template")?;
         let name = |id: Option<u32>| {
-            id.and_then(|i| tok.inner.id_to_token(i)).unwrap_or_default()
+            id.and_then(|i| tok.inner.id_to_token(i))
+                .unwrap_or_default()
         };
         chat::render(
             template,
-            &[ChatMessage { role: "user".into(), content: prompt.into() }],
+            &[ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+            }],
             &name(tok.bos_token_id),
             &name(tok.eos_token_ids.first().copied()),
             true,
@@ -89,7 +93,12 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
     };
     let mut ids = tok.encode(&text)?;
     // Templates that write the BOS token themselves must not get a second one.
-    if chat_mode && tok.add_bos && ids.len() > 1 && ids[0] == ids[1] && Some(ids[0]) == tok.bos_token_id {
+    if chat_mode
+        && tok.add_bos
+        && ids.len() > 1
+        && ids[0] == ids[1]
+        && Some(ids[0]) == tok.bos_token_id
+    {
         ids.remove(0);
     }
     Ok(ids)
@@ -143,7 +152,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context)?;
         return stream(&model, &mut backend, &ids, max_tokens, params);
     }
-    eprintln!("megainfer: running on the CPU ({} threads)", rayon::current_num_threads());
+    eprintln!(
+        "megainfer: running on the CPU ({} threads)",
+        rayon::current_num_threads()
+    );
     let mut backend = CpuForward::new(&model.config, &model.weights, max_context);
     stream(&model, &mut backend, &ids, max_tokens, params)
 }
@@ -175,8 +187,9 @@ pub fn stream(
             out_ids.push(t);
             let text = tok.decode(&out_ids)?;
             // A token may end inside a multi-byte character: wait for the rest of it.
-            if !text.ends_with('\u{FFFD}') && text.len() > printed && text.is_char_boundary(printed) {
-                stdout.write_all(text[printed..].as_bytes())?;
+            if !text.ends_with('\u{FFFD}') && text.len() > printed && text.is_char_boundary(printed)
+            {
+                stdout.write_all(&text.as_bytes()[printed..])?;
                 stdout.flush()?;
                 printed = text.len();
             }
@@ -190,7 +203,11 @@ pub fn stream(
         stats.time_to_first_token.as_secs_f64() * 1e3,
         stats.generated,
         stats.decode_tokens_per_s(),
-        if stats.stopped_on_eos { " | stopped at eos" } else { "" }
+        if stats.stopped_on_eos {
+            " | stopped at eos"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

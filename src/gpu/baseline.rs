@@ -75,7 +75,10 @@ impl<'g> BaselinePath<'g> {
     pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, mode: Mode, max_seq: usize) -> Result<Self> {
         let c = &model.config;
         let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
-        let module = gpu.ctx.load_module(Ptx::from_binary(cubin)).context("loading the baseline CUBIN")?;
+        let module = gpu
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .context("loading the baseline CUBIN")?;
         let k = Kernels {
             embed: Kernel::load(&module, "bl_embed")?,
             rmsnorm: Kernel::load(&module, "bl_rmsnorm")?,
@@ -114,11 +117,26 @@ impl<'g> BaselinePath<'g> {
         Ok(p)
     }
 
-    fn gemv(&self, w: u64, x: u64, y: u64, rows: usize, cols: usize, accumulate: bool) -> Result<()> {
+    fn gemv(
+        &self,
+        w: u64,
+        x: u64,
+        y: u64,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<()> {
         let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
         let grid = (rows as u32).div_ceil(GEMV_ROWS_PER_BLOCK);
         let mut a = kargs![&w, &x, &y, &rows_i, &cols_i, &acc];
-        self.k.gemv.launch(&self.gpu.stream, grid, GEMV_THREADS, (cols * 4) as u32, self.pdl(), &mut a)
+        self.k.gemv.launch(
+            &self.gpu.stream,
+            grid,
+            GEMV_THREADS,
+            (cols * 4) as u32,
+            self.pdl(),
+            &mut a,
+        )
     }
 
     fn pdl(&self) -> bool {
@@ -140,15 +158,40 @@ impl<'g> BaselinePath<'g> {
             ptr(&self.meta, s),
             ptr(&self.history, s),
         );
-        let (hidden, inter, eps) = (c.hidden_size as i32, c.intermediate_size as i32, c.rms_norm_eps);
+        let (hidden, inter, eps) = (
+            c.hidden_size as i32,
+            c.intermediate_size as i32,
+            c.rms_norm_eps,
+        );
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let embed = ptr(&self.model.embed, s);
-        self.k.embed.launch(s, (hidden as u32).div_ceil(256), 256, 0, pdl, &mut kargs![&embed, &meta, &x, &hidden])?;
+        self.k.embed.launch(
+            s,
+            (hidden as u32).div_ceil(256),
+            256,
+            0,
+            pdl,
+            &mut kargs![&embed, &meta, &x, &hidden],
+        )?;
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
             let norm = ptr(&lw.attn_norm, s);
-            self.k.rmsnorm.launch(s, 1, 1024, 0, pdl, &mut kargs![&x, &norm, &xn, &hidden, &eps])?;
-            self.gemv(ptr(&lw.w_qkv, s), xn, qkv, c.q_dim() + 2 * c.kv_dim(), c.hidden_size, false)?;
+            self.k.rmsnorm.launch(
+                s,
+                1,
+                1024,
+                0,
+                pdl,
+                &mut kargs![&x, &norm, &xn, &hidden, &eps],
+            )?;
+            self.gemv(
+                ptr(&lw.w_qkv, s),
+                xn,
+                qkv,
+                c.q_dim() + 2 * c.kv_dim(),
+                c.hidden_size,
+                false,
+            )?;
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
             self.k.rope_kv.launch(
@@ -170,16 +213,65 @@ impl<'g> BaselinePath<'g> {
             )?;
             self.gemv(ptr(&lw.wo, s), attn, x, c.hidden_size, c.q_dim(), true)?;
             let norm = ptr(&lw.ffn_norm, s);
-            self.k.rmsnorm.launch(s, 1, 1024, 0, pdl, &mut kargs![&x, &norm, &xn, &hidden, &eps])?;
-            self.gemv(ptr(&lw.w_gu, s), xn, gu, 2 * c.intermediate_size, c.hidden_size, false)?;
-            self.k.silu_mul.launch(s, (inter as u32).div_ceil(256), 256, 0, pdl, &mut kargs![&gu, &act, &inter])?;
-            self.gemv(ptr(&lw.w_down, s), act, x, c.hidden_size, c.intermediate_size, true)?;
+            self.k.rmsnorm.launch(
+                s,
+                1,
+                1024,
+                0,
+                pdl,
+                &mut kargs![&x, &norm, &xn, &hidden, &eps],
+            )?;
+            self.gemv(
+                ptr(&lw.w_gu, s),
+                xn,
+                gu,
+                2 * c.intermediate_size,
+                c.hidden_size,
+                false,
+            )?;
+            self.k.silu_mul.launch(
+                s,
+                (inter as u32).div_ceil(256),
+                256,
+                0,
+                pdl,
+                &mut kargs![&gu, &act, &inter],
+            )?;
+            self.gemv(
+                ptr(&lw.w_down, s),
+                act,
+                x,
+                c.hidden_size,
+                c.intermediate_size,
+                true,
+            )?;
         }
         let norm = ptr(&self.model.final_norm, s);
-        self.k.rmsnorm.launch(s, 1, 1024, 0, pdl, &mut kargs![&x, &norm, &xn, &hidden, &eps])?;
-        self.gemv(self.model.lm_head_ptr(g), xn, logits, c.vocab_size, c.hidden_size, false)?;
+        self.k.rmsnorm.launch(
+            s,
+            1,
+            1024,
+            0,
+            pdl,
+            &mut kargs![&x, &norm, &xn, &hidden, &eps],
+        )?;
+        self.gemv(
+            self.model.lm_head_ptr(g),
+            xn,
+            logits,
+            c.vocab_size,
+            c.hidden_size,
+            false,
+        )?;
         let vocab = c.vocab_size as i32;
-        self.k.argmax.launch(s, 1, 1024, 0, pdl, &mut kargs![&logits, &vocab, &meta, &history])
+        self.k.argmax.launch(
+            s,
+            1,
+            1024,
+            0,
+            pdl,
+            &mut kargs![&logits, &vocab, &meta, &history],
+        )
     }
 
     fn capture(&mut self) -> Result<()> {
@@ -187,7 +279,9 @@ impl<'g> BaselinePath<'g> {
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning CUDA graph capture")?;
         let enqueued = self.enqueue_step();
-        let graph = s.end_capture(CUgraphInstantiate_flags(0)).context("ending CUDA graph capture")?;
+        let graph = s
+            .end_capture(CUgraphInstantiate_flags(0))
+            .context("ending CUDA graph capture")?;
         enqueued?;
         self.graph = Some(graph.context("CUDA graph capture produced no graph")?);
         Ok(())
@@ -275,7 +369,9 @@ pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
     let mut buf = gpu.alloc_zeros::<u8>(bytes, "bandwidth probe buffer")?;
     gpu.stream.memset_zeros(&mut buf)?;
     // Non-zero contents: some memory systems compress zeros.
-    let pattern: Vec<u8> = (0..(64usize << 20)).map(|i| (i * 2654435761usize >> 13) as u8).collect();
+    let pattern: Vec<u8> = (0..(64usize << 20))
+        .map(|i| ((i * 2654435761usize) >> 13) as u8)
+        .collect();
     for off in (0..bytes).step_by(pattern.len()) {
         let mut view = buf.slice_mut(off..off + pattern.len());
         gpu.stream.memcpy_htod(&pattern, &mut view)?;
@@ -284,8 +380,12 @@ pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
     let (p, sp) = (ptr(&buf, &gpu.stream), ptr(&sink, &gpu.stream));
     let n = (bytes / 16) as u64;
     let grid = (gpu.sm_count * 8) as u32;
-    let start = gpu.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-    let stop = gpu.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let start = gpu
+        .ctx
+        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let stop = gpu
+        .ctx
+        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
     let mut times = Vec::new();
     for rep in 0..6 {
         start.record(&gpu.stream)?;

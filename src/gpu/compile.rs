@@ -34,7 +34,12 @@ fn nvrtc_version() -> Result<(i32, i32)> {
 
 /// Compiles `source` for `arch` (e.g. `sm_90a`) and returns the CUBIN, from the disk cache
 /// when the same source, architecture, options and NVRTC version were compiled before.
-pub fn compile_cubin(name: &str, source: &str, arch: &str, extra_options: &[String]) -> Result<Vec<u8>> {
+pub fn compile_cubin(
+    name: &str,
+    source: &str,
+    arch: &str,
+    extra_options: &[String],
+) -> Result<Vec<u8>> {
     if !nvrtc_present() {
         bail!("NVRTC (libnvrtc.so) could not be loaded: install the CUDA toolkit or add its lib directory to LD_LIBRARY_PATH");
     }
@@ -53,7 +58,12 @@ pub fn compile_cubin(name: &str, source: &str, arch: &str, extra_options: &[Stri
     let mut h = Sha256::new();
     h.update(source.as_bytes());
     h.update(format!("{arch}|{options:?}|{version:?}").as_bytes());
-    let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let key: String = h
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let cache_path = crate::fetch::cache_dir()
         .ok()
         .map(|d| d.join("kernels").join(format!("{name}-{arch}-{key}.cubin")));
@@ -82,7 +92,8 @@ pub fn compile_cubin(name: &str, source: &str, arch: &str, extra_options: &[Stri
 fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
     let src = CString::new(source).context("CUDA source contains a NUL byte")?;
     let cname = CString::new(name).context("program name contains a NUL byte")?;
-    let prog = nvrtc::create_program(&src, Some(&cname)).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+    let prog = nvrtc::create_program(&src, Some(&cname))
+        .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
     // SAFETY: `prog` is live until destroy_program below; src and cname outlive it.
     let result = unsafe {
         let compiled = nvrtc::compile_program(prog, options);
@@ -90,7 +101,9 @@ fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<
             .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
             .unwrap_or_default();
         match compiled {
-            Err(e) => Err(anyhow!("NVRTC failed to compile {name} ({e:?}) with {options:?}:\n{log}")),
+            Err(e) => Err(anyhow!(
+                "NVRTC failed to compile {name} ({e:?}) with {options:?}:\n{log}"
+            )),
             Ok(()) => {
                 if std::env::var_os("MEGAINFER_NVRTC_LOG").is_some() {
                     eprintln!("NVRTC log for {name}:\n{log}");
@@ -102,7 +115,9 @@ fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<
                 let mut buf = vec![0u8; size];
                 sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
                     .result()
-                    .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?} (architecture must be a real sm_XX)"))?;
+                    .map_err(|e| {
+                        anyhow!("nvrtcGetCUBIN: {e:?} (architecture must be a real sm_XX)")
+                    })?;
                 Ok(buf)
             }
         }

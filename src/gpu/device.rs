@@ -20,27 +20,37 @@ pub struct Gpu {
 impl Gpu {
     pub fn new(ordinal: usize) -> Result<Self> {
         super::require()?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("cannot open GPU {ordinal}: {e}"))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| anyhow!("cannot open GPU {ordinal}: {e}"))?;
         // Buffers are ordered by our single stream; cudarc's per-buffer events would also be
         // captured into graphs, which capture forbids.
         // SAFETY: every launch and copy goes through `stream`, which orders them.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
-        let attr = |a| ctx.attribute(a).map_err(|e| anyhow!("cuDeviceGetAttribute: {e}"));
+        let attr = |a| {
+            ctx.attribute(a)
+                .map_err(|e| anyhow!("cuDeviceGetAttribute: {e}"))
+        };
         let cc = (
             attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
             attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         );
         if cc.0 < 8 {
-            bail!("GPU compute capability {}.{} is too old: megainfer needs 8.0 or newer", cc.0, cc.1);
+            bail!(
+                "GPU compute capability {}.{} is too old: megainfer needs 8.0 or newer",
+                cc.0,
+                cc.1
+            );
         }
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let (_, total) = cudarc::driver::result::mem_get_info().map_err(|e| anyhow!("cuMemGetInfo: {e}"))?;
+        let (_, total) =
+            cudarc::driver::result::mem_get_info().map_err(|e| anyhow!("cuMemGetInfo: {e}"))?;
         Ok(Self {
             name,
             sm_count: attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
             compute_capability: cc,
-            max_smem_per_block: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
+            max_smem_per_block: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+                as usize,
             total_memory: total,
             ctx,
             stream,
@@ -69,7 +79,11 @@ impl Gpu {
         )
     }
 
-    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize, what: &str) -> Result<CudaSlice<T>> {
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| {
             anyhow!(
                 "out of GPU memory? allocating {what} ({:.1} MiB) failed: {e}",

@@ -5,7 +5,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
-use cudarc::driver::sys::{self, CUlaunchAttributeID, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUfunction_attribute, CUlaunchAttributeID};
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream};
 
 pub struct Kernel {
@@ -32,7 +32,12 @@ impl Kernel {
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )
-            .map_err(|e| anyhow!("{}: cannot allow {bytes} B of shared memory: {e}", self.name))
+            .map_err(|e| {
+                anyhow!(
+                    "{}: cannot allow {bytes} B of shared memory: {e}",
+                    self.name
+                )
+            })
     }
 
     pub fn occupancy(&self, block: u32, smem: usize) -> Result<u32> {
@@ -68,9 +73,21 @@ impl Kernel {
         };
         // SAFETY: args match the kernel's parameter list (checked by each caller's
         // construction); the function belongs to the stream's context.
-        unsafe { sys::cuLaunchKernelEx(&cfg, self.func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .map_err(|e| anyhow!("launching {} (grid {grid}, block {block}, smem {smem}): {e}", self.name))
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.func.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| {
+            anyhow!(
+                "launching {} (grid {grid}, block {block}, smem {smem}): {e}",
+                self.name
+            )
+        })
     }
 }
 

@@ -101,13 +101,24 @@ pub struct MegakernelPath<'g> {
 }
 
 impl<'g> MegakernelPath<'g> {
-    pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, schedule: &Schedule, max_seq: usize) -> Result<Self> {
+    pub fn new(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        schedule: &Schedule,
+        max_seq: usize,
+    ) -> Result<Self> {
         let c = &model.config;
         if schedule.streams.len() != gpu.sm_count {
-            bail!("schedule built for {} SMs, the GPU has {}", schedule.streams.len(), gpu.sm_count);
+            bail!(
+                "schedule built for {} SMs, the GPU has {}",
+                schedule.streams.len(),
+                gpu.sm_count
+            );
         }
         if c.num_heads / c.num_kv_heads > CONSUMER_WARPS {
-            bail!("megakernel: more than {CONSUMER_WARPS} query heads per KV head is not supported");
+            bail!(
+                "megakernel: more than {CONSUMER_WARPS} query heads per KV head is not supported"
+            );
         }
         let enc = schedule.encode();
         let mut descs = Vec::new();
@@ -118,28 +129,45 @@ impl<'g> MegakernelPath<'g> {
             let rows = match i.op {
                 Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
                 Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
-                Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => row_count as usize,
-                Op::DownProjResidual { row_count, col_count, .. } => {
+                Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
+                    row_count as usize
+                }
+                Op::DownProjResidual {
+                    row_count,
+                    col_count,
+                    ..
+                } => {
                     max_cols = max_cols.max(col_count as usize);
                     row_count as usize
                 }
                 _ => 0,
             };
             if rows > RES_MAX {
-                bail!("schedule: {:?} computes {rows} rows; the megakernel holds at most {RES_MAX}", i.op);
+                bail!(
+                    "schedule: {:?} computes {rows} rows; the megakernel holds at most {RES_MAX}",
+                    i.op
+                );
             }
         }
         if max_cols * 2 > PAGE_BYTES {
             bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
         }
         let (words, offsets) = (enc.words, enc.sm_offsets);
-        let (n_lm, parts, chunks) = (enc.lm_blocks as usize, enc.attn_parts as usize, enc.down_chunks as usize);
+        let (n_lm, parts, chunks) = (
+            enc.lm_blocks as usize,
+            enc.attn_parts as usize,
+            enc.down_chunks as usize,
+        );
         let instructions = words.len() / WORDS;
-        let xs_floats = max_cols.max(CONSUMER_WARPS * (2 + c.head_dim)).next_multiple_of(4);
+        let xs_floats = max_cols
+            .max(CONSUMER_WARPS * (2 + c.head_dim))
+            .next_multiple_of(4);
         let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
         // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
         // (see TILE_GROUPS in megakernel.cu).
-        let pages = (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16) / TILE_GROUPS * TILE_GROUPS;
+        let pages =
+            (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16) / TILE_GROUPS
+                * TILE_GROUPS;
         if pages < TILE_GROUPS {
             bail!(
                 "megakernel: {} B of shared memory per block leaves {pages} pages; at least {TILE_GROUPS} are needed",
@@ -149,7 +177,10 @@ impl<'g> MegakernelPath<'g> {
         let smem = (pages * PAGE_BYTES + fixed + pages * 16) as u32;
 
         let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &[])?;
-        let module = gpu.ctx.load_module(Ptx::from_binary(cubin)).context("loading the megakernel CUBIN")?;
+        let module = gpu
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .context("loading the megakernel CUBIN")?;
         let kernel = Kernel::load(&module, "megakernel")?;
         kernel.allow_smem(smem as usize)?;
         let occ = kernel.occupancy(THREADS, smem as usize)?;
@@ -174,7 +205,15 @@ impl<'g> MegakernelPath<'g> {
             .layers
             .iter()
             .flat_map(|lw| {
-                [&lw.attn_norm, &lw.w_qkv, &lw.wo, &lw.ffn_norm, &lw.w_gu, &lw.w_down].map(|b| ptr(b, s))
+                [
+                    &lw.attn_norm,
+                    &lw.w_qkv,
+                    &lw.wo,
+                    &lw.ffn_norm,
+                    &lw.w_gu,
+                    &lw.w_down,
+                ]
+                .map(|b| ptr(b, s))
             })
             .collect();
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
@@ -251,7 +290,9 @@ impl<'g> MegakernelPath<'g> {
             meta_current: None,
             max_epochs: enc.max_epochs,
             descs,
-            counter_names: (0..schedule.counters.count()).map(|c| schedule.counters.name(c)).collect(),
+            counter_names: (0..schedule.counters.count())
+                .map(|c| schedule.counters.name(c))
+                .collect(),
         })
     }
 
@@ -303,9 +344,16 @@ impl<'g> MegakernelPath<'g> {
         };
         let mut args = [&self.params as *const MkParams as *mut c_void];
         // SAFETY: one argument, the MkParams struct the kernel declares, by value.
-        unsafe { sys::cuLaunchKernelEx(&cfg, self.kernel_fn(), args.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .context("launching the megakernel (co-residency of one CTA per SM is required)")?;
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.kernel_fn(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .context("launching the megakernel (co-residency of one CTA per SM is required)")?;
         self.params.epoch += 1;
         Ok(())
     }
@@ -317,7 +365,11 @@ impl<'g> MegakernelPath<'g> {
     /// Reads the kernel's error word; a timed-out wait becomes an error naming it and where
     /// every unfinished SM stood.
     pub fn check_error(&self) -> Result<()> {
-        let e = self.gpu.stream.clone_dtoh(&self.error).context("megakernel failed")?;
+        let e = self
+            .gpu
+            .stream
+            .clone_dtoh(&self.error)
+            .context("megakernel failed")?;
         if e[0] == 0 {
             return Ok(());
         }
@@ -331,7 +383,10 @@ impl<'g> MegakernelPath<'g> {
                 e[5]
             ),
             2 => format!("waited too long for weight page of tile {} to arrive", e[3]),
-            _ => format!("(loader) waited too long for tile {}'s page to be released", e[3]),
+            _ => format!(
+                "(loader) waited too long for tile {}'s page to be released",
+                e[3]
+            ),
         };
         let progress = self.gpu.stream.clone_dtoh(&self.progress)?;
         let stages = ["start", "waiting", "preparing", "tiles", "storing", "done"];
@@ -369,7 +424,11 @@ impl<'g> MegakernelPath<'g> {
 
     fn check_room(&self, n: usize) -> Result<()> {
         if self.pos + n > self.max_seq {
-            bail!("sequence of {} tokens exceeds the context of {} tokens (--max-context)", self.pos + n, self.max_seq);
+            bail!(
+                "sequence of {} tokens exceeds the context of {} tokens (--max-context)",
+                self.pos + n,
+                self.max_seq
+            );
         }
         Ok(())
     }
@@ -427,12 +486,21 @@ impl Backend for MegakernelPath<'_> {
 
 /// The schedule the megakernel runs for `config` on `gpu`: granularity from the cost model,
 /// attention costed at `context` positions, `attn_parts` overriding the split-KV partitions.
-pub fn schedule_for(config: &crate::model::Config, gpu: &Gpu, context: usize, attn_parts: Option<usize>) -> Result<Schedule> {
+pub fn schedule_for(
+    config: &crate::model::Config,
+    gpu: &Gpu,
+    context: usize,
+    attn_parts: Option<usize>,
+) -> Result<Schedule> {
     let shape = crate::reference::sliced::shape_of(config);
     let gs = scheduler::GpuShape::with_sms(gpu.sm_count);
     // Measured hops (wait, prepare, compute, signal) cost microseconds, not the default 0.5:
     // a higher fixed cost keeps short contexts from paying an extra split-KV reduction hop.
-    let cost = scheduler::CostModel { context, latency_us: 2.0, ..Default::default() };
+    let cost = scheduler::CostModel {
+        context,
+        latency_us: 2.0,
+        ..Default::default()
+    };
     let mut opts = scheduler::Options::auto(&shape, &gs, &cost);
     if let Some(p) = attn_parts {
         opts.attn_parts = p;

@@ -28,11 +28,11 @@ pub fn require() -> Result<()> {
     }
 }
 
-pub mod compile;
-pub mod sources;
 pub mod baseline;
+pub mod compile;
 pub mod device;
 pub mod launch;
-pub mod model;
 pub mod megakernel;
+pub mod model;
 pub mod paths;
+pub mod sources;

@@ -40,11 +40,17 @@ pub struct DeviceModel {
 
 impl DeviceModel {
     pub fn upload(gpu: &Gpu, config: &Config, w: &Weights) -> Result<Self> {
-        if config.hidden_size % 8 != 0 || config.intermediate_size % 8 != 0 || config.q_dim() % 8 != 0 {
+        if !config.hidden_size.is_multiple_of(8)
+            || !config.intermediate_size.is_multiple_of(8)
+            || !config.q_dim().is_multiple_of(8)
+        {
             bail!("GPU paths need hidden, intermediate and heads*head_dim to be multiples of 8 (16-byte rows)");
         }
         if config.head_dim != 64 && config.head_dim != 128 {
-            bail!("GPU paths support head_dim 64 or 128, not {}", config.head_dim);
+            bail!(
+                "GPU paths support head_dim 64 or 128, not {}",
+                config.head_dim
+            );
         }
         let layers = w
             .layers
@@ -53,10 +59,14 @@ impl DeviceModel {
             .map(|(i, l)| {
                 Ok(DeviceLayer {
                     attn_norm: gpu.upload(raw(&l.attn_norm), &format!("layer {i} attn_norm"))?,
-                    w_qkv: gpu.upload(&concat(&[&l.wq, &l.wk, &l.wv]), &format!("layer {i} qkv"))?,
+                    w_qkv: gpu
+                        .upload(&concat(&[&l.wq, &l.wk, &l.wv]), &format!("layer {i} qkv"))?,
                     wo: gpu.upload(raw(&l.wo), &format!("layer {i} o_proj"))?,
                     ffn_norm: gpu.upload(raw(&l.ffn_norm), &format!("layer {i} ffn_norm"))?,
-                    w_gu: gpu.upload(&concat(&[&l.w_gate, &l.w_up]), &format!("layer {i} gate/up"))?,
+                    w_gu: gpu.upload(
+                        &concat(&[&l.w_gate, &l.w_up]),
+                        &format!("layer {i} gate/up"),
+                    )?,
                     w_down: gpu.upload(raw(&l.w_down), &format!("layer {i} down_proj"))?,
                 })
             })
@@ -100,6 +110,11 @@ impl KvCache {
             "KV cache for {max_seq} tokens ({:.1} MiB; lower --max-context to shrink it)",
             Self::bytes(config, max_seq) as f64 / (1 << 20) as f64
         );
-        Ok(Self { k: gpu.alloc_zeros(n, &what)?, v: gpu.alloc_zeros(n, &what)?, max_seq, layer_stride })
+        Ok(Self {
+            k: gpu.alloc_zeros(n, &what)?,
+            v: gpu.alloc_zeros(n, &what)?,
+            max_seq,
+            layer_stride,
+        })
     }
 }

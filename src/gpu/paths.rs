@@ -17,7 +17,12 @@ pub enum PathKind {
 }
 
 impl PathKind {
-    pub const ALL: [PathKind; 4] = [PathKind::Megakernel, PathKind::GraphPdl, PathKind::Graph, PathKind::Eager];
+    pub const ALL: [PathKind; 4] = [
+        PathKind::Megakernel,
+        PathKind::GraphPdl,
+        PathKind::Graph,
+        PathKind::Eager,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -43,21 +48,30 @@ impl PathKind {
 
 pub enum GpuPath<'g> {
     Megakernel(Box<MegakernelPath<'g>>),
-    Baseline(BaselinePath<'g>),
+    Baseline(Box<BaselinePath<'g>>),
 }
 
 impl<'g> GpuPath<'g> {
-    pub fn new(kind: PathKind, gpu: &'g Gpu, model: &'g DeviceModel, max_seq: usize) -> Result<Self> {
+    pub fn new(
+        kind: PathKind,
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        max_seq: usize,
+    ) -> Result<Self> {
         let mode = match kind {
             PathKind::Megakernel => {
                 let schedule = schedule_for(&model.config, gpu, max_seq, None)?;
-                return Ok(Self::Megakernel(Box::new(MegakernelPath::new(gpu, model, &schedule, max_seq)?)));
+                return Ok(Self::Megakernel(Box::new(MegakernelPath::new(
+                    gpu, model, &schedule, max_seq,
+                )?)));
             }
             PathKind::GraphPdl => Mode::GraphPdl,
             PathKind::Graph => Mode::Graph,
             PathKind::Eager => Mode::Eager,
         };
-        Ok(Self::Baseline(BaselinePath::new(gpu, model, mode, max_seq)?))
+        Ok(Self::Baseline(Box::new(BaselinePath::new(
+            gpu, model, mode, max_seq,
+        )?)))
     }
 
     pub fn reset(&mut self) {

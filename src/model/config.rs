@@ -62,14 +62,14 @@ impl Config {
                 bail!("config: {name} = {v} is implausibly large");
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
                 "config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_heads,
                 self.num_kv_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("config: head_dim ({}) must be even for RoPE", self.head_dim);
         }
         if let Some(d) = &self.rope_freq_divisors {
@@ -81,7 +81,11 @@ impl Config {
                 );
             }
         }
-        if !(self.rope_theta > 0.0) || !(self.rms_norm_eps > 0.0) {
+        if self.rope_theta.is_nan()
+            || self.rope_theta <= 0.0
+            || self.rms_norm_eps.is_nan()
+            || self.rms_norm_eps <= 0.0
+        {
             bail!("config: rope_theta and rms_norm_eps must be positive");
         }
         Ok(())

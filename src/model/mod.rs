@@ -30,7 +30,10 @@ pub fn load(path: &Path) -> Result<Model> {
     }
     let model = if path.is_dir() {
         hf::load(path)?
-    } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    } else if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
         gguf::load(path)?
     } else {
         bail!(

@@ -50,7 +50,11 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
             ffn_norm: norm(&mut rng, h),
             w_gate: tensor(&mut rng, cfg.intermediate_size * h, fan(h)),
             w_up: tensor(&mut rng, cfg.intermediate_size * h, fan(h)),
-            w_down: tensor(&mut rng, h * cfg.intermediate_size, fan(cfg.intermediate_size)),
+            w_down: tensor(
+                &mut rng,
+                h * cfg.intermediate_size,
+                fan(cfg.intermediate_size),
+            ),
         })
         .collect();
     Weights {

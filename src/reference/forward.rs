@@ -1,7 +1,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::ops::{attend, matmul, rmsnorm, round_bf16, rope, silu, widen};
+use super::ops::{attend, matmul, rmsnorm, rope, round_bf16, silu, widen};
 use crate::model::{Config, Weights};
 
 /// A running sequence on the CPU: weights plus the KV cache of the tokens fed so far.

@@ -37,7 +37,11 @@ fn dot(w: &[f32], x: &[f32]) -> f32 {
 /// `out[t][r] = W[r, :] · xs[t]` for every input vector `t`: each weight row is read once per
 /// call however many vectors there are (prefill reads the weights once, not once per token).
 pub fn matmul(w: &[bf16], cols: usize, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
-    assert_eq!(w.len() % cols, 0, "weight length is not a multiple of its row length");
+    assert_eq!(
+        w.len() % cols,
+        0,
+        "weight length is not a multiple of its row length"
+    );
     let rows = w.len() / cols;
     let t = xs.len();
     const BLOCK: usize = 16;
@@ -63,7 +67,10 @@ pub fn matmul(w: &[bf16], cols: usize, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
 pub fn rmsnorm(x: &[f32], w: &[bf16], eps: f32) -> Vec<f32> {
     let ms = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / x.len() as f64;
     let scale = (1.0 / (ms + eps as f64).sqrt()) as f32;
-    x.iter().zip(w).map(|(v, g)| v * scale * widen(*g)).collect()
+    x.iter()
+        .zip(w)
+        .map(|(v, g)| v * scale * widen(*g))
+        .collect()
 }
 
 /// Rotates one head in place, HF `rotate_half` convention: element `i` pairs with `i + d/2`.
@@ -85,7 +92,14 @@ pub fn silu(x: f32) -> f32 {
 
 /// Softmax attention of one query head over `len` cached positions.
 /// `k`/`v` hold `[positions, kv_dim]`; this head reads columns `kv_off..kv_off + q.len()`.
-pub fn attend(q: &[f32], k: &[f32], v: &[f32], kv_dim: usize, kv_off: usize, len: usize) -> Vec<f32> {
+pub fn attend(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    kv_dim: usize,
+    kv_off: usize,
+    len: usize,
+) -> Vec<f32> {
     let d = q.len();
     let scale = 1.0 / (d as f32).sqrt();
     let scores: Vec<f32> = (0..len)

@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use half::bf16;
 use scheduler::{Machine, ModelShape, Op, Schedule};
 
-use super::ops::{attend, matmul, rmsnorm, round_bf16, rope, silu, widen};
+use super::ops::{attend, matmul, rmsnorm, rope, round_bf16, silu, widen};
 use crate::model::{Config, Weights};
 
 /// `token_out` (and a block's argmax) when the value it depends on was never written.
@@ -197,10 +197,16 @@ impl<'a> SlicedMachine<'a> {
         };
         let is_cache = head >= c.num_heads;
         let store = |x: f32| if is_cache { round_bf16(x) } else { x };
-        for (d, o) in dest[base + lo..base + lo + pair_count].iter_mut().zip(&out[..pair_count]) {
+        for (d, o) in dest[base + lo..base + lo + pair_count]
+            .iter_mut()
+            .zip(&out[..pair_count])
+        {
             *d = store(*o);
         }
-        for (d, o) in dest[base + hi..base + hi + pair_count].iter_mut().zip(&out[pair_count..]) {
+        for (d, o) in dest[base + hi..base + hi + pair_count]
+            .iter_mut()
+            .zip(&out[pair_count..])
+        {
             *d = store(*o);
         }
     }
