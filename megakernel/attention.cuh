@@ -1,51 +1,85 @@
 // Attention math shared by the baseline kernel and the megakernel's Attention instruction.
-// One warp streams positions [p_begin, p_end) with stride p_step of one kv head, keeping an
-// online softmax (running max m, running sum l, weighted V sum acc); lane j owns dims
-// j*D .. j*D+D-1 of the head (D = head_dim / 32, at most 4).
+//
+// One warp works through blocks of 32 positions: lane j scores position base + j on its own
+// (the whole q·k dot product, 16-byte loads of its K row, so a block's 32 rows are in flight
+// at once), the block's softmax weights are combined across lanes, then every lane
+// accumulates its own D = head_dim / 32 output dims over the block's V rows (loads unrolled).
+// A running max m, sum l and weighted V sum acc carry the online softmax across blocks.
 
 #define ATT_MAX_D 4
 
+__device__ __forceinline__ uint4 ld_cg16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
 __device__ __forceinline__ void load_head_dims(const bf16_t* p, int D, float* out) {
     if (D == 2) {
-        u32 w = *(const u32*)p;
+        u32 w = __ldcg((const unsigned int*)p);
         out[0] = __uint_as_float(w << 16); out[1] = __uint_as_float(w & 0xffff0000u);
     } else {
-        uint2 w = *(const uint2*)p;
+        uint2 w = __ldcg((const uint2*)p);
         out[0] = __uint_as_float(w.x << 16); out[1] = __uint_as_float(w.x & 0xffff0000u);
         out[2] = __uint_as_float(w.y << 16); out[3] = __uint_as_float(w.y & 0xffff0000u);
     }
 }
 
-__device__ __forceinline__ void attend_warp(const float* qd, const bf16_t* k_head, const bf16_t* v_head,
-                                            int kv_stride, int D, float scale, int p_begin, int p_end,
-                                            int p_step, float& m, float& l, float* acc) {
-    const int lane = threadIdx.x & 31;
-    for (int p = p_begin; p < p_end; p += p_step) {
-        float kd[ATT_MAX_D], vd[ATT_MAX_D];
-        load_head_dims(k_head + (size_t)p * kv_stride + lane * D, D, kd);
-        load_head_dims(v_head + (size_t)p * kv_stride + lane * D, D, vd);
-        float s = 0.f;
-        for (int j = 0; j < D; j++) s = fmaf(qd[j], kd[j], s);
-        s = warp_sum(s) * scale;
-        float m_new = fmaxf(m, s);
-        float corr = __expf(m - m_new);
-        float e = __expf(s - m_new);
-        l = l * corr + e;
-        for (int j = 0; j < D; j++) acc[j] = acc[j] * corr + e * vd[j];
+// q: the head's query in shared memory (all lanes read it). Blocks of 32 positions starting
+// at p_begin, this warp taking blocks first_block, first_block + block_step, ...
+__device__ __forceinline__ void attend_warp(const float* q, const bf16_t* k_head, const bf16_t* v_head,
+                                            int kv_stride, int head_dim, float scale, int p_begin, int p_end,
+                                            int first_block, int block_step, float& m, float& l, float* acc) {
+    const int lane = threadIdx.x & 31, D = head_dim >> 5;
+    for (int base = p_begin + first_block * 32; base < p_end; base += block_step * 32) {
+        const int pj = base + lane;
+        float s = NEG_INF;
+        if (pj < p_end) {
+            const bf16_t* kr = k_head + (size_t)pj * kv_stride;
+            float dot = 0.f;
+            if (head_dim == 64) {
+                uint4 kv[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) kv[u] = ld_cg16(kr + 8 * u);
+#pragma unroll
+                for (int u = 0; u < 8; u++) dot += dot8(kv[u], q + 8 * u);
+            } else {
+                uint4 kv[16];
+#pragma unroll
+                for (int u = 0; u < 16; u++) kv[u] = ld_cg16(kr + 8 * u);
+#pragma unroll
+                for (int u = 0; u < 16; u++) dot += dot8(kv[u], q + 8 * u);
+            }
+            s = dot * scale;
+        }
+        const float m_new = fmaxf(m, warp_max(s));
+        const float e = pj < p_end ? __expf(s - m_new) : 0.f;
+        const float corr = __expf(m - m_new);  // m = -inf on the first block: corr = 0
+        l = l * corr + warp_sum(e);
+        for (int j = 0; j < D; j++) acc[j] *= corr;
+        const int n = min(32, p_end - base);
+#pragma unroll 8
+        for (int i = 0; i < n; i++) {
+            const float pi = __shfl_sync(0xffffffffu, e, i);
+            float vd[ATT_MAX_D];
+            load_head_dims(v_head + (size_t)(base + i) * kv_stride + lane * D, D, vd);
+            for (int j = 0; j < D; j++) acc[j] = fmaf(pi, vd[j], acc[j]);
+        }
         m = m_new;
     }
 }
 
 // Merges per-warp (m, l, acc) states held in shared memory into one normalised output.
 // st: [nwarps][2 + head_dim] floats. Called by all threads; writes out[0..head_dim).
-__device__ __forceinline__ void merge_warp_states(float* st, int nwarps, int head_dim, float* out) {
+__device__ __forceinline__ void merge_warp_states(const float* st, int nwarps, int head_dim, float* out) {
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float m = NEG_INF;
         for (int w = 0; w < nwarps; w++) m = fmaxf(m, st[w * (2 + head_dim)]);
         float l = 0.f, a = 0.f;
         for (int w = 0; w < nwarps; w++) {
             const float* s = st + w * (2 + head_dim);
-            float c = s[0] == NEG_INF ? 0.f : __expf(s[0] - m);
+            if (s[1] == 0.f) continue;  // a warp that saw no position
+            float c = __expf(s[0] - m);
             l += s[1] * c;
             a += s[2 + d] * c;
         }

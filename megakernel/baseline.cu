@@ -105,7 +105,8 @@ extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cac
     }
 }
 
-// One block per query head over positions [0, pos]; warps split positions, then merge.
+// One block per query head over positions [0, pos]; warps take blocks of 32 positions in
+// turn, then merge. Shared memory: the query, then per warp (m, l, acc[head_dim]).
 extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                                         const TokenMeta* meta, int n_heads, int n_kv, int head_dim) {
     extern __shared__ float st[];
@@ -114,11 +115,14 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
     const int h = blockIdx.x, kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
     const int len = meta->pos + 1;
-    float qd[ATT_MAX_D], acc[ATT_MAX_D];
-    for (int j = 0; j < D; j++) { qd[j] = q[h * head_dim + lane * D + j]; acc[j] = 0.f; }
+    float* qs = st + nwarps * (2 + head_dim);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
+    __syncthreads();
+    float acc[ATT_MAX_D];
+    for (int j = 0; j < D; j++) acc[j] = 0.f;
     float m = NEG_INF, l = 0.f;
-    attend_warp(qd, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, D, rsqrtf((float)head_dim),
-                warp, len, nwarps, m, l, acc);
+    attend_warp(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, rsqrtf((float)head_dim),
+                0, len, warp, nwarps, m, l, acc);
     float* mine = st + warp * (2 + head_dim);
     if (lane == 0) { mine[0] = m; mine[1] = l; }
     for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];

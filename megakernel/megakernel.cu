@@ -261,13 +261,16 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
     const int kv_stride = p.kv_heads * hd;
     const int hq = cw / wph, sub = cw % wph;
     float* st = scratch + cw * (2 + hd);
+    float* qs = scratch + CONSUMER_WARPS * (2 + hd);  // [group][hd]
+    for (int i = ct; i < group * hd; i += CONSUMERS)
+        qs[i] = __ldcg(p.q + (size_t)layer * p.heads * hd + kvh * group * hd + i);
+    consumers_sync();
     if (hq < group) {
-        const int head = kvh * group + hq;
-        float qd[ATT_MAX_D], acc[ATT_MAX_D];
-        for (int j = 0; j < D; j++) { qd[j] = __ldcg(p.q + (size_t)layer * p.heads * hd + head * hd + lane * D + j); acc[j] = 0.f; }
+        float acc[ATT_MAX_D];
+        for (int j = 0; j < D; j++) acc[j] = 0.f;
         float mx = NEG_INF, l = 0.f;
-        attend_warp(qd, p.k_cache + layer_off + kvh * hd, p.v_cache + layer_off + kvh * hd, kv_stride, D,
-                    rsqrtf((float)hd), p0 + sub, p1, wph, mx, l, acc);
+        attend_warp(qs + hq * hd, p.k_cache + layer_off + kvh * hd, p.v_cache + layer_off + kvh * hd, kv_stride, hd,
+                    rsqrtf((float)hd), p0, p1, sub, wph, mx, l, acc);
         if (lane == 0) { st[0] = mx; st[1] = l; }
         for (int j = 0; j < D; j++) st[2 + lane * D + j] = acc[j];
     }

@@ -61,7 +61,7 @@ struct Report {
     reps: usize,
     weight_bytes_per_token: usize,
     read_bandwidth_gbps: f64,
-    commit: Option<String>,
+    commit: String,
     results: Vec<PathResult>,
 }
 
@@ -157,8 +157,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
 
     println!(
-        "device: {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | read bandwidth {bw:.0} GB/s (measured)",
+        "device: {} | commit {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | read bandwidth {bw:.0} GB/s (measured)",
         gpu.describe(),
+        env!("MEGAINFER_COMMIT"),
         args.prompt_len,
         args.gen,
         args.reps,
@@ -205,7 +206,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             reps: args.reps,
             weight_bytes_per_token: dm.bytes_per_token,
             read_bandwidth_gbps: bw,
-            commit: option_env!("MEGAINFER_COMMIT").map(String::from),
+            commit: env!("MEGAINFER_COMMIT").to_string(),
             results,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)

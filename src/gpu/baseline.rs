@@ -202,7 +202,7 @@ impl<'g> BaselinePath<'g> {
                 pdl,
                 &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
             )?;
-            let att_smem = (ATT_THREADS / 32) * (2 + c.head_dim as u32) * 4;
+            let att_smem = ((ATT_THREADS / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
             self.k.attention.launch(
                 s,
                 c.num_heads as u32,

@@ -159,9 +159,10 @@ impl<'g> MegakernelPath<'g> {
             enc.down_chunks as usize,
         );
         let instructions = words.len() / WORDS;
-        let xs_floats = max_cols
-            .max(CONSUMER_WARPS * (2 + c.head_dim))
-            .next_multiple_of(4);
+        // The attention instruction keeps per-warp softmax states and its group's queries there.
+        let attention_scratch =
+            CONSUMER_WARPS * (2 + c.head_dim) + c.num_heads / c.num_kv_heads * c.head_dim;
+        let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
         let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
         // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
         // (see TILE_GROUPS in megakernel.cu).
