@@ -52,6 +52,7 @@ struct MkParams {
     u32* counters;
     u32* error;          // [flag, sm, instruction, counter or tile, expected, seen, kind]
     u32* progress;       // per SM: [consumer instruction, consumer stage, loader instruction, loader tile]
+    u64* profile;        // null, or per instruction: globaltimer at start, waited, prepared, computed, signalled
     TokenMeta* meta;     // two slots, by epoch parity
     u32* history;
     const LayerW* layers;
@@ -409,6 +410,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     u32 seq = 0;
     for (const u32* w = begin; w < end; w += MK_WORDS) {
         const u32 op = w[W_OP];
+        u64* prof = p.profile ? p.profile + (size_t)((w - p.instrs) / MK_WORDS) * 5 : nullptr;
+        if (ct == 0 && prof) prof[0] = global_ns();
         if (ct == 0) {
             note(p, 0, (u32)((w - p.instrs) / MK_WORDS));
             note(p, 1, ST_WAIT);
@@ -428,6 +431,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         consumers_sync();
         if (aborted(p)) return;
         if (ct == 0) note(p, 1, ST_PREPARE);
+        if (ct == 0 && prof) prof[1] = global_ns();
         switch (op) {
             case OP_QKV:
                 prepare_normed(p, w[W_LAYER], false, m.token, p.layers[w[W_LAYER]].attn_norm, xs, red);
@@ -456,6 +460,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         const int ntiles = tile_count(w, p);
         if (ntiles > 0) {
             consumers_sync();
+            if (ct == 0 && prof) prof[2] = global_ns();
             if (ct == 0) note(p, 1, ST_TILES);
             consume_tiles(p, w, seq, pages, full, empty, xs, res);
             seq += ntiles;
@@ -484,7 +489,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         consumers_sync();
         // The barrier orders every consumer's stores before thread 0's release add, which
         // publishes them (release is cumulative): no separate fence is needed.
+        if (ct == 0 && prof) {
+            if (ntiles == 0) prof[2] = prof[1];
+            prof[3] = global_ns();
+        }
         if (ct == 0 && w[W_SIGNAL] != NO_COUNTER) red_release_add(p.counters + w[W_SIGNAL], 1);
+        if (ct == 0 && prof) prof[4] = global_ns();
         if (ct == 0) note(p, 1, ST_DONE);
     }
 }

@@ -34,6 +34,9 @@ pub struct BenchArgs {
     pub reps: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also time every megakernel instruction (globaltimer) and print where a step's time goes.
+    #[arg(long)]
+    pub profile: bool,
     /// Seed of the random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -119,6 +122,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     );
 
     let mut results = Vec::new();
+    let mut profile = None;
     for kind in paths {
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
@@ -136,6 +140,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let rest = path.decode_greedy(first, args.gen - 1)?;
             tpot.push(t1.elapsed().as_secs_f64() * 1e3 / (args.gen - 1) as f64);
             tokens = std::iter::once(first).chain(rest).collect();
+        }
+        if args.profile {
+            if let Some(mk) = path.as_megakernel() {
+                mk.reset();
+                let first = argmax(&mk.feed(&prompt)?);
+                profile = Some(mk.profile(first, 16)?);
+            }
         }
         let (lo, hi) = (
             tpot.iter().cloned().fold(f64::INFINITY, f64::min),
@@ -195,6 +206,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 base.tokens.len()
             );
         }
+    }
+    if let Some(p) = &profile {
+        println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
     println!("TPOT: wall time of {} back-to-back greedy steps / {}, host launch overhead included; TTFT: prompt fed one token per step (simple prefill).", args.gen - 1, args.gen - 1);
     if let Some(path) = &args.json {

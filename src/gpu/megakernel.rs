@@ -35,6 +35,7 @@ struct MkParams {
     counters: u64,
     error: u64,
     progress: u64,
+    profile: u64,
     meta: u64,
     history: u64,
     layers: u64,
@@ -97,7 +98,36 @@ pub struct MegakernelPath<'g> {
     max_epochs: u64,
     /// Per encoded position: the instruction and the counters, for error messages.
     descs: Vec<String>,
+    kinds: Vec<&'static str>,
     counter_names: Vec<String>,
+}
+
+/// Where one decode step's time went, per instruction type (from `MegakernelPath::profile`).
+pub struct Profile {
+    /// Launch start (first instruction's start) to the last signal, µs.
+    pub step_us: f64,
+    /// (type, count, mean µs waiting, preparing, computing + storing, signalling, busy µs per SM
+    /// summed over the type's instructions / SM count)
+    pub rows: Vec<(&'static str, usize, f64, f64, f64, f64, f64)>,
+}
+
+impl std::fmt::Display for Profile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "megakernel step: {:.1} µs from the first instruction's start to the last signal",
+            self.step_us
+        )?;
+        writeln!(f, "| instruction | count | wait µs | prepare µs | compute+store µs | signal µs | busy µs per SM |")?;
+        writeln!(f, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+        for (k, n, w, p, c, s, b) in &self.rows {
+            writeln!(
+                f,
+                "| {k} | {n} | {w:.2} | {p:.2} | {c:.2} | {s:.2} | {b:.1} |"
+            )?;
+        }
+        Ok(())
+    }
 }
 
 impl<'g> MegakernelPath<'g> {
@@ -122,10 +152,12 @@ impl<'g> MegakernelPath<'g> {
         }
         let enc = schedule.encode();
         let mut descs = Vec::new();
+        let mut kinds = Vec::new();
         let mut max_cols = c.hidden_size.max(c.q_dim());
         for &k in schedule.streams.iter().flatten() {
             let i = &schedule.instrs[k as usize];
             descs.push(schedule.describe(k as usize));
+            kinds.push(i.op.kind().name());
             let rows = match i.op {
                 Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
                 Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
@@ -233,6 +265,7 @@ impl<'g> MegakernelPath<'g> {
             counters: ptr(&counters, s),
             error: ptr(&error, s),
             progress: ptr(&progress, s),
+            profile: 0,
             meta: ptr(&meta, s),
             history: ptr(&history, s),
             layers: ptr(&layers, s),
@@ -291,9 +324,67 @@ impl<'g> MegakernelPath<'g> {
             meta_current: None,
             max_epochs: enc.max_epochs,
             descs,
+            kinds,
             counter_names: (0..schedule.counters.count())
                 .map(|c| schedule.counters.name(c))
                 .collect(),
+        })
+    }
+
+    /// Runs `steps` greedy steps from `token` with per-instruction timestamps (globaltimer)
+    /// and returns the mean breakdown per instruction type.
+    pub fn profile(&mut self, token: u32, steps: usize) -> Result<Profile> {
+        let n = self.instructions;
+        let buf = self.gpu.alloc_zeros::<u64>(n * 5, "profile buffer")?;
+        self.params.profile = ptr(&buf, &self.gpu.stream);
+        let mut sums: std::collections::BTreeMap<&'static str, (usize, [f64; 5])> =
+            Default::default();
+        let mut step_us = 0.0;
+        let mut result = Ok(());
+        let mut t = token;
+        for _ in 0..steps {
+            match self.decode_greedy(t, 1) {
+                Ok(v) => t = v[0],
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            let p = self.gpu.stream.clone_dtoh(&buf)?;
+            let start = (0..n).map(|i| p[i * 5]).min().unwrap_or(0);
+            let end = (0..n).map(|i| p[i * 5 + 4]).max().unwrap_or(0);
+            step_us += (end - start) as f64 / 1e3;
+            for i in 0..n {
+                let r = &p[i * 5..i * 5 + 5];
+                let e = sums.entry(self.kinds[i]).or_default();
+                e.0 += 1;
+                for k in 0..4 {
+                    e.1[k] += r[k + 1].saturating_sub(r[k]) as f64 / 1e3;
+                }
+                e.1[4] += r[4].saturating_sub(r[0]) as f64 / 1e3;
+            }
+        }
+        self.params.profile = 0;
+        result?;
+        let sms = (self.sm_offsets.len() - 1) as f64;
+        let rows = sums
+            .into_iter()
+            .map(|(k, (c, s))| {
+                let m = |x: f64| x / c as f64;
+                (
+                    k,
+                    c / steps,
+                    m(s[0]),
+                    m(s[1]),
+                    m(s[2]),
+                    m(s[3]),
+                    s[4] / steps as f64 / sms,
+                )
+            })
+            .collect();
+        Ok(Profile {
+            step_us: step_us / steps as f64,
+            rows,
         })
     }
 

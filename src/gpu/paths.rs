@@ -74,6 +74,13 @@ impl<'g> GpuPath<'g> {
         )?)))
     }
 
+    pub fn as_megakernel(&mut self) -> Option<&mut MegakernelPath<'g>> {
+        match self {
+            Self::Megakernel(p) => Some(p),
+            Self::Baseline(_) => None,
+        }
+    }
+
     pub fn reset(&mut self) {
         match self {
             Self::Megakernel(p) => p.reset(),
