@@ -6,7 +6,9 @@
 
 #define MK_WORDS 16
 #define MAX_WAITS 3
-#define CONSUMER_WARPS 16
+// 12 consumer warps + the loader = 13 warps: at most 4 per SM sub-partition, which lets each
+// thread have 128 registers (17 warps would cap it at 96 and spill the attention).
+#define CONSUMER_WARPS 12
 #define CONSUMERS (CONSUMER_WARPS * 32)
 #define MK_THREADS (CONSUMERS + 32)
 #define RES_MAX 2048
@@ -217,6 +219,8 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
                                float* xs, float* red) {
     const int ct = threadIdx.x - 32;
     float ss = 0.f;
+    // Unrolled so each thread's L2 loads are all in flight together.
+#pragma unroll 4
     for (int i = ct; i < p.hidden; i += CONSUMERS) {
         float v = after_attn ? __ldcg(p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
         xs[i] = v;
@@ -253,37 +257,54 @@ __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }
 
+// Scratch: per warp and head (m, l, acc[head_dim]), then the G queries.
 __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
     const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
-    const int hd = p.head_dim, D = hd >> 5, group = p.heads / p.kv_heads, wph = CONSUMER_WARPS / group;
+    const int hd = p.head_dim, G = p.heads / p.kv_heads;
     const int len = m.pos + 1, p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
     const size_t layer_off = (size_t)layer * p.max_seq * p.kv_heads * hd;
-    const int kv_stride = p.kv_heads * hd;
-    const int hq = cw / wph, sub = cw % wph;
-    float* st = scratch + cw * (2 + hd);
-    float* qs = scratch + CONSUMER_WARPS * (2 + hd);  // [group][hd]
-    for (int i = ct; i < group * hd; i += CONSUMERS)
-        qs[i] = __ldcg(p.q + (size_t)layer * p.heads * hd + kvh * group * hd + i);
+    const int kv_stride = p.kv_heads * hd, stride = 2 + hd;
+    float* qs = scratch + CONSUMER_WARPS * G * stride;
+    for (int i = ct; i < G * hd; i += CONSUMERS)
+        qs[i] = __ldcg(p.q + (size_t)layer * p.heads * hd + kvh * G * hd + i);
     consumers_sync();
-    if (hq < group) {
-        float acc[ATT_MAX_D];
-        for (int j = 0; j < D; j++) acc[j] = 0.f;
-        float mx = NEG_INF, l = 0.f;
-        attend_warp(qs + hq * hd, p.k_cache + layer_off + kvh * hd, p.v_cache + layer_off + kvh * hd, kv_stride, hd,
-                    rsqrtf((float)hd), p0, p1, sub, wph, mx, l, acc);
-        if (lane == 0) { st[0] = mx; st[1] = l; }
-        for (int j = 0; j < D; j++) st[2 + lane * D + j] = acc[j];
+    const bf16_t* kh = p.k_cache + layer_off + kvh * hd;
+    const bf16_t* vh = p.v_cache + layer_off + kvh * hd;
+    const float scale = rsqrtf((float)hd);
+    const int chunks = hd / 8;
+    for (int g0 = 0; g0 < G; g0 += ATT_HEADS_PER_PASS) {
+        const int gn = min(ATT_HEADS_PER_PASS, G - g0);
+        float mx[ATT_HEADS_PER_PASS], l[ATT_HEADS_PER_PASS], acc[ATT_HEADS_PER_PASS][8];
+#pragma unroll
+        for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
+            mx[g] = NEG_INF; l[g] = 0.f;
+#pragma unroll
+            for (int d = 0; d < 8; d++) acc[g][d] = 0.f;
+        }
+        if (hd == 64) attend_group_warp<8>(qs + g0 * hd, gn, kh, vh, kv_stride, scale, p0, p1, cw, CONSUMER_WARPS, mx, l, acc);
+        else attend_group_warp<16>(qs + g0 * hd, gn, kh, vh, kv_stride, scale, p0, p1, cw, CONSUMER_WARPS, mx, l, acc);
+        // Constant indices only (unrolled, guarded), so the arrays stay in registers.
+#pragma unroll
+        for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
+            if (g >= gn) break;
+            float* st = scratch + (cw * G + g0 + g) * stride;
+            if (lane == 0) { st[0] = mx[g]; st[1] = l[g]; }
+            if (lane < chunks) {
+#pragma unroll
+                for (int d = 0; d < 8; d++) st[2 + lane * 8 + d] = acc[g][d];
+            }
+        }
     }
     consumers_sync();
-    for (int idx = ct; idx < group * hd; idx += CONSUMERS) {
-        const int h = idx / hd, d = idx % hd, head = kvh * group + h;
+    for (int idx = ct; idx < G * hd; idx += CONSUMERS) {
+        const int g = idx / hd, d = idx % hd, head = kvh * G + g;
         float M = NEG_INF;
-        for (int k = 0; k < wph; k++) M = fmaxf(M, scratch[(h * wph + k) * (2 + hd)]);
+        for (int k = 0; k < CONSUMER_WARPS; k++) M = fmaxf(M, scratch[(k * G + g) * stride]);
         float L = 0.f, A = 0.f;
-        for (int k = 0; k < wph; k++) {
-            const float* s = scratch + (h * wph + k) * (2 + hd);
-            if (s[1] == 0.f) continue;
+        for (int k = 0; k < CONSUMER_WARPS; k++) {
+            const float* s = scratch + (k * G + g) * stride;
+            if (s[1] == 0.f) continue;  // a warp that saw no position
             float c = __expf(s[0] - M);
             L += s[1] * c;
             A += s[2 + d] * c;

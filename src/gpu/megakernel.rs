@@ -19,7 +19,7 @@ use crate::generate::Backend;
 
 // Mirrors megakernel/megakernel.cu.
 const WORDS: usize = scheduler::WORDS_PER_INSTR;
-const CONSUMER_WARPS: usize = 16;
+const CONSUMER_WARPS: usize = 12;
 const THREADS: u32 = (CONSUMER_WARPS as u32 + 1) * 32;
 const RES_MAX: usize = 2048;
 const TILE_GROUPS: usize = CONSUMER_WARPS / 2;
@@ -145,10 +145,8 @@ impl<'g> MegakernelPath<'g> {
                 gpu.sm_count
             );
         }
-        if c.num_heads / c.num_kv_heads > CONSUMER_WARPS {
-            bail!(
-                "megakernel: more than {CONSUMER_WARPS} query heads per KV head is not supported"
-            );
+        if c.num_heads / c.num_kv_heads * (2 + c.head_dim) * CONSUMER_WARPS > 16384 {
+            bail!("megakernel: too many query heads per KV head for the attention scratch");
         }
         let enc = schedule.encode();
         let mut descs = Vec::new();
@@ -192,8 +190,8 @@ impl<'g> MegakernelPath<'g> {
         );
         let instructions = words.len() / WORDS;
         // The attention instruction keeps per-warp softmax states and its group's queries there.
-        let attention_scratch =
-            CONSUMER_WARPS * (2 + c.head_dim) + c.num_heads / c.num_kv_heads * c.head_dim;
+        let group = c.num_heads / c.num_kv_heads;
+        let attention_scratch = CONSUMER_WARPS * group * (2 + c.head_dim) + group * c.head_dim;
         let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
         let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
         // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group

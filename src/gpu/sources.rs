@@ -4,6 +4,7 @@ const COMMON: &str = include_str!("../../megakernel/common.cuh");
 const ATTENTION: &str = include_str!("../../megakernel/attention.cuh");
 const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
+const GROUP_ATTENTION: &str = include_str!("../../megakernel/group_attention.cuh");
 const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
@@ -13,5 +14,5 @@ pub fn baseline() -> String {
 
 /// The persistent interpreter.
 pub fn megakernel() -> String {
-    [COMMON, ATTENTION, PIPELINE, MEGAKERNEL].join("\n")
+    [COMMON, ATTENTION, GROUP_ATTENTION, PIPELINE, MEGAKERNEL].join("\n")
 }
