@@ -215,16 +215,49 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 }
 
 // xs = rmsnorm(src) * g, src given by resid_in(layer) or resid_attn[l] (after_attn).
+// Each thread first issues all its L2 loads (PREP_MAX per source), then sums: the activations
+// come from L2 while the weights stream, and one round trip per source beats one per element.
+#define PREP_MAX 8
 __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* red) {
     const int ct = threadIdx.x - 32;
     float ss = 0.f;
-    // Unrolled so each thread's L2 loads are all in flight together.
-#pragma unroll 4
-    for (int i = ct; i < p.hidden; i += CONSUMERS) {
-        float v = after_attn ? __ldcg(p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
-        xs[i] = v;
-        ss += v * v;
+    if (p.hidden <= PREP_MAX * CONSUMERS) {
+        float v[PREP_MAX];
+        const float* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
+                            : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            v[k] = i >= p.hidden ? 0.f
+                   : base ? __ldcg(base + i)
+                          : bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
+        }
+        if (!after_attn && layer > 0) {
+            for (int c = 0; c < p.chunks; c++) {
+                const float* part = p.mlp_part + ((size_t)(layer - 1) * p.chunks + c) * p.hidden;
+                float w[PREP_MAX];
+#pragma unroll
+                for (int k = 0; k < PREP_MAX; k++) {
+                    const int i = ct + k * CONSUMERS;
+                    w[k] = i < p.hidden ? __ldcg(part + i) : 0.f;
+                }
+#pragma unroll
+                for (int k = 0; k < PREP_MAX; k++) v[k] += w[k];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            if (i < p.hidden) xs[i] = v[k];
+            ss += v[k] * v[k];
+        }
+    } else {
+        for (int i = ct; i < p.hidden; i += CONSUMERS) {
+            float v = after_attn ? __ldcg(p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
+            xs[i] = v;
+            ss += v * v;
+        }
     }
     float total = consumers_sum(ss, red);
     float scale = rsqrtf(total / p.hidden + p.eps);
