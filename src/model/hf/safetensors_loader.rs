@@ -24,7 +24,17 @@ const MAX_PROBLEMS_SHOWN: usize = 12;
 pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
     let ckpt = Checkpoint::open(dir)?;
     ckpt.check(cfg)?;
-    let layer = |i: usize, name: &str| ckpt.read(&format!("model.layers.{i}.{name}.weight"));
+    let total: usize = expected_tensors(cfg)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let bar = progress_bar(2 * total as u64);
+    let read = |name: &str| {
+        let t = ckpt.read(name)?;
+        bar.inc(2 * t.len() as u64);
+        Ok::<_, anyhow::Error>(t)
+    };
+    let layer = |i: usize, name: &str| read(&format!("model.layers.{i}.{name}.weight"));
     let layers = (0..cfg.num_layers)
         .map(|i| {
             Ok(LayerWeights {
@@ -40,16 +50,33 @@ pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Weights {
-        embed: ckpt.read("model.embed_tokens.weight")?,
+    let weights = Weights {
+        embed: read("model.embed_tokens.weight")?,
         layers,
-        final_norm: ckpt.read("model.norm.weight")?,
+        final_norm: read("model.norm.weight")?,
         lm_head: if cfg.tie_word_embeddings {
             None
         } else {
-            Some(ckpt.read("lm_head.weight")?)
+            Some(read("lm_head.weight")?)
         },
-    })
+    };
+    bar.finish_and_clear();
+    Ok(weights)
+}
+
+/// Shown only on a terminal, so logs and tests stay clean.
+fn progress_bar(total_bytes: u64) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total_bytes).with_message("loading weights");
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {bytes}/{total_bytes} ({elapsed})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
 }
 
 /// Every tensor a `LlamaForCausalLM` with this config has, with its `[out, in]` shape.
