@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""The peers of `megainfer bench`: HF transformers on the same shape and lengths, same columns.
+
+Modes: `eager` (model.generate with the default dynamic cache) and `compile` (static KV cache
+and torch.compile(mode="reduce-overhead")). generate() is driven from the host, so times are
+host wall clock around torch.cuda.synchronize(); TPOT = (t_gen - t_first) / (gen - 1).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+PRESETS = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5),
+}
+
+
+def read_bandwidth_gbps():
+    """Streaming read of 4 GiB (a sum touches every byte once), median of 5, bytes read only."""
+    x = torch.randint(0, 1 << 30, (1 << 30,), dtype=torch.int32, device="cuda")
+    times = []
+    for _ in range(6):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.sum(dtype=torch.int64)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del x
+    return (1 << 32) / statistics.median(times[1:]) / 1e9
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def run_mode(model, mode, ids, gen, reps):
+    if mode == "compile":
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    else:
+        model.generation_config.cache_implementation = None
+    kw = dict(do_sample=False, pad_token_id=0)
+    first = lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    full = lambda: model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
+    for _ in range(3 if mode == "compile" else 1):  # compilation and graph capture happen here
+        first()
+        full()
+    ttft, tpot = [], []
+    for _ in range(reps):
+        t1 = timed(first)
+        tg = timed(full)
+        ttft.append(t1 * 1e3)
+        tpot.append((tg - t1) / (gen - 1) * 1e3)
+    return ttft, tpot
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("-m", "--model")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--modes", default="eager,compile")
+    ap.add_argument("--bandwidth-gbps", type=float)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+
+    torch.manual_seed(0)
+    if a.preset:
+        model = LlamaForCausalLM(LlamaConfig(**PRESETS[a.preset])).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    # Bytes a token streams, as megainfer counts them: each distinct parameter once (a tied
+    # embedding is the LM head's read); an untied embedding table is only looked up, one row.
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    if not model.config.tie_word_embeddings:
+        weight_bytes -= model.model.embed_tokens.weight.numel() * 2
+    bw = a.bandwidth_gbps or read_bandwidth_gbps()
+    ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_len), device="cuda")
+
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}"
+          f" | model: {a.preset or a.model} | prompt {a.prompt_len} | gen {a.gen} | reps {a.reps}"
+          f" | weights/token {weight_bytes / 1e9:.3f} GB | read bandwidth {bw:.0f} GB/s"
+          f" ({'given' if a.bandwidth_gbps else 'measured'}) | host wall clock around generate()")
+    print("| path | TPOT median ms | TPOT min–max ms | tok/s | GB/s | % of BW | TTFT ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    results = []
+    with torch.inference_mode():
+        for mode in a.modes.split(","):
+            name = {"eager": "hf-eager", "compile": "hf-compile-static"}[mode]
+            try:
+                ttft, tpot = run_mode(model, mode, ids, a.gen, a.reps)
+            except Exception as e:  # one mode failing must not hide the other
+                print(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | | | |")
+                continue
+            med = statistics.median(tpot)
+            gbps = weight_bytes / (med * 1e-3) / 1e9
+            print(f"| {name} | {med:.4f} | {min(tpot):.4f}–{max(tpot):.4f} | {1e3 / med:.1f} | {gbps:.0f} |"
+                  f" {100 * gbps / bw:.1f}% | {statistics.median(ttft):.2f} |")
+            results.append(dict(path=name, tpot_ms_median=med, tpot_ms_min=min(tpot), tpot_ms_max=max(tpot),
+                                ttft_ms_median=statistics.median(ttft), gb_per_s=gbps))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(weight_bytes_per_token=weight_bytes, read_bandwidth_gbps=bw, results=results), f, indent=1)
+    print("peers: done")
+
+
+if __name__ == "__main__":
+    main()
