@@ -4,7 +4,7 @@
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu_or_skip, rel_l2, tiny};
+use gpu_common::{gpu_or_skip, rel_l2, small_cases, tiny};
 
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
@@ -43,19 +43,9 @@ fn teacher_forced(
 #[test]
 fn megakernel_matches_reference_on_small_random_models() {
     let Some(gpu) = gpu_or_skip() else { return };
-    for (i, (h, nh, nkv, hd, inter)) in [
-        (192, 3, 3, 64, 520),
-        (576, 9, 3, 64, 1536),
-        (1024, 8, 2, 128, 2056),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let cfg = tiny(h, nh, nkv, hd, inter);
-        let w = random_weights(&cfg, 11 + i as u64);
-        let tokens: Vec<u32> = (0..9).map(|k| (k * 97 + i * 13) as u32 % 1000).collect();
-        teacher_forced(&gpu, &cfg, &w, &tokens, None, &format!("tiny{i}"));
-        teacher_forced(&gpu, &cfg, &w, &tokens, Some(3), &format!("tiny{i}-split"));
+    for (label, cfg, w, tokens) in small_cases() {
+        teacher_forced(&gpu, &cfg, &w, &tokens, None, &label);
+        teacher_forced(&gpu, &cfg, &w, &tokens, Some(3), &format!("{label}-split"));
     }
 }
 

@@ -4,7 +4,7 @@
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu_or_skip, rel_l2, tiny};
+use gpu_common::{gpu_or_skip, rel_l2, small_cases, tiny};
 
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
@@ -39,19 +39,8 @@ fn check_teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], la
 #[test]
 fn baseline_matches_reference_on_small_random_models() {
     let Some(gpu) = gpu_or_skip() else { return };
-    // GQA ratios 1, 3 and 4; head_dim 64 and 128; sizes that are not powers of two.
-    for (i, (h, nh, nkv, hd, inter)) in [
-        (192, 3, 3, 64, 520),
-        (576, 9, 3, 64, 1536),
-        (1024, 8, 2, 128, 2056),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let cfg = tiny(h, nh, nkv, hd, inter);
-        let w = random_weights(&cfg, 11 + i as u64);
-        let tokens: Vec<u32> = (0..9).map(|k| (k * 97 + i * 13) as u32 % 1000).collect();
-        check_teacher_forced(&gpu, &cfg, &w, &tokens, &format!("tiny{i}"));
+    for (label, cfg, w, tokens) in small_cases() {
+        check_teacher_forced(&gpu, &cfg, &w, &tokens, &label);
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
@@ -13,7 +13,7 @@ use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
 use super::sources;
-use crate::generate::Backend;
+use super::stepping::{self, Sequence, Steps};
 use crate::kargs;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,9 +66,7 @@ pub struct BaselinePath<'g> {
     /// history[p + 1] = greedy token chosen after position p.
     history: CudaSlice<u32>,
     graph: Option<CudaGraph>,
-    pos: usize,
-    /// The device meta already holds {token: last greedy token, pos: self.pos}.
-    meta_current: Option<u32>,
+    seq: Sequence,
 }
 
 impl<'g> BaselinePath<'g> {
@@ -108,8 +106,7 @@ impl<'g> BaselinePath<'g> {
             mode,
             k,
             _module: module,
-            pos: 0,
-            meta_current: None,
+            seq: Sequence::new(max_seq),
         };
         if mode != Mode::Eager {
             p.capture()?;
@@ -287,75 +284,53 @@ impl<'g> BaselinePath<'g> {
         Ok(())
     }
 
-    fn launch_step(&self) -> Result<()> {
+    /// Starts a new sequence (the KV cache is simply overwritten).
+    pub fn reset(&mut self) {
+        self.seq.reset();
+    }
+
+    /// `n` greedy steps back to back (see [`stepping::decode_greedy`]).
+    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        stepping::decode_greedy(self, token, n)
+    }
+}
+
+impl Steps for BaselinePath<'_> {
+    fn gpu(&self) -> &Gpu {
+        self.gpu
+    }
+
+    fn vocab(&self) -> u32 {
+        self.model.config.vocab_size as u32
+    }
+
+    fn seq(&mut self) -> &mut Sequence {
+        &mut self.seq
+    }
+
+    fn write_meta(&mut self, token: u32, pos: usize) -> Result<()> {
+        let v = [token, pos as u32, 0, 0];
+        self.gpu.stream.memcpy_htod(&v, &mut self.meta)?;
+        Ok(())
+    }
+
+    fn launch_step(&mut self) -> Result<()> {
         match &self.graph {
             Some(g) => g.launch().context("launching the decode graph"),
             None => self.enqueue_step(),
         }
     }
 
-    /// Starts a new sequence (the KV cache is simply overwritten).
-    pub fn reset(&mut self) {
-        self.pos = 0;
-        self.meta_current = None;
-    }
-
-    fn check_room(&self, n: usize) -> Result<()> {
-        if self.pos + n > self.kv.max_seq {
-            bail!(
-                "sequence of {} tokens exceeds the context of {} tokens (--max-context)",
-                self.pos + n,
-                self.kv.max_seq
-            );
-        }
+    fn check(&self) -> Result<()> {
         Ok(())
     }
 
-    fn set_meta(&mut self, token: u32) -> Result<()> {
-        if self.meta_current == Some(token) {
-            return Ok(());
-        }
-        let v = [token, self.pos as u32, 0, 0];
-        self.gpu.stream.memcpy_htod(&v, &mut self.meta)?;
-        Ok(())
+    fn history(&self) -> &CudaSlice<u32> {
+        &self.history
     }
 
-    /// Runs `n` greedy steps back to back from `token` with no host round trip between them,
-    /// and returns the tokens chosen.
-    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
-        self.check_room(n)?;
-        self.set_meta(token)?;
-        let start = self.pos;
-        for _ in 0..n {
-            self.launch_step()?;
-        }
-        self.pos += n;
-        let hist = self.gpu.stream.clone_dtoh(&self.history)?;
-        let out = hist[start + 1..start + 1 + n].to_vec();
-        let vocab = self.model.config.vocab_size as u32;
-        if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
-            bail!("GPU argmax produced token {bad} outside the vocabulary (NaN logits?)");
-        }
-        self.meta_current = out.last().copied();
-        Ok(out)
-    }
-}
-
-impl Backend for BaselinePath<'_> {
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.check_room(tokens.len())?;
-        for &t in tokens {
-            self.meta_current = None;
-            self.set_meta(t)?;
-            self.launch_step()?;
-            self.pos += 1;
-        }
-        self.meta_current = None;
-        Ok(self.gpu.stream.clone_dtoh(&self.logits)?)
-    }
-
-    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
-        Ok(self.decode_greedy(token, 1)?[0])
+    fn logits(&self) -> &CudaSlice<f32> {
+        &self.logits
     }
 }
 

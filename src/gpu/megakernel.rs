@@ -15,7 +15,7 @@ use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
 use super::sources;
-use crate::generate::Backend;
+use super::stepping::{self, Sequence, Steps};
 
 // Mirrors megakernel/megakernel.cu.
 const WORDS: usize = scheduler::WORDS_PER_INSTR;
@@ -90,9 +90,7 @@ pub struct MegakernelPath<'g> {
     _buffers: Vec<CudaSlice<f32>>,
     _layers: CudaSlice<u64>,
     _kv: KvCache,
-    pos: usize,
-    max_seq: usize,
-    meta_current: Option<u32>,
+    seq: Sequence,
     /// Counters grow by their base each launch; they are cleared (and the epoch restarted)
     /// before any can wrap.
     max_epochs: u64,
@@ -317,9 +315,7 @@ impl<'g> MegakernelPath<'g> {
             _buffers: buffers,
             _layers: layers,
             _kv: kv,
-            pos: 0,
-            max_seq,
-            meta_current: None,
+            seq: Sequence::new(max_seq),
             max_epochs: enc.max_epochs,
             descs,
             kinds,
@@ -507,70 +503,53 @@ impl<'g> MegakernelPath<'g> {
     }
 
     /// Starts a new sequence (the KV cache is simply overwritten).
+    /// Starts a new sequence (the KV cache is simply overwritten).
     pub fn reset(&mut self) {
-        self.pos = 0;
-        self.meta_current = None;
+        self.seq.reset();
     }
 
-    fn check_room(&self, n: usize) -> Result<()> {
-        if self.pos + n > self.max_seq {
-            bail!(
-                "sequence of {} tokens exceeds the context of {} tokens (--max-context)",
-                self.pos + n,
-                self.max_seq
-            );
-        }
-        Ok(())
+    /// `n` greedy steps back to back (see [`stepping::decode_greedy`]).
+    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        stepping::decode_greedy(self, token, n)
+    }
+}
+
+impl Steps for MegakernelPath<'_> {
+    fn gpu(&self) -> &Gpu {
+        self.gpu
     }
 
-    fn set_meta(&mut self, token: u32) -> Result<()> {
-        if self.meta_current == Some(token) {
-            return Ok(());
-        }
+    fn vocab(&self) -> u32 {
+        self.model.config.vocab_size as u32
+    }
+
+    fn seq(&mut self) -> &mut Sequence {
+        &mut self.seq
+    }
+
+    /// The step of epoch `e` reads meta slot `e % 2` (its argmax writes the other one).
+    fn write_meta(&mut self, token: u32, pos: usize) -> Result<()> {
         let slot = (self.params.epoch & 1) as usize;
         let mut m = self.gpu.stream.clone_dtoh(&self.meta)?;
-        m[slot * 4..slot * 4 + 4].copy_from_slice(&[token, self.pos as u32, 0, 0]);
+        m[slot * 4..slot * 4 + 4].copy_from_slice(&[token, pos as u32, 0, 0]);
         self.gpu.stream.memcpy_htod(&m, &mut self.meta)?;
         Ok(())
     }
 
-    /// `n` greedy steps back to back; the token never visits the host between them.
-    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
-        self.check_room(n)?;
-        self.set_meta(token)?;
-        let start = self.pos;
-        for _ in 0..n {
-            self.launch()?;
-        }
-        self.pos += n;
-        self.check_error()?;
-        let hist = self.gpu.stream.clone_dtoh(&self.history)?;
-        let out = hist[start + 1..start + 1 + n].to_vec();
-        let vocab = self.model.config.vocab_size as u32;
-        if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
-            bail!("megakernel argmax produced token {bad} outside the vocabulary (NaN logits?)");
-        }
-        self.meta_current = out.last().copied();
-        Ok(out)
-    }
-}
-
-impl Backend for MegakernelPath<'_> {
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.check_room(tokens.len())?;
-        for &t in tokens {
-            self.meta_current = None;
-            self.set_meta(t)?;
-            self.launch()?;
-            self.pos += 1;
-        }
-        self.meta_current = None;
-        self.check_error()?;
-        Ok(self.gpu.stream.clone_dtoh(&self.logits)?)
+    fn launch_step(&mut self) -> Result<()> {
+        self.launch()
     }
 
-    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
-        Ok(self.decode_greedy(token, 1)?[0])
+    fn check(&self) -> Result<()> {
+        self.check_error()
+    }
+
+    fn history(&self) -> &CudaSlice<u32> {
+        &self.history
+    }
+
+    fn logits(&self) -> &CudaSlice<f32> {
+        &self.logits
     }
 }
 

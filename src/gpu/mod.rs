@@ -36,3 +36,4 @@ pub mod megakernel;
 pub mod model;
 pub mod paths;
 pub mod sources;
+pub mod stepping;

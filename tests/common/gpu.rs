@@ -36,3 +36,22 @@ pub fn tiny(hidden: usize, heads: usize, kv: usize, head_dim: usize, inter: usiz
     c.vocab_size = 1000;
     c
 }
+
+/// The small models every GPU path is checked on: GQA ratios 1, 3 and 4, head_dim 64 and
+/// 128, sizes that are not powers of two; each with its weights and a 9-token input.
+pub fn small_cases() -> Vec<(String, Config, megainfer::model::Weights, Vec<u32>)> {
+    [
+        (192, 3, 3, 64, 520),
+        (576, 9, 3, 64, 1536),
+        (1024, 8, 2, 128, 2056),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (h, nh, nkv, hd, inter))| {
+        let cfg = tiny(h, nh, nkv, hd, inter);
+        let w = megainfer::model::random::random_weights(&cfg, 11 + i as u64);
+        let tokens = (0..9).map(|k| (k * 97 + i * 13) as u32 % 1000).collect();
+        (format!("tiny{i}"), cfg, w, tokens)
+    })
+    .collect()
+}

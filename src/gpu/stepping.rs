@@ -1,0 +1,107 @@
+//! What every GPU decode path shares: the sequence position, feeding tokens one step each, and
+//! greedy decoding back to back with the chosen tokens left on the device.
+
+use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
+
+use super::device::Gpu;
+use crate::generate::Backend;
+
+/// Position bookkeeping of one sequence.
+pub struct Sequence {
+    /// Tokens already in the KV cache: the position of the next one.
+    pub pos: usize,
+    pub max_seq: usize,
+    /// Set when the device's token meta already holds (this token, `pos`), as the argmax of
+    /// the last greedy step left it: then the host writes nothing before the next step.
+    pub meta_current: Option<u32>,
+}
+
+impl Sequence {
+    pub fn new(max_seq: usize) -> Self {
+        Self {
+            pos: 0,
+            max_seq,
+            meta_current: None,
+        }
+    }
+
+    /// Starts a new sequence (the KV cache is simply overwritten).
+    pub fn reset(&mut self) {
+        self.pos = 0;
+        self.meta_current = None;
+    }
+
+    fn check_room(&self, n: usize) -> Result<()> {
+        if self.pos + n > self.max_seq {
+            bail!(
+                "sequence of {} tokens exceeds the context of {} tokens (--max-context)",
+                self.pos + n,
+                self.max_seq
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One decode step on the device, for token and position read from a device buffer.
+pub trait Steps {
+    fn gpu(&self) -> &Gpu;
+    fn vocab(&self) -> u32;
+    fn seq(&mut self) -> &mut Sequence;
+    /// Makes (token, pos) the input of the next step.
+    fn write_meta(&mut self, token: u32, pos: usize) -> Result<()>;
+    fn launch_step(&mut self) -> Result<()>;
+    /// Reports failures the steps recorded on the device.
+    fn check(&self) -> Result<()>;
+    /// `history[p + 1]` = the greedy token chosen after position `p`.
+    fn history(&self) -> &CudaSlice<u32>;
+    fn logits(&self) -> &CudaSlice<f32>;
+}
+
+/// Feeds `tokens` one step each; the f32 logits after the last.
+pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
+    s.seq().check_room(tokens.len())?;
+    for &t in tokens {
+        let pos = s.seq().pos;
+        s.write_meta(t, pos)?;
+        s.launch_step()?;
+        s.seq().pos += 1;
+    }
+    s.seq().meta_current = None;
+    s.check()?;
+    Ok(s.gpu().stream.clone_dtoh(s.logits())?)
+}
+
+/// `n` greedy steps from `token` launched back to back: each step's argmax feeds the next on
+/// the device, and the host reads the tokens once at the end.
+pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u32>> {
+    s.seq().check_room(n)?;
+    let start = s.seq().pos;
+    if s.seq().meta_current != Some(token) {
+        s.write_meta(token, start)?;
+    }
+    for _ in 0..n {
+        s.launch_step()?;
+    }
+    s.seq().pos += n;
+    s.check()?;
+    let hist = s.gpu().stream.clone_dtoh(s.history())?;
+    let out = hist[start + 1..start + 1 + n].to_vec();
+    let vocab = s.vocab();
+    if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
+        bail!("GPU argmax produced token {bad} outside the vocabulary (NaN logits?)");
+    }
+    s.seq().meta_current = out.last().copied();
+    Ok(out)
+}
+
+impl<S: Steps> Backend for S {
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        feed(self, tokens)
+    }
+
+    fn feed_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(decode_greedy(self, token, 1)?[0])
+    }
+}
