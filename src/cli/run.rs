@@ -134,6 +134,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     let max_tokens = args.max_tokens.min(max_context - ids.len());
+    if max_tokens < args.max_tokens {
+        eprintln!(
+            "megainfer: the context of {max_context} tokens leaves room for {max_tokens} new tokens after the {}-token prompt (--max-context)",
+            ids.len()
+        );
+    }
     let use_cuda = match args.device {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,
