@@ -6,7 +6,6 @@
 __device__ __forceinline__ void pdl_launch_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p)); }
 
 extern "C" __global__ void bl_embed(const bf16_t* embed, const TokenMeta* meta, float* x, int hidden) {
     pdl_launch_next();

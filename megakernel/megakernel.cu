@@ -290,6 +290,22 @@ __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }
 
+// The K/V rows an Attention instruction reads from earlier tokens do not depend on this step:
+// pulling them into L2 while its counter wait runs takes them off the critical path.
+__device__ void prefetch_attention_kv(const MkParams& p, const u32* w, const TokenMeta& m) {
+    const int ct = threadIdx.x - 32;
+    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C], hd = p.head_dim;
+    const int len = m.pos + 1, p0 = (int)((long long)part * len / parts);
+    const int p1 = min((int)((long long)(part + 1) * len / parts), (int)m.pos);  // row pos is new
+    const int lines = hd * 2 / 128;  // 128-byte lines per head row
+    const size_t base = (size_t)layer * p.max_seq * p.kv_heads * hd + kvh * hd;
+    for (int idx = ct; idx < (p1 - p0) * lines * 2; idx += CONSUMERS) {
+        const int row = p0 + idx / (2 * lines), line = idx % lines;
+        const bf16_t* cache = (idx / lines) % 2 ? p.v_cache : p.k_cache;
+        prefetch_l2(cache + base + (size_t)row * p.kv_heads * hd + line * 64);
+    }
+}
+
 // Scratch: per warp and head (m, l, acc[head_dim]), then the G queries.
 __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
@@ -466,6 +482,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         const u32 op = w[W_OP];
         u64* prof = p.profile ? p.profile + (size_t)((w - p.instrs) / MK_WORDS) * 5 : nullptr;
         if (ct == 0 && prof) prof[0] = global_ns();
+        if (op == OP_ATTN) prefetch_attention_kv(p, w, m);
         if (ct == 0) {
             note(p, 0, (u32)((w - p.instrs) / MK_WORDS));
             note(p, 1, ST_WAIT);
