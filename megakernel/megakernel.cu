@@ -54,7 +54,7 @@ struct MkParams {
     u32* counters;
     u32* error;          // [flag, sm, instruction, counter or tile, expected, seen, kind]
     u32* progress;       // per SM: [consumer instruction, consumer stage, loader instruction, loader tile]
-    u64* profile;        // null, or per instruction: globaltimer at start, waited, prepared, computed, signalled
+    u64* profile;        // null, or per instruction: globaltimer at start, waited, prepared, tiles done, stored, signalled
     TokenMeta* meta;     // two slots, by epoch parity
     u32* history;
     const LayerW* layers;
@@ -480,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     u32 seq = 0;
     for (const u32* w = begin; w < end; w += MK_WORDS) {
         const u32 op = w[W_OP];
-        u64* prof = p.profile ? p.profile + (size_t)((w - p.instrs) / MK_WORDS) * 5 : nullptr;
+        u64* prof = p.profile ? p.profile + (size_t)((w - p.instrs) / MK_WORDS) * 6 : nullptr;
         if (ct == 0 && prof) prof[0] = global_ns();
         if (op == OP_ATTN) prefetch_attention_kv(p, w, m);
         if (ct == 0) {
@@ -536,6 +536,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             consume_tiles(p, w, seq, pages, full, empty, xs, res);
             seq += ntiles;
             consumers_sync();
+            if (ct == 0 && prof) prof[3] = global_ns();
             if (aborted(p)) return;
             if (ct == 0) note(p, 1, ST_POST);
             const int layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
@@ -561,11 +562,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         // The barrier orders every consumer's stores before thread 0's release add, which
         // publishes them (release is cumulative): no separate fence is needed.
         if (ct == 0 && prof) {
-            if (ntiles == 0) prof[2] = prof[1];
-            prof[3] = global_ns();
+            if (ntiles == 0) prof[2] = prof[3] = prof[1];
+            prof[4] = global_ns();
         }
         if (ct == 0 && w[W_SIGNAL] != NO_COUNTER) red_release_add(p.counters + w[W_SIGNAL], 1);
-        if (ct == 0 && prof) prof[4] = global_ns();
+        if (ct == 0 && prof) prof[5] = global_ns();
         if (ct == 0) note(p, 1, ST_DONE);
     }
 }

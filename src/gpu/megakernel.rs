@@ -104,9 +104,9 @@ pub struct MegakernelPath<'g> {
 pub struct Profile {
     /// Launch start (first instruction's start) to the last signal, µs.
     pub step_us: f64,
-    /// (type, count, mean µs waiting, preparing, computing + storing, signalling, busy µs per SM
-    /// summed over the type's instructions / SM count)
-    pub rows: Vec<(&'static str, usize, f64, f64, f64, f64, f64)>,
+    /// (type, count per step, mean µs [waiting, preparing, weight tiles, storing, signalling],
+    /// busy µs per SM: the type's instruction time summed / SM count)
+    pub rows: Vec<(&'static str, usize, [f64; 5], f64)>,
 }
 
 impl std::fmt::Display for Profile {
@@ -116,12 +116,18 @@ impl std::fmt::Display for Profile {
             "megakernel step: {:.1} µs from the first instruction's start to the last signal",
             self.step_us
         )?;
-        writeln!(f, "| instruction | count | wait µs | prepare µs | compute+store µs | signal µs | busy µs per SM |")?;
-        writeln!(f, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")?;
-        for (k, n, w, p, c, s, b) in &self.rows {
+        writeln!(
+            f,
+            "| instruction | count | wait µs | prepare µs | tiles µs | store µs | signal µs | busy µs per SM |"
+        )?;
+        writeln!(
+            f,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )?;
+        for (k, n, [w, p, t, c, s], b) in &self.rows {
             writeln!(
                 f,
-                "| {k} | {n} | {w:.2} | {p:.2} | {c:.2} | {s:.2} | {b:.1} |"
+                "| {k} | {n} | {w:.2} | {p:.2} | {t:.2} | {c:.2} | {s:.2} | {b:.1} |"
             )?;
         }
         Ok(())
@@ -329,9 +335,9 @@ impl<'g> MegakernelPath<'g> {
     /// and returns the mean breakdown per instruction type.
     pub fn profile(&mut self, token: u32, steps: usize) -> Result<Profile> {
         let n = self.instructions;
-        let buf = self.gpu.alloc_zeros::<u64>(n * 5, "profile buffer")?;
+        let buf = self.gpu.alloc_zeros::<u64>(n * 6, "profile buffer")?;
         self.params.profile = ptr(&buf, &self.gpu.stream);
-        let mut sums: std::collections::BTreeMap<&'static str, (usize, [f64; 5])> =
+        let mut sums: std::collections::BTreeMap<&'static str, (usize, [f64; 6])> =
             Default::default();
         let mut step_us = 0.0;
         let mut result = Ok(());
@@ -345,17 +351,17 @@ impl<'g> MegakernelPath<'g> {
                 }
             }
             let p = self.gpu.stream.clone_dtoh(&buf)?;
-            let start = (0..n).map(|i| p[i * 5]).min().unwrap_or(0);
-            let end = (0..n).map(|i| p[i * 5 + 4]).max().unwrap_or(0);
+            let start = (0..n).map(|i| p[i * 6]).min().unwrap_or(0);
+            let end = (0..n).map(|i| p[i * 6 + 5]).max().unwrap_or(0);
             step_us += (end - start) as f64 / 1e3;
             for i in 0..n {
-                let r = &p[i * 5..i * 5 + 5];
+                let r = &p[i * 6..i * 6 + 6];
                 let e = sums.entry(self.kinds[i]).or_default();
                 e.0 += 1;
-                for k in 0..4 {
+                for k in 0..5 {
                     e.1[k] += r[k + 1].saturating_sub(r[k]) as f64 / 1e3;
                 }
-                e.1[4] += r[4].saturating_sub(r[0]) as f64 / 1e3;
+                e.1[5] += r[5].saturating_sub(r[0]) as f64 / 1e3;
             }
         }
         self.params.profile = 0;
@@ -368,11 +374,8 @@ impl<'g> MegakernelPath<'g> {
                 (
                     k,
                     c / steps,
-                    m(s[0]),
-                    m(s[1]),
-                    m(s[2]),
-                    m(s[3]),
-                    s[4] / steps as f64 / sms,
+                    [m(s[0]), m(s[1]), m(s[2]), m(s[3]), m(s[4])],
+                    s[5] / steps as f64 / sms,
                 )
             })
             .collect();
