@@ -276,12 +276,24 @@ __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf
         if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, (u32)((w - p.instrs) / MK_WORDS), s)) return;
         const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
         int rows = min(rpt, n - t * rpt);
-        for (int r = 0; r < rows; r++) {
-            const bf16_t* row = page + r * cols;
-            float acc = 0.f;
-            for (int c = (half * 32 + lane) * 8; c < cols; c += 512) acc += dot8(*(const uint4*)(row + c), xs + c);
-            acc = warp_sum(acc);
-            if (lane == 0) res[2 * (t * rpt + r) + half] = acc;
+        // Four rows at a time: the x slice is read once for all four, and the four sums and
+        // their shuffle reductions are independent chains the warp can overlap.
+        for (int r0 = 0; r0 < rows; r0 += 4) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int c = (half * 32 + lane) * 8; c < cols; c += 512) {
+                float x[8];
+                *(float4*)x = *(const float4*)(xs + c);
+                *(float4*)(x + 4) = *(const float4*)(xs + c + 4);
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    if (r0 + k < rows) acc[k] += dot8(*(const uint4*)(page + (r0 + k) * cols + c), x);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[k] = warp_sum(acc[k]);
+            if (lane == 0)
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    if (r0 + k < rows) res[2 * (t * rpt + r0 + k) + half] = acc[k];
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
