@@ -5,6 +5,18 @@ const ATTENTION: &str = include_str!("../../megakernel/attention.cuh");
 const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const GROUP_ATTENTION: &str = include_str!("../../megakernel/group_attention.cuh");
+const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
+/// One header per instruction, in dependency order.
+const OPS: [&str; 8] = [
+    include_str!("../../megakernel/ops/rms_qkv_rope.cuh"),
+    include_str!("../../megakernel/ops/attention.cuh"),
+    include_str!("../../megakernel/ops/attn_reduce.cuh"),
+    include_str!("../../megakernel/ops/oproj_residual.cuh"),
+    include_str!("../../megakernel/ops/rms_upgate_silu.cuh"),
+    include_str!("../../megakernel/ops/down_proj_residual.cuh"),
+    include_str!("../../megakernel/ops/rms_lm_head.cuh"),
+    include_str!("../../megakernel/ops/argmax.cuh"),
+];
 const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
@@ -14,5 +26,8 @@ pub fn baseline() -> String {
 
 /// The persistent interpreter.
 pub fn megakernel() -> String {
-    [COMMON, ATTENTION, GROUP_ATTENTION, PIPELINE, MEGAKERNEL].join("\n")
+    let mut parts = vec![COMMON, ATTENTION, GROUP_ATTENTION, PIPELINE, RUNTIME];
+    parts.extend(OPS);
+    parts.push(MEGAKERNEL);
+    parts.join("\n")
 }

@@ -1,0 +1,80 @@
+// Attention(layer, kv_head, part, parts): softmax attention of a KV head's query heads.
+
+// The K/V rows an Attention instruction reads from earlier tokens do not depend on this step:
+// pulling them into L2 while its counter wait runs takes them off the critical path.
+__device__ void prefetch_attention_kv(const MkParams& p, const u32* w, const TokenMeta& m) {
+    const int ct = threadIdx.x - 32;
+    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C], hd = p.head_dim;
+    const int len = m.pos + 1, p0 = (int)((long long)part * len / parts);
+    const int p1 = min((int)((long long)(part + 1) * len / parts), (int)m.pos);  // row pos is new
+    const int lines = hd * 2 / 128;  // 128-byte lines per head row
+    const size_t base = (size_t)layer * p.max_seq * p.kv_heads * hd + kvh * hd;
+    for (int idx = ct; idx < (p1 - p0) * lines * 2; idx += CONSUMERS) {
+        const int row = p0 + idx / (2 * lines), line = idx % lines;
+        const bf16_t* cache = (idx / lines) % 2 ? p.v_cache : p.k_cache;
+        prefetch_l2(cache + base + (size_t)row * p.kv_heads * hd + line * 64);
+    }
+}
+
+// Scratch: per warp and head (m, l, acc[head_dim]), then the G queries.
+__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
+    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
+    const int hd = p.head_dim, G = p.heads / p.kv_heads;
+    const int len = m.pos + 1, p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
+    const size_t layer_off = (size_t)layer * p.max_seq * p.kv_heads * hd;
+    const int kv_stride = p.kv_heads * hd, stride = 2 + hd;
+    float* qs = scratch + CONSUMER_WARPS * G * stride;
+    for (int i = ct; i < G * hd; i += CONSUMERS)
+        qs[i] = __ldcg(p.q + (size_t)layer * p.heads * hd + kvh * G * hd + i);
+    consumers_sync();
+    const bf16_t* kh = p.k_cache + layer_off + kvh * hd;
+    const bf16_t* vh = p.v_cache + layer_off + kvh * hd;
+    const float scale = rsqrtf((float)hd);
+    const int chunks = hd / 8;
+    for (int g0 = 0; g0 < G; g0 += ATT_HEADS_PER_PASS) {
+        const int gn = min(ATT_HEADS_PER_PASS, G - g0);
+        float mx[ATT_HEADS_PER_PASS], l[ATT_HEADS_PER_PASS], acc[ATT_HEADS_PER_PASS][8];
+#pragma unroll
+        for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
+            mx[g] = NEG_INF; l[g] = 0.f;
+#pragma unroll
+            for (int d = 0; d < 8; d++) acc[g][d] = 0.f;
+        }
+        if (hd == 64) attend_group_warp<8>(qs + g0 * hd, gn, kh, vh, kv_stride, scale, p0, p1, cw, CONSUMER_WARPS, mx, l, acc);
+        else attend_group_warp<16>(qs + g0 * hd, gn, kh, vh, kv_stride, scale, p0, p1, cw, CONSUMER_WARPS, mx, l, acc);
+        // Constant indices only (unrolled, guarded), so the arrays stay in registers.
+#pragma unroll
+        for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
+            if (g >= gn) break;
+            float* st = scratch + (cw * G + g0 + g) * stride;
+            if (lane == 0) { st[0] = mx[g]; st[1] = l[g]; }
+            if (lane < chunks) {
+#pragma unroll
+                for (int d = 0; d < 8; d++) st[2 + lane * 8 + d] = acc[g][d];
+            }
+        }
+    }
+    consumers_sync();
+    for (int idx = ct; idx < G * hd; idx += CONSUMERS) {
+        const int g = idx / hd, d = idx % hd, head = kvh * G + g;
+        float M = NEG_INF;
+        for (int k = 0; k < CONSUMER_WARPS; k++) M = fmaxf(M, scratch[(k * G + g) * stride]);
+        float L = 0.f, A = 0.f;
+        for (int k = 0; k < CONSUMER_WARPS; k++) {
+            const float* s = scratch + (k * G + g) * stride;
+            if (s[1] == 0.f) continue;  // a warp that saw no position
+            float c = __expf(s[0] - M);
+            L += s[1] * c;
+            A += s[2 + d] * c;
+        }
+        float o = L > 0.f ? A / L : 0.f;
+        if (parts == 1) {
+            p.attn_out[(size_t)layer * p.heads * hd + head * hd + d] = o;
+        } else {
+            float* dst = p.attn_part + (((size_t)layer * p.heads + head) * parts + part) * (hd + 2);
+            dst[d] = o;
+            if (d == 0) { dst[hd] = M; dst[hd + 1] = L; }
+        }
+    }
+}
