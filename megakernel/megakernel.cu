@@ -90,11 +90,22 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             if (ct == 0 && prof) prof[3] = global_ns();
             if (aborted(p)) return;
             if (ct == 0) note(p, 1, ST_POST);
+            // The residual, SiLU and down-proj stores are one loop each: written out here.
+            const int layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
             switch (op) {
                 case OP_QKV: post_qkv(p, w, m, res); break;
-                case OP_OPROJ: post_oproj(p, w, m, res); break;
-                case OP_UPGATE: post_upgate(p, w, res); break;
-                case OP_DOWN: post_down(p, w, res); break;
+                case OP_OPROJ:
+                    for (int j = ct; j < rc; j += CONSUMERS)
+                        p.resid_attn[(size_t)layer * p.hidden + rs + j] = resid_in(p, layer, m.token, rs + j) + res_at(res, j);
+                    break;
+                case OP_UPGATE:
+                    for (int j = ct; j < rc; j += CONSUMERS)
+                        p.act[(size_t)layer * p.inter + rs + j] = silu(res_at(res, j)) * res_at(res, rc + j);
+                    break;
+                case OP_DOWN:
+                    for (int j = ct; j < rc; j += CONSUMERS)
+                        p.mlp_part[((size_t)layer * p.chunks + w[W_C]) * p.hidden + rs + j] = res_at(res, j);
+                    break;
                 case OP_LMHEAD: post_lmhead(p, w, res, red); break;
                 default: break;
             }
