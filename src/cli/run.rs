@@ -69,39 +69,28 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
         .tokenizer
         .as_ref()
         .context("this model has no tokenizer (no tokenizer.json / GGUF tokenizer metadata)")?;
-    let text = if chat_mode {
-        let template = tok
-            .chat_template
-            .as_deref()
-            .context("--chat: this model has no chat template")?;
-        let name = |id: Option<u32>| {
-            id.and_then(|i| tok.inner.id_to_token(i))
-                .unwrap_or_default()
-        };
-        chat::render(
-            template,
-            &[ChatMessage {
-                role: "user".into(),
-                content: prompt.into(),
-            }],
-            &name(tok.bos_token_id),
-            &name(tok.eos_token_ids.first().copied()),
-            true,
-        )?
-    } else {
-        prompt.to_string()
-    };
-    let mut ids = tok.encode(&text)?;
-    // Templates that write the BOS token themselves must not get a second one.
-    if chat_mode
-        && tok.add_bos
-        && ids.len() > 1
-        && ids[0] == ids[1]
-        && Some(ids[0]) == tok.bos_token_id
-    {
-        ids.remove(0);
+    if !chat_mode {
+        return tok.encode(prompt);
     }
-    Ok(ids)
+    let template = tok
+        .chat_template
+        .as_deref()
+        .context("--chat: this model has no chat template")?;
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tok.inner.id_to_token(i))
+            .unwrap_or_default()
+    };
+    let text = chat::render(
+        template,
+        &[ChatMessage {
+            role: "user".into(),
+            content: prompt.into(),
+        }],
+        &name(tok.bos_token_id),
+        &name(tok.eos_token_ids.first().copied()),
+        true,
+    )?;
+    tok.encode_chat(&text)
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {

@@ -389,14 +389,6 @@ impl<'g> MegakernelPath<'g> {
         self.params.timeout_ns = ms * 1_000_000;
     }
 
-    pub fn shared_memory_bytes(&self) -> u32 {
-        self.smem
-    }
-
-    pub fn pages(&self) -> i32 {
-        self.params.pages
-    }
-
     /// Replaces one encoded word on the device: lets tests break a schedule on purpose.
     pub fn poke_word(&mut self, instruction: usize, word: usize, value: u32) -> Result<()> {
         let mut all = self.gpu.stream.clone_dtoh(&self.words)?;

@@ -13,10 +13,6 @@ pub fn round_bf16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-pub fn widen_all(xs: &[bf16]) -> Vec<f32> {
-    xs.iter().map(|&x| widen(x)).collect()
-}
-
 #[inline]
 fn dot(w: &[f32], x: &[f32]) -> f32 {
     // Eight independent partial sums let the compiler vectorise without reassociation flags.
