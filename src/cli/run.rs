@@ -165,7 +165,10 @@ pub fn stream(
     let tok = model.tokenizer.as_ref().context("model has no tokenizer")?;
     let mut sampler = Sampler::new(params);
     let mut out_ids: Vec<u32> = Vec::new();
-    let mut printed = 0usize;
+    // Decoding only the tokens since the last printed boundary keeps each step O(1) instead of
+    // re-decoding the whole output; `prefix` is kept as context because byte-level tokens
+    // decode correctly only together with their neighbours.
+    let (mut prefix, mut printed) = (0usize, 0usize);
     let mut stdout = std::io::stdout().lock();
     let eos = &tok.eos_token_ids;
     let stats = generate(
@@ -180,13 +183,17 @@ pub fn stream(
                 return Ok(());
             }
             out_ids.push(t);
-            let text = tok.decode(&out_ids)?;
+            let before = tok.decode(&out_ids[prefix..printed])?;
+            let text = tok.decode(&out_ids[prefix..])?;
             // A token may end inside a multi-byte character: wait for the rest of it.
-            if !text.ends_with('\u{FFFD}') && text.len() > printed && text.is_char_boundary(printed)
+            if !text.ends_with('\u{FFFD}')
+                && text.len() > before.len()
+                && text.is_char_boundary(before.len())
             {
-                stdout.write_all(&text.as_bytes()[printed..])?;
+                stdout.write_all(&text.as_bytes()[before.len()..])?;
                 stdout.flush()?;
-                printed = text.len();
+                prefix = printed;
+                printed = out_ids.len();
             }
             Ok(())
         },
