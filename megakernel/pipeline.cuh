@@ -1,6 +1,6 @@
 // Paged shared memory: a ring of PAGES pages of PAGE_BYTES, each with a "full" mbarrier (the
 // loader warp's bulk copies completed) and an "empty" mbarrier (the consumer warp released it).
-// The loader walks the instruction stream ahead of the consumers and never waits on counters:
+// The loader walks the instruction stream ahead of the consumers and never waits for data:
 // weights do not depend on activations, so the next instructions' weights stream in while the
 // current instruction waits, computes and stores.
 
@@ -43,16 +43,14 @@ __device__ __forceinline__ u64 global_ns() {
     return t;
 }
 
-__device__ __forceinline__ u32 ld_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void red_release_add(u32* p, u32 v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 __device__ __forceinline__ void named_sync(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A barrier that also returns whether any participant passed true.
+__device__ __forceinline__ bool named_sync_or(u32 id, u32 threads, bool v) {
+    u32 r;
+    asm volatile("{\n .reg .pred a, b;\n setp.ne.u32 a, %1, 0;\n bar.red.or.pred b, %2, %3, a;\n selp.u32 %0, 1, 0, b;\n}"
+                 : "=r"(r) : "r"((u32)v), "r"(id), "r"(threads) : "memory");
+    return r != 0;
 }

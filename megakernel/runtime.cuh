@@ -1,14 +1,15 @@
 // The megakernel: one persistent CTA per SM interprets its instruction stream for one decode
 // step. Warp 0 is the loader (weights -> paged shared memory, running ahead of the consumers);
-// warps 1..CONSUMER_WARPS compute. Instructions wait on global counters (acquire) and signal
-// them (release); targets are base * (epoch + 1), so streams and counters are reused for every
-// token without host work.
+// warps 1..CONSUMER_WARPS compute. Activations passed between instructions carry the launch's
+// tag (epoch + 1) and are waited for where they are read, so the same streams run token after
+// token without host work. The schedule's counters (the waits and signals it encodes) describe
+// exactly these dependencies; the interpreter has no need to keep them.
 
 #define MK_WORDS 16
-#define MAX_WAITS 3
-// 12 consumer warps + the loader = 13 warps: at most 4 per SM sub-partition, which lets each
-// thread have 128 registers (17 warps would cap it at 96 and spill the attention).
-#define CONSUMER_WARPS 12
+// 8 consumer warps + the loader = 9 warps: at most 3 per SM sub-partition, which lets each
+// thread have 168 registers. With 13 warps (128 registers) the interpreter loop spilled, and
+// the reloads went to L2.
+#define CONSUMER_WARPS 8
 #define CONSUMERS (CONSUMER_WARPS * 32)
 #define MK_THREADS (CONSUMERS + 32)
 #define RES_MAX 2048
@@ -19,8 +20,8 @@
 // cannot pass for a phase two ahead. (Bulk copies complete out of order, so "issued earlier"
 // is not enough: with 12 pages shared round-robin by 8 groups the LM head hung.)
 #define TILE_GROUPS (CONSUMER_WARPS / 2)
-#define NO_COUNTER 0xffffffffu
 #define ABORT_CHECK_SPINS 1024
+#define PROF_WORDS 6
 
 enum Op : u32 {
     OP_NOOP = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_REDUCE = 3, OP_OPROJ = 4,
@@ -35,9 +36,6 @@ enum Op : u32 {
 #define W_C 4
 #define W_D 5
 #define W_E 6
-#define W_SIGNAL 8
-#define W_NWAIT 9
-#define W_WAITS 10
 
 struct LayerW {
     const bf16_t* attn_norm;
@@ -51,10 +49,11 @@ struct LayerW {
 struct MkParams {
     const u32* instrs;
     const u32* sm_offsets;
-    u32* counters;
-    u32* error;          // [flag, sm, instruction, counter or tile, expected, seen, kind]
+    u32* error;          // [flag, sm, instruction, tile or arena element, expected, seen, kind]
     u32* progress;       // per SM: [consumer instruction, consumer stage, loader instruction, loader tile]
-    u64* profile;        // null, or per instruction: globaltimer at start, waited, prepared, tiles done, stored, signalled
+    // null, or per instruction (PROF_WORDS): globaltimer at start, inputs arrived and prepared,
+    // tiles done, stored; then the loader's first page wait and its last tile issued.
+    u64* profile;
     TokenMeta* meta;     // two slots, by epoch parity
     u32* history;
     const LayerW* layers;
@@ -64,14 +63,16 @@ struct MkParams {
     const float* inv_freq;
     bf16_t* k_cache;
     bf16_t* v_cache;
-    float* resid_attn;   // [layers][hidden]
-    float* mlp_part;     // [layers][chunks][hidden]
-    float* q;            // [layers][heads*head_dim]
-    float* attn_out;     // [layers][heads*head_dim]
-    float* attn_part;    // [layers][heads][parts_max][head_dim + 2]
-    float* act;          // [layers][inter]
-    float* logits;       // [vocab]
-    float* lm_best;      // [n_lm][2]: value, index bits
+    // Tagged activations (see st_tagged), all in one arena that starts at resid_attn.
+    u64* resid_attn;     // [layers][hidden]
+    u64* mlp_part;       // [layers][chunks][hidden]
+    u64* q;              // [layers][heads*head_dim]
+    u64* kv_new;         // [layers][2][kv_heads][head_dim]: this token's K and V rows (bf16 values)
+    u64* attn_out;       // [layers][heads*head_dim]
+    u64* attn_part;      // [layers][heads][parts_max][head_dim + 2]
+    u64* act;            // [layers][inter]
+    u64* lm_best;        // [n_lm][2]: value, index bits
+    float* logits;       // [vocab], read by the host
     int hidden, inter, heads, kv_heads, head_dim, vocab, n_layers, chunks, max_seq, n_lm;
     int xs_floats, pages;
     float eps;
@@ -81,15 +82,84 @@ struct MkParams {
 
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
-enum ErrorKind : u32 { ERR_COUNTER = 1, ERR_PAGE_CONSUMER = 2, ERR_PAGE_LOADER = 3 };
-enum Stage : u32 { ST_WAIT = 1, ST_PREPARE = 2, ST_TILES = 3, ST_POST = 4, ST_DONE = 5 };
+enum ErrorKind : u32 { ERR_DATA = 1, ERR_PAGE_CONSUMER = 2, ERR_PAGE_LOADER = 3 };
+enum Stage : u32 { ST_PREPARE = 2, ST_TILES = 3, ST_POST = 4, ST_DONE = 5 };
 
-__device__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 counter, u32 expected, u32 seen) {
+__device__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
     if (atomicCAS(p.error, 0u, 1u) == 0u) {
-        p.error[1] = blockIdx.x; p.error[2] = instr; p.error[3] = counter; p.error[4] = expected; p.error[5] = seen;
+        p.error[1] = blockIdx.x; p.error[2] = instr; p.error[3] = what; p.error[4] = expected; p.error[5] = seen;
         p.error[6] = kind;
         __threadfence();
     }
+}
+
+// ---- tagged activations ----
+// Every value one instruction hands to another is a 64-bit word: the f32 in the low half and
+// the launch's tag (epoch + 1) in the high half, written by one relaxed 64-bit store, which is
+// single-copy atomic. A reader takes the value once its tag is this launch's: the data carries
+// its own readiness, so no counter, fence or barrier sits between producer and consumer. (A
+// release fence waits for the SM's in-flight weight copies: ~8 us while HBM streams.)
+
+// Set by a consumer thread whose wait timed out; the interpreter stops at its next barrier.
+__shared__ u32 mk_failed;
+// The instruction the consumers are on, for error reports.
+__shared__ u32 mk_instr;
+
+__device__ __forceinline__ u32 launch_tag(const MkParams& p) { return p.epoch + 1; }
+
+__device__ __forceinline__ void st_tagged(u64* a, float v, u32 tag) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(((u64)tag << 32) | __float_as_uint(v)) : "memory");
+}
+
+__device__ __forceinline__ u64 ld_tagged(const u64* a) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a));
+    return v;
+}
+
+// Waits until the n elements addr(k) (k < n) read into raw carry this launch's tag,
+// re-reading all the stale ones together, so stragglers cost one round trip per retry rather
+// than one each. Past the time limit (or once another SM failed) it reports a stale element
+// (the first error raised wins) and marks the CTA failed.
+template <int N, typename Addr>
+__device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, int n) {
+    const u32 tag = launch_tag(p);
+    u64 t0 = 0;
+    for (int spins = 0;; spins++) {
+        bool stale = false;
+#pragma unroll
+        for (int k = 0; k < N; k++) stale |= k < n && (u32)(raw[k] >> 32) != tag;
+        if (!stale) return;
+        if (spins == 0) {
+            t0 = global_ns();
+        } else if (spins % 64 == 0 && (aborted(p) || global_ns() - t0 > p.timeout_ns)) {
+#pragma unroll
+            for (int k = N - 1; k >= 0; k--)
+                if (k < n && (u32)(raw[k] >> 32) != tag)
+                    raise_error(p, ERR_DATA, mk_instr, (u32)(addr(k) - p.resid_attn), tag, (u32)(raw[k] >> 32));
+            mk_failed = 1;
+            return;
+        }
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            if (k < n && (u32)(raw[k] >> 32) != tag) raw[k] = ld_tagged(addr(k));
+    }
+}
+
+__device__ __forceinline__ float tagged_float(u64 raw) { return __uint_as_float((u32)raw); }
+
+__device__ __forceinline__ float ld_value(const MkParams& p, const u64* a) {
+    u64 raw = ld_tagged(a);
+    settle<1>(p, &raw, [&](int) { return a; }, 1);
+    return tagged_float(raw);
+}
+
+// Before a warp reads a batch of inputs, its lane 0 alone waits for one of them: a few hundred
+// threads per SM spinning on L2 would slow the weight stream that shares it. Elements still
+// stale after the gate (another producer's) are waited for one by one, briefly.
+__device__ __forceinline__ void warp_gate(const MkParams& p, const u64* a) {
+    if ((threadIdx.x & 31) == 0) ld_value(p, a);
+    __syncwarp();
 }
 
 __device__ __forceinline__ void note(const MkParams& p, int slot, u32 v) {
@@ -133,8 +203,10 @@ __device__ __forceinline__ int seg_count(const u32* w) {
     }
 }
 
-__device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p, int j) {
-    const LayerW& L = p.layers[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
+// lw: the layer pointer table, copied to shared memory at the start (reads of it must not
+// become L2 round trips on the critical path).
+__device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p, const LayerW* lw, int j) {
+    const LayerW& L = lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
     switch (w[W_OP]) {
         case OP_QKV: {
             int pc = w[W_C], half = p.head_dim / 2;
@@ -164,33 +236,43 @@ __device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
 
 // ---- loader warp ----
 
-__device__ void loader(const MkParams& p, const u32* begin, const u32* end, bf16_t* pages, u64* full, u64* empty) {
+__device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, bf16_t* pages, u64* full,
+                       u64* empty) {
     const int lane = threadIdx.x & 31;
     u32 seq = 0;
-    for (const u32* w = begin; w < end; w += MK_WORDS) {
+    for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
+        // The operands, read once into registers rather than once per weight row.
+        u32 w[W_E + 1];
+#pragma unroll
+        for (int k = 0; k <= W_E; k++) w[k] = wg[k];
         int n = seg_count(w);
         if (n == 0) continue;
-        const u32 instr = (u32)((w - p.instrs) / MK_WORDS);
+        const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
         if (lane == 0) note(p, 2, instr);
         int cols = seg_cols(w, p), rpt = rows_per_tile(cols);
         u32 bytes_per_row = cols * 2;
+        u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
+        if (lane == 0 && prof) prof[4] = global_ns();
         for (int t = 0; t * rpt < n; t++, seq++) {
             u32 slot = seq % p.pages, round = seq / p.pages;
             if (lane == 0) note(p, 3, seq);
-            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
             int rows = min(rpt, n - t * rpt);
+            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
             if (lane == 0) mbar_expect_tx(&full[slot], rows * bytes_per_row);
             __syncwarp();
             char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
             for (int r = lane; r < rows; r += 32)
-                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, t * rpt + r), bytes_per_row, &full[slot]);
+                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, lw, t * rpt + r), bytes_per_row, &full[slot]);
         }
+        if (lane == 0 && prof) prof[5] = global_ns();
     }
 }
 
 // ---- consumer helpers (ct = consumer thread index, cw = consumer warp index) ----
 
 __device__ __forceinline__ void consumers_sync() { named_sync(1, CONSUMERS); }
+// A consumer barrier that tells every consumer whether any consumer's wait failed.
+__device__ __forceinline__ bool consumers_failed() { return named_sync_or(1, CONSUMERS, mk_failed != 0); }
 
 // Sum over all consumer threads; every caller gets the total.
 __device__ float consumers_sum(float v, float* red) {
@@ -209,71 +291,109 @@ __device__ float consumers_sum(float v, float* red) {
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
     int l = layer - 1;
-    float v = __ldcg(p.resid_attn + (size_t)l * p.hidden + i);
-    for (int c = 0; c < p.chunks; c++) v += __ldcg(p.mlp_part + ((size_t)l * p.chunks + c) * p.hidden + i);
+    float v = ld_value(p, p.resid_attn + (size_t)l * p.hidden + i);
+    for (int c = 0; c < p.chunks; c++) v += ld_value(p, p.mlp_part + ((size_t)l * p.chunks + c) * p.hidden + i);
     return v;
 }
 
 // xs = rmsnorm(src) * g, src given by resid_in(layer) or resid_attn[l] (after_attn).
-// Each thread first issues all its L2 loads (PREP_MAX per source), then sums: the activations
-// come from L2 while the weights stream, and one round trip per source beats one per element.
+// Each thread first issues every L2 load it needs (PREP_MAX elements of each source and of g),
+// then sums: one round trip in all, where a round trip per source or per element would add up
+// on the critical path of every layer.
 #define PREP_MAX 8
+#define PREP_CHUNKS 2
 __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* red) {
     const int ct = threadIdx.x - 32;
-    float ss = 0.f;
-    if (p.hidden <= PREP_MAX * CONSUMERS) {
-        float v[PREP_MAX];
-        const float* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
-                            : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
+    const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
+    if (p.hidden <= PREP_MAX * CONSUMERS && nparts <= PREP_CHUNKS) {
+        u64 raw[PREP_MAX], rawp[PREP_CHUNKS][PREP_MAX];
+        float gw[PREP_MAX], v[PREP_MAX];
+        const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
+                          : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
+        const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
+        // The down-projection parts are written last (the residual is older); after the
+        // attention, the residual itself.
+        const u64* newest = nparts > 0 ? parts + (size_t)(nparts - 1) * p.hidden : base;
+        if (newest) warp_gate(p, newest + min(p.hidden - 1, ct & ~31));
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
             const int i = ct + k * CONSUMERS;
-            v[k] = i >= p.hidden ? 0.f
-                   : base ? __ldcg(base + i)
-                          : bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
+            const bool in = i < p.hidden;
+            raw[k] = in && base ? ld_tagged(base + i) : 0;
+            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
+            gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
+#pragma unroll
+            for (int c = 0; c < PREP_CHUNKS; c++)
+                rawp[c][k] = in && c < nparts ? ld_tagged(parts + (size_t)c * p.hidden + i) : 0;
         }
-        if (!after_attn && layer > 0) {
-            for (int c = 0; c < p.chunks; c++) {
-                const float* part = p.mlp_part + ((size_t)(layer - 1) * p.chunks + c) * p.hidden;
-                float w[PREP_MAX];
+        const int mine = p.hidden > ct ? (p.hidden - ct + CONSUMERS - 1) / CONSUMERS : 0;
+        if (base) settle<PREP_MAX>(p, raw, [&](int k) { return base + ct + k * CONSUMERS; }, mine);
 #pragma unroll
-                for (int k = 0; k < PREP_MAX; k++) {
-                    const int i = ct + k * CONSUMERS;
-                    w[k] = i < p.hidden ? __ldcg(part + i) : 0.f;
-                }
+        for (int c = 0; c < PREP_CHUNKS; c++)
+            if (c < nparts)
+                settle<PREP_MAX>(p, rawp[c], [&](int k) { return parts + (size_t)c * p.hidden + ct + k * CONSUMERS; }, mine);
+        float ss = 0.f;
 #pragma unroll
-                for (int k = 0; k < PREP_MAX; k++) v[k] += w[k];
+        for (int k = 0; k < PREP_MAX; k++) {
+            if (k < mine) {
+                if (base) v[k] = tagged_float(raw[k]);
+#pragma unroll
+                for (int c = 0; c < PREP_CHUNKS; c++)
+                    if (c < nparts) v[k] += tagged_float(rawp[c][k]);
             }
-        }
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            if (i < p.hidden) xs[i] = v[k];
             ss += v[k] * v[k];
         }
-    } else {
-        for (int i = ct; i < p.hidden; i += CONSUMERS) {
-            float v = after_attn ? __ldcg(p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
-            xs[i] = v;
-            ss += v * v;
+        const float scale = rsqrtf(consumers_sum(ss, red) / p.hidden + p.eps);
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            if (i < p.hidden) xs[i] = v[k] * scale * gw[k];
         }
+        return;
     }
-    float total = consumers_sum(ss, red);
-    float scale = rsqrtf(total / p.hidden + p.eps);
+    float ss = 0.f;
+    for (int i = ct; i < p.hidden; i += CONSUMERS) {
+        float v = after_attn ? ld_value(p, p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
+        xs[i] = v;
+        ss += v * v;
+    }
+    const float scale = rsqrtf(consumers_sum(ss, red) / p.hidden + p.eps);
     for (int i = ct; i < p.hidden; i += CONSUMERS) xs[i] = xs[i] * scale * bf16_to_f32(g[i]);
+}
+
+// Copies n tagged values into shared memory as floats, every read of a thread's batch issued
+// before it waits on any of them.
+#define COPY_MAX 8
+__device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
+    const int ct = threadIdx.x - 32;
+    if (n > 0) warp_gate(p, src + min(n - 1, ct & ~31));
+    for (int i0 = 0; i0 < n; i0 += COPY_MAX * CONSUMERS) {
+        u64 raw[COPY_MAX];
+#pragma unroll
+        for (int k = 0; k < COPY_MAX; k++) {
+            const int i = i0 + ct + k * CONSUMERS;
+            raw[k] = i < n ? ld_tagged(src + i) : 0;
+        }
+        const int first = i0 + ct, mine = n > first ? (n - first + CONSUMERS - 1) / CONSUMERS : 0;
+        settle<COPY_MAX>(p, raw, [&](int k) { return src + first + k * CONSUMERS; }, mine);
+#pragma unroll
+        for (int k = 0; k < COPY_MAX; k++)
+            if (k < mine) dst[first + k * CONSUMERS] = tagged_float(raw[k]);
+    }
 }
 
 // Dot products of the instruction's weight rows (from the paged ring) with xs: the two
 // column halves of row j land in res[2j] and res[2j + 1] (summed in that order by res_at).
-__device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf16_t* pages, u64* full, u64* empty,
-                              const float* xs, float* res) {
+// False when a page wait failed (the error is raised).
+__device__ bool consume_tiles(const MkParams& p, const u32* w, u32 instr, u32 seq, const bf16_t* pages, u64* full,
+                              u64* empty, const float* xs, float* res) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
     int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols);
     int ntiles = (n + rpt - 1) / rpt;
     for (int t = grp; t < ntiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % p.pages;
-        if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, (u32)((w - p.instrs) / MK_WORDS), s)) return;
+        if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
         int rows = min(rpt, n - t * rpt);
         // Four rows at a time: the x slice is read once for all four, and the four sums and
@@ -298,6 +418,7 @@ __device__ void consume_tiles(const MkParams& p, const u32* w, u32 seq, const bf
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
     }
+    return true;
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }

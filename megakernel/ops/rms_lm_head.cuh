@@ -15,7 +15,7 @@ __device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, f
     consumers_sync();
     if (ct == 0) {
         for (int k = 1; k < CONSUMER_WARPS; k++) argmax_merge(v, idx, red[k], redi[k]);
-        p.lm_best[2 * w[W_C]] = v;
-        p.lm_best[2 * w[W_C] + 1] = __uint_as_float(idx);
+        st_tagged(p.lm_best + 2 * w[W_C], v, launch_tag(p));
+        st_tagged(p.lm_best + 2 * w[W_C] + 1, __uint_as_float(idx), launch_tag(p));
     }
 }

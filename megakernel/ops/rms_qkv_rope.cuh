@@ -1,5 +1,5 @@
 // RmsQkvRope(layer, head, pairs): the post step after the shared RMS-norm and mat-vec: RoPE,
-// then Q into q[l] or K/V into the cache at pos.
+// then Q into q[l], or K/V into the cache at pos and into kv_new.
 
 __device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
@@ -13,15 +13,23 @@ __device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, co
             float ra = a * c - b * s, rb = b * c + a * s;
             a = ra; b = rb;
         }
+        const u32 tag = launch_tag(p);
         if (head < p.heads) {
-            float* q = p.q + (size_t)layer * p.heads * hd + head * hd;
-            q[i] = a; q[i + half] = b;
+            u64* q = p.q + (size_t)layer * p.heads * hd + head * hd;
+            st_tagged(q + i, a, tag);
+            st_tagged(q + i + half, b, tag);
         } else {
+            // The cache row is for later launches; this launch's attention reads the row from
+            // kv_new, where it carries its tag (the same bf16 values, widened).
             bool is_k = head < p.heads + p.kv_heads;
             int kvh = head - p.heads - (is_k ? 0 : p.kv_heads);
             bf16_t* cache = (is_k ? p.k_cache : p.v_cache) +
                             (((size_t)layer * p.max_seq + m.pos) * p.kv_heads + kvh) * hd;
-            cache[i] = f32_to_bf16(a); cache[i + half] = f32_to_bf16(b);
+            const bf16_t ha = f32_to_bf16(a), hb = f32_to_bf16(b);
+            cache[i] = ha; cache[i + half] = hb;
+            u64* row = p.kv_new + (((size_t)layer * 2 + (is_k ? 0 : 1)) * p.kv_heads + kvh) * hd;
+            st_tagged(row + i, bf16_to_f32(ha), tag);
+            st_tagged(row + i + half, bf16_to_f32(hb), tag);
         }
     }
 }

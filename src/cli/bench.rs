@@ -37,6 +37,9 @@ pub struct BenchArgs {
     /// Also time every megakernel instruction (globaltimer) and print where a step's time goes.
     #[arg(long)]
     pub profile: bool,
+    /// With --profile: write every profiled instruction's timestamps (CSV) to this file.
+    #[arg(long, requires = "profile")]
+    pub timeline: Option<PathBuf>,
     /// Seed of the random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -206,6 +209,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 base.tokens.len()
             );
         }
+    }
+    if let (Some(p), Some(file)) = (&profile, &args.timeline) {
+        std::fs::write(file, &p.timeline).with_context(|| format!("writing {}", file.display()))?;
     }
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");

@@ -19,20 +19,26 @@ use super::stepping::{self, Sequence, Steps};
 
 // Mirrors megakernel/megakernel.cu.
 const WORDS: usize = scheduler::WORDS_PER_INSTR;
-const CONSUMER_WARPS: usize = 12;
+const CONSUMER_WARPS: usize = 8;
 const THREADS: u32 = (CONSUMER_WARPS as u32 + 1) * 32;
 const RES_MAX: usize = 2048;
 const TILE_GROUPS: usize = CONSUMER_WARPS / 2;
 const PAGE_BYTES: usize = 16384;
-/// A counter wait longer than this is a scheduling bug: the kernel stops and reports it.
+/// Profile words per instruction (PROF_WORDS in runtime.cuh).
+const PROF_WORDS: usize = 6;
+/// The kernel's static shared memory (its two flags), beside the dynamic part sized here.
+const STATIC_SMEM: usize = 128;
+/// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
+/// Tags are epoch + 1 in 32 bits: before they would wrap, the tagged arena is cleared and the
+/// epoch restarts.
+const MAX_EPOCH: u32 = u32::MAX - 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct MkParams {
     instrs: u64,
     sm_offsets: u64,
-    counters: u64,
     error: u64,
     progress: u64,
     profile: u64,
@@ -48,11 +54,12 @@ struct MkParams {
     resid_attn: u64,
     mlp_part: u64,
     q: u64,
+    kv_new: u64,
     attn_out: u64,
     attn_part: u64,
     act: u64,
-    logits: u64,
     lm_best: u64,
+    logits: u64,
     hidden: i32,
     inter: i32,
     heads: i32,
@@ -80,55 +87,86 @@ pub struct MegakernelPath<'g> {
     pub instructions: usize,
     words: CudaSlice<u32>,
     _sm_offsets: CudaSlice<u32>,
-    counters: CudaSlice<u32>,
     error: CudaSlice<u32>,
     progress: CudaSlice<u32>,
     sm_offsets: Vec<u32>,
     meta: CudaSlice<u32>,
     history: CudaSlice<u32>,
     logits: CudaSlice<f32>,
-    _buffers: Vec<CudaSlice<f32>>,
+    /// Every tagged activation buffer, one after the other (see `Arena`).
+    arena: CudaSlice<u64>,
+    arena_parts: Vec<(&'static str, usize)>,
     _layers: CudaSlice<u64>,
     _kv: KvCache,
     seq: Sequence,
-    /// Counters grow by their base each launch; they are cleared (and the epoch restarted)
-    /// before any can wrap.
-    max_epochs: u64,
-    /// Per encoded position: the instruction and the counters, for error messages.
+    /// Per encoded position: the instruction, for error messages.
     descs: Vec<String>,
     kinds: Vec<&'static str>,
-    counter_names: Vec<String>,
+}
+
+/// Offsets (in 64-bit words) of the tagged buffers in one allocation, so that the kernel can
+/// name a stuck element by its offset and one memset clears them all.
+struct Arena {
+    parts: Vec<(&'static str, usize)>,
+    len: usize,
+}
+
+impl Arena {
+    fn new(sizes: &[(&'static str, usize)]) -> Self {
+        let mut len = 0;
+        let parts = sizes
+            .iter()
+            .map(|&(name, n)| {
+                let start = len;
+                len += n;
+                (name, start)
+            })
+            .collect();
+        Arena { parts, len }
+    }
+
+    fn offset(&self, name: &str) -> usize {
+        self.parts
+            .iter()
+            .find(|p| p.0 == name)
+            .map(|p| p.1)
+            .expect("arena part")
+    }
+}
+
+/// `buffer[element]` for an arena offset.
+fn arena_element(parts: &[(&'static str, usize)], offset: usize) -> String {
+    match parts.iter().rev().find(|p| p.1 <= offset) {
+        Some((name, start)) => format!("{name}[{}]", offset - start),
+        None => format!("arena[{offset}]"),
+    }
 }
 
 /// Where one decode step's time went, per instruction type (from `MegakernelPath::profile`).
 pub struct Profile {
-    /// Launch start (first instruction's start) to the last signal, µs.
+    /// Launch start (first instruction's start) to the last instruction's end, µs.
     pub step_us: f64,
-    /// (type, count per step, mean µs [waiting, preparing, weight tiles, storing, signalling],
-    /// busy µs per SM: the type's instruction time summed / SM count)
-    pub rows: Vec<(&'static str, usize, [f64; 5], f64)>,
+    /// (type, count per step, mean µs [waiting for inputs and preparing, weight tiles,
+    /// storing], busy µs per SM: the type's instruction time summed / SM count)
+    pub rows: Vec<(&'static str, usize, [f64; 3], f64)>,
+    /// Every instruction of every profiled step as CSV (ns from the step's first start).
+    pub timeline: String,
 }
 
 impl std::fmt::Display for Profile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "megakernel step: {:.1} µs from the first instruction's start to the last signal",
+            "megakernel step: {:.1} µs from the first instruction's start to the last one's end",
             self.step_us
         )?;
         writeln!(
             f,
-            "| instruction | count | wait µs | prepare µs | tiles µs | store µs | signal µs | busy µs per SM |"
+            "| instruction | count | inputs + prepare µs | tiles µs | store µs | busy µs per SM |"
         )?;
-        writeln!(
-            f,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        )?;
-        for (k, n, [w, p, t, c, s], b) in &self.rows {
-            writeln!(
-                f,
-                "| {k} | {n} | {w:.2} | {p:.2} | {t:.2} | {c:.2} | {s:.2} | {b:.1} |"
-            )?;
+        writeln!(f, "| --- | ---: | ---: | ---: | ---: | ---: |")?;
+        for (k, n, [p, t, c], b) in &self.rows {
+            writeln!(f, "| {k} | {n} | {p:.2} | {t:.2} | {c:.2} | {b:.1} |")?;
         }
         Ok(())
     }
@@ -149,7 +187,9 @@ impl<'g> MegakernelPath<'g> {
                 gpu.sm_count
             );
         }
-        if c.num_heads / c.num_kv_heads * (2 + c.head_dim) * CONSUMER_WARPS > 16384 {
+        if (c.num_heads / c.num_kv_heads * (2 + c.head_dim) * CONSUMER_WARPS + 2 * c.head_dim)
+            > 16384
+        {
             bail!("megakernel: too many query heads per KV head for the attention scratch");
         }
         let enc = schedule.encode();
@@ -176,9 +216,15 @@ impl<'g> MegakernelPath<'g> {
                 }
                 _ => 0,
             };
-            if rows > RES_MAX {
+            // O-proj keeps its residual rows in the second half of the row buffer.
+            let limit = if matches!(i.op, Op::OProjResidual { .. }) {
+                RES_MAX / 2
+            } else {
+                RES_MAX
+            };
+            if rows > limit {
                 bail!(
-                    "schedule: {:?} computes {rows} rows; the megakernel holds at most {RES_MAX}",
+                    "schedule: {:?} computes {rows} rows; the megakernel holds at most {limit}",
                     i.op
                 );
             }
@@ -193,11 +239,17 @@ impl<'g> MegakernelPath<'g> {
             enc.down_chunks as usize,
         );
         let instructions = words.len() / WORDS;
-        // The attention instruction keeps per-warp softmax states and its group's queries there.
+        // The attention instruction keeps per-warp softmax states, its group's queries and this
+        // token's K and V rows there.
         let group = c.num_heads / c.num_kv_heads;
-        let attention_scratch = CONSUMER_WARPS * group * (2 + c.head_dim) + group * c.head_dim;
+        let attention_scratch =
+            CONSUMER_WARPS * group * (2 + c.head_dim) + group * c.head_dim + 2 * c.head_dim;
         let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
-        let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS) * 4;
+        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, two
+        // instructions' words, the layer pointer table; then the static flags.
+        let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS + 2 * WORDS) * 4
+            + c.num_layers * std::mem::size_of::<[u64; 6]>()
+            + STATIC_SMEM;
         // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
         // (see TILE_GROUPS in megakernel.cu).
         let pages =
@@ -209,9 +261,13 @@ impl<'g> MegakernelPath<'g> {
                 gpu.max_smem_per_block
             );
         }
-        let smem = (pages * PAGE_BYTES + fixed + pages * 16) as u32;
+        let smem = (pages * PAGE_BYTES + fixed - STATIC_SMEM + pages * 16) as u32;
 
-        let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &[])?;
+        // Extra NVRTC options (e.g. `-DPREP_MAX=16`), for measuring variants of the sources.
+        let defines: Vec<String> = std::env::var("MEGAINFER_MK_DEFINES")
+            .map(|v| v.split_whitespace().map(String::from).collect())
+            .unwrap_or_default();
+        let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))
@@ -224,18 +280,22 @@ impl<'g> MegakernelPath<'g> {
         }
 
         let s = &gpu.stream;
-        let f = |n: usize, what: &str| gpu.alloc_zeros::<f32>(n, what);
         let (l, h, qd) = (c.num_layers, c.hidden_size, c.q_dim());
-        let buffers = vec![
-            f(l * h, "resid_attn")?,
-            f(l * chunks * h, "mlp_part")?,
-            f(l * qd, "q")?,
-            f(l * qd, "attn_out")?,
-            f(l * c.num_heads * parts * (c.head_dim + 2), "attn_part")?,
-            f(l * c.intermediate_size, "act")?,
-            f(2 * n_lm.max(1), "lm_best")?,
-        ];
-        let logits = f(c.vocab_size, "logits")?;
+        // resid_attn first: the kernel reports a stuck element by its offset from there.
+        let arena = Arena::new(&[
+            ("resid_attn", l * h),
+            ("mlp_part", l * chunks * h),
+            ("q", l * qd),
+            ("kv_new", l * 2 * c.kv_dim()),
+            ("attn_out", l * qd),
+            ("attn_part", l * c.num_heads * parts * (c.head_dim + 2)),
+            ("act", l * c.intermediate_size),
+            ("lm_best", 2 * n_lm.max(1)),
+        ]);
+        let arena_d = gpu.alloc_zeros::<u64>(arena.len, "tagged activations")?;
+        let base = ptr(&arena_d, s);
+        let at = |name: &str| base + 8 * arena.offset(name) as u64;
+        let logits = gpu.alloc_zeros::<f32>(c.vocab_size, "logits")?;
         let layer_ptrs: Vec<u64> = model
             .layers
             .iter()
@@ -256,7 +316,6 @@ impl<'g> MegakernelPath<'g> {
         let words_d = gpu.upload(&words, "instruction streams")?;
         let offsets_d = gpu.upload(&offsets, "stream offsets")?;
         let offsets_host = offsets.clone();
-        let counters = gpu.alloc_zeros::<u32>(enc.counters, "counters")?;
         let error = gpu.alloc_zeros::<u32>(8, "error word")?;
         let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
@@ -264,7 +323,6 @@ impl<'g> MegakernelPath<'g> {
         let params = MkParams {
             instrs: ptr(&words_d, s),
             sm_offsets: ptr(&offsets_d, s),
-            counters: ptr(&counters, s),
             error: ptr(&error, s),
             progress: ptr(&progress, s),
             profile: 0,
@@ -277,14 +335,15 @@ impl<'g> MegakernelPath<'g> {
             inv_freq: ptr(&model.inv_freq, s),
             k_cache: ptr(&kv.k, s),
             v_cache: ptr(&kv.v, s),
-            resid_attn: ptr(&buffers[0], s),
-            mlp_part: ptr(&buffers[1], s),
-            q: ptr(&buffers[2], s),
-            attn_out: ptr(&buffers[3], s),
-            attn_part: ptr(&buffers[4], s),
-            act: ptr(&buffers[5], s),
+            resid_attn: at("resid_attn"),
+            mlp_part: at("mlp_part"),
+            q: at("q"),
+            kv_new: at("kv_new"),
+            attn_out: at("attn_out"),
+            attn_part: at("attn_part"),
+            act: at("act"),
+            lm_best: at("lm_best"),
             logits: ptr(&logits, s),
-            lm_best: ptr(&buffers[6], s),
             hidden: h as i32,
             inter: c.intermediate_size as i32,
             heads: c.num_heads as i32,
@@ -311,23 +370,19 @@ impl<'g> MegakernelPath<'g> {
             instructions,
             words: words_d,
             _sm_offsets: offsets_d,
-            counters,
             error,
             progress,
             sm_offsets: offsets_host,
             meta,
             history,
             logits,
-            _buffers: buffers,
+            arena: arena_d,
+            arena_parts: arena.parts,
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
-            max_epochs: enc.max_epochs,
             descs,
             kinds,
-            counter_names: (0..schedule.counters.count())
-                .map(|c| schedule.counters.name(c))
-                .collect(),
         })
     }
 
@@ -335,14 +390,22 @@ impl<'g> MegakernelPath<'g> {
     /// and returns the mean breakdown per instruction type.
     pub fn profile(&mut self, token: u32, steps: usize) -> Result<Profile> {
         let n = self.instructions;
-        let buf = self.gpu.alloc_zeros::<u64>(n * 6, "profile buffer")?;
+        let buf = self
+            .gpu
+            .alloc_zeros::<u64>(n * PROF_WORDS, "profile buffer")?;
         self.params.profile = ptr(&buf, &self.gpu.stream);
-        let mut sums: std::collections::BTreeMap<&'static str, (usize, [f64; 6])> =
+        let mut sums: std::collections::BTreeMap<&'static str, (usize, [f64; 4])> =
             Default::default();
         let mut step_us = 0.0;
         let mut result = Ok(());
         let mut t = token;
-        for _ in 0..steps {
+        let mut timeline = String::from(
+            "step,pos,sm,kind,desc,start,prepared,tiles,stored,load_first,load_last\n",
+        );
+        let sm_of: Vec<usize> = (0..n)
+            .map(|pos| self.sm_offsets.partition_point(|&o| o as usize <= pos) - 1)
+            .collect();
+        for step in 0..steps {
             match self.decode_greedy(t, 1) {
                 Ok(v) => t = v[0],
                 Err(e) => {
@@ -351,17 +414,28 @@ impl<'g> MegakernelPath<'g> {
                 }
             }
             let p = self.gpu.stream.clone_dtoh(&buf)?;
-            let start = (0..n).map(|i| p[i * 6]).min().unwrap_or(0);
-            let end = (0..n).map(|i| p[i * 6 + 5]).max().unwrap_or(0);
+            let start = (0..n).map(|i| p[i * PROF_WORDS]).min().unwrap_or(0);
+            let end = (0..n).map(|i| p[i * PROF_WORDS + 3]).max().unwrap_or(0);
             step_us += (end - start) as f64 / 1e3;
             for i in 0..n {
-                let r = &p[i * 6..i * 6 + 6];
+                let r = &p[i * PROF_WORDS..(i + 1) * PROF_WORDS];
+                let times: Vec<String> = r
+                    .iter()
+                    .map(|&x| x.saturating_sub(start).to_string())
+                    .collect();
+                timeline += &format!(
+                    "{step},{i},{},{},\"{}\",{}\n",
+                    sm_of[i],
+                    self.kinds[i],
+                    self.descs[i],
+                    times.join(",")
+                );
                 let e = sums.entry(self.kinds[i]).or_default();
                 e.0 += 1;
-                for k in 0..5 {
+                for k in 0..3 {
                     e.1[k] += r[k + 1].saturating_sub(r[k]) as f64 / 1e3;
                 }
-                e.1[5] += r[5].saturating_sub(r[0]) as f64 / 1e3;
+                e.1[3] += r[3].saturating_sub(r[0]) as f64 / 1e3;
             }
         }
         self.params.profile = 0;
@@ -374,14 +448,15 @@ impl<'g> MegakernelPath<'g> {
                 (
                     k,
                     c / steps,
-                    [m(s[0]), m(s[1]), m(s[2]), m(s[3]), m(s[4])],
-                    s[5] / steps as f64 / sms,
+                    [m(s[0]), m(s[1]), m(s[2])],
+                    s[3] / steps as f64 / sms,
                 )
             })
             .collect();
         Ok(Profile {
             step_us: step_us / steps as f64,
             rows,
+            timeline,
         })
     }
 
@@ -398,8 +473,9 @@ impl<'g> MegakernelPath<'g> {
     }
 
     fn launch(&mut self) -> Result<()> {
-        if self.params.epoch as u64 + 1 >= self.max_epochs {
-            self.gpu.stream.memset_zeros(&mut self.counters)?;
+        if self.params.epoch >= MAX_EPOCH {
+            // Old tags must not match the restarted ones.
+            self.gpu.stream.memset_zeros(&mut self.arena)?;
             // The meta slot of the next step moves with the epoch's parity.
             if self.params.epoch % 2 == 1 {
                 let m = self.gpu.stream.clone_dtoh(&self.meta)?;
@@ -443,8 +519,8 @@ impl<'g> MegakernelPath<'g> {
         self.kernel.cu_function()
     }
 
-    /// Reads the kernel's error word; a timed-out wait becomes an error naming it and where
-    /// every unfinished SM stood.
+    /// Reads the kernel's error word; a timed-out wait becomes an error naming what it waited
+    /// for and where every unfinished SM stood.
     pub fn check_error(&self) -> Result<()> {
         let e = self
             .gpu
@@ -457,9 +533,8 @@ impl<'g> MegakernelPath<'g> {
         let name = |v: &[String], i: u32| v.get(i as usize).cloned().unwrap_or_else(|| "?".into());
         let what = match e[6] {
             1 => format!(
-                "waited too long on counter {} ({}): expected {}, saw {}",
-                e[3],
-                name(&self.counter_names, e[3]),
+                "waited too long for {} (tag {} expected, {} seen): nothing wrote it this step",
+                arena_element(&self.arena_parts, e[3] as usize),
                 e[4],
                 e[5]
             ),
@@ -470,7 +545,7 @@ impl<'g> MegakernelPath<'g> {
             ),
         };
         let progress = self.gpu.stream.clone_dtoh(&self.progress)?;
-        let stages = ["start", "waiting", "preparing", "tiles", "storing", "done"];
+        let stages = ["start", "?", "preparing", "tiles", "storing", "done"];
         let stuck: Vec<String> = (0..self.sm_offsets.len() - 1)
             .filter_map(|sm| {
                 let pr = &progress[sm * 4..sm * 4 + 4];
