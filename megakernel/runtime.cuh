@@ -225,12 +225,16 @@ __device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p
     }
 }
 
-__device__ __forceinline__ int rows_per_tile(int cols) { return PAGE_BYTES / (cols * 2); }
+// Rows of n rows of cols columns per tile: a page's worth, but no more than an even share for
+// the warp pairs, so that a small instruction's rows are worked on by all of them at once.
+__device__ __forceinline__ int rows_per_tile(int cols, int n) {
+    return max(1, min(PAGE_BYTES / (cols * 2), (n + TILE_GROUPS - 1) / TILE_GROUPS));
+}
 
 __device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
     int n = seg_count(w);
     if (n == 0) return 0;
-    int rpt = rows_per_tile(seg_cols(w, p));
+    int rpt = rows_per_tile(seg_cols(w, p), n);
     return (n + rpt - 1) / rpt;
 }
 
@@ -249,7 +253,7 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
         if (n == 0) continue;
         const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
         if (lane == 0) note(p, 2, instr);
-        int cols = seg_cols(w, p), rpt = rows_per_tile(cols);
+        int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
         u32 bytes_per_row = cols * 2;
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
         if (lane == 0 && prof) prof[4] = global_ns();
@@ -389,7 +393,7 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 __device__ bool consume_tiles(const MkParams& p, const u32* w, u32 instr, u32 seq, const bf16_t* pages, u64* full,
                               u64* empty, const float* xs, float* res) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
-    int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols);
+    int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
     int ntiles = (n + rpt - 1) / rpt;
     for (int t = grp; t < ntiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % p.pages;

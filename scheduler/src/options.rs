@@ -11,9 +11,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{GpuShape, ModelShape, ScheduleError};
 
-/// Matrix-vector instructions cover whole 16-row steps, the tile a GPU mat-vec loop uses,
-/// except where the dimension itself is smaller.
-const ROW_GRANULE: usize = 16;
+/// Matrix-vector instructions cover whole 4-row steps (the megakernel's mat-vec loop takes
+/// four rows at a time), except where the dimension itself is smaller. A coarser step left
+/// small models' stages on a fraction of the SMs, each instruction then taking longer.
+const ROW_GRANULE: usize = 4;
 const MAX_ATTN_PARTS: usize = 64;
 
 /// Machine and workload figures the granularity and the time estimate are computed from.
