@@ -48,7 +48,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             note(p, 0, instr);
             note(p, 1, ST_PREPARE);
         }
-        if (op == OP_ATTN) prefetch_attention_kv(p, w, m);
         switch (op) {
             case OP_QKV:
                 prepare_normed(p, w[W_LAYER], false, m.token, lw[w[W_LAYER]].attn_norm, xs, red);
@@ -67,13 +66,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
                 break;
             }
             case OP_DOWN: copy_in(p, xs, p.act + (size_t)w[W_LAYER] * p.inter + w[W_D], w[W_E]); break;
-            case OP_ATTN: op_attention(p, w, m, xs); break;
+            case OP_ATTN: op_attention(p, w, m, xs, prof); break;
             case OP_ATTN_REDUCE: op_attn_reduce(p, w); break;
             case OP_ARGMAX: op_argmax(p, m, red); break;
             default: break;
         }
         if (consumers_failed()) return;
-        if (ct == 0 && prof) prof[1] = global_ns();
+        // Attention stamps when its inputs arrived itself; its compute counts as its tiles.
+        if (ct == 0 && prof) prof[op == OP_ATTN ? 2 : 1] = global_ns();
         const int ntiles = tile_count(w, p);
         if (ntiles > 0) {
             if (ct == 0) note(p, 1, ST_TILES);
@@ -101,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
                 case OP_LMHEAD: post_lmhead(p, w, res, red); break;
                 default: break;
             }
-        } else if (ct == 0 && prof) {
+        } else if (ct == 0 && prof && op != OP_ATTN) {
             prof[2] = prof[1];
         }
         if (ct < MK_WORDS) iws[(buf ^ 1) * MK_WORDS + ct] = next;

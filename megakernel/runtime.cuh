@@ -240,15 +240,34 @@ __device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
 
 // ---- loader warp ----
 
+// The K/V rows an Attention(layer, kv_head, part, parts) instruction reads from earlier tokens
+// (positions before pos) do not depend on this step: the loader pulls them into L2 as it walks
+// past the instruction, long before it runs, so attention does not wait on HBM for them.
+__device__ void prefetch_attention_kv(const MkParams& p, const u32* w, u32 pos) {
+    const int lane = threadIdx.x & 31;
+    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C], hd = p.head_dim;
+    const int len = pos + 1, p0 = (int)((long long)part * len / parts);
+    const int p1 = min((int)((long long)(part + 1) * len / parts), (int)pos);  // row pos is new
+    const int lines = hd * 2 / 128;  // 128-byte lines per head row
+    const size_t base = (size_t)layer * p.max_seq * p.kv_heads * hd + kvh * hd;
+    for (int idx = lane; idx < (p1 - p0) * lines * 2; idx += 32) {
+        const int row = p0 + idx / (2 * lines), line = idx % lines;
+        const bf16_t* cache = (idx / lines) % 2 ? p.v_cache : p.k_cache;
+        prefetch_l2(cache + base + (size_t)row * p.kv_heads * hd + line * 64);
+    }
+}
+
 __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, bf16_t* pages, u64* full,
                        u64* empty) {
     const int lane = threadIdx.x & 31;
+    const u32 pos = p.meta[p.epoch & 1].pos;
     u32 seq = 0;
     for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
         // The operands, read once into registers rather than once per weight row.
         u32 w[W_E + 1];
 #pragma unroll
         for (int k = 0; k <= W_E; k++) w[k] = wg[k];
+        if (w[W_OP] == OP_ATTN) prefetch_attention_kv(p, w, pos);
         int n = seg_count(w);
         if (n == 0) continue;
         const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);

@@ -1,27 +1,11 @@
 // Attention(layer, kv_head, part, parts): softmax attention of a KV head's query heads.
 
-// The K/V rows an Attention instruction reads from earlier tokens do not depend on this step:
-// pulling them into L2 before it waits for its queries takes them off the critical path.
-__device__ void prefetch_attention_kv(const MkParams& p, const u32* w, const TokenMeta& m) {
-    const int ct = threadIdx.x - 32;
-    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C], hd = p.head_dim;
-    const int len = m.pos + 1, p0 = (int)((long long)part * len / parts);
-    const int p1 = min((int)((long long)(part + 1) * len / parts), (int)m.pos);  // row pos is new
-    const int lines = hd * 2 / 128;  // 128-byte lines per head row
-    const size_t base = (size_t)layer * p.max_seq * p.kv_heads * hd + kvh * hd;
-    for (int idx = ct; idx < (p1 - p0) * lines * 2; idx += CONSUMERS) {
-        const int row = p0 + idx / (2 * lines), line = idx % lines;
-        const bf16_t* cache = (idx / lines) % 2 ? p.v_cache : p.k_cache;
-        prefetch_l2(cache + base + (size_t)row * p.kv_heads * hd + line * 64);
-    }
-}
-
 #define ATT_IN_MAX 4
 
 // Scratch: per warp and head (m, l, acc[head_dim]), then the G queries, then this token's K
 // and V rows. Rows before pos come from the cache (written by earlier launches); the part that
 // ends at pos takes row pos from kv_new (written this launch, tagged) as a last step of warp 0.
-__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch) {
+__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch, u64* prof) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
     const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
     const int hd = p.head_dim, G = p.heads / p.kv_heads;
@@ -53,6 +37,7 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
         }
     }
     consumers_sync();
+    if (ct == 0 && prof) prof[1] = global_ns();
     const int p_end = has_new ? len - 1 : p1;
     const bf16_t* kh = p.k_cache + layer_off + kvh * hd;
     const bf16_t* vh = p.v_cache + layer_off + kvh * hd;

@@ -146,8 +146,9 @@ fn arena_element(parts: &[(&'static str, usize)], offset: usize) -> String {
 pub struct Profile {
     /// Launch start (first instruction's start) to the last instruction's end, µs.
     pub step_us: f64,
-    /// (type, count per step, mean µs [waiting for inputs and preparing, weight tiles,
-    /// storing], busy µs per SM: the type's instruction time summed / SM count)
+    /// (type, count per step, mean µs [waiting for inputs and preparing, weight tiles (for
+    /// Attention: its computation), storing], busy µs per SM: the type's instruction time
+    /// summed / SM count)
     pub rows: Vec<(&'static str, usize, [f64; 3], f64)>,
     /// Every instruction of every profiled step as CSV (ns from the step's first start).
     pub timeline: String,
@@ -162,7 +163,7 @@ impl std::fmt::Display for Profile {
         )?;
         writeln!(
             f,
-            "| instruction | count | inputs + prepare µs | tiles µs | store µs | busy µs per SM |"
+            "| instruction | count | inputs + prepare µs | tiles (attention: compute) µs | store µs | busy µs per SM |"
         )?;
         writeln!(f, "| --- | ---: | ---: | ---: | ---: | ---: |")?;
         for (k, n, [p, t, c], b) in &self.rows {
