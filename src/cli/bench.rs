@@ -127,7 +127,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut results = Vec::new();
     let mut profile = None;
     for kind in paths {
-        let mut path = GpuPath::new(kind, &gpu, &dm, max_seq)
+        let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
         // Warm-up: compilation, module load, first-touch of every buffer.
         let first = argmax(&path.feed(&prompt)?);

@@ -144,7 +144,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
-        let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context)?;
+        let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
         return stream(&model, &mut backend, &ids, max_tokens, params);
     }
     eprintln!(

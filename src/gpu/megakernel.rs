@@ -601,9 +601,10 @@ impl Steps for MegakernelPath<'_> {
     /// The step of epoch `e` reads meta slot `e % 2` (its argmax writes the other one).
     fn write_meta(&mut self, token: u32, pos: usize) -> Result<()> {
         let slot = (self.params.epoch & 1) as usize;
-        let mut m = self.gpu.stream.clone_dtoh(&self.meta)?;
-        m[slot * 4..slot * 4 + 4].copy_from_slice(&[token, pos as u32, 0, 0]);
-        self.gpu.stream.memcpy_htod(&m, &mut self.meta)?;
+        let mut dst = self.meta.slice_mut(slot * 4..slot * 4 + 4);
+        self.gpu
+            .stream
+            .memcpy_htod(&[token, pos as u32, 0, 0], &mut dst)?;
         Ok(())
     }
 

@@ -52,15 +52,20 @@ pub enum GpuPath<'g> {
 }
 
 impl<'g> GpuPath<'g> {
+    /// `max_seq` sizes the KV cache; `expected_len` is the length the sequence is expected to
+    /// reach, which the megakernel's schedule is costed at: splitting attention for a 4096-token
+    /// cache costs a 40-token answer a reduction stage per layer for nothing.
     pub fn new(
         kind: PathKind,
         gpu: &'g Gpu,
         model: &'g DeviceModel,
         max_seq: usize,
+        expected_len: usize,
     ) -> Result<Self> {
         let mode = match kind {
             PathKind::Megakernel => {
-                let schedule = schedule_for(&model.config, gpu, max_seq, None)?;
+                let context = expected_len.clamp(1, max_seq);
+                let schedule = schedule_for(&model.config, gpu, context, None)?;
                 return Ok(Self::Megakernel(Box::new(MegakernelPath::new(
                     gpu, model, &schedule, max_seq,
                 )?)));

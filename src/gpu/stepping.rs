@@ -86,8 +86,11 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
     }
     s.seq().pos += n;
     s.check()?;
-    let hist = s.gpu().stream.clone_dtoh(s.history())?;
-    let out = hist[start + 1..start + 1 + n].to_vec();
+    // Only the n new tokens (the whole history is max_seq words).
+    let out = s
+        .gpu()
+        .stream
+        .clone_dtoh(&s.history().slice(start + 1..start + 1 + n))?;
     let vocab = s.vocab();
     if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
         bail!("GPU argmax produced token {bad} outside the vocabulary (NaN logits?)");
