@@ -311,11 +311,27 @@ __device__ float consumers_sum(float v, float* red) {
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
+// Its parts are read at once (one round trip, not one each) when there are few enough.
+#define PREP_CHUNKS 2
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
-    int l = layer - 1;
-    float v = ld_value(p, p.resid_attn + (size_t)l * p.hidden + i);
-    for (int c = 0; c < p.chunks; c++) v += ld_value(p, p.mlp_part + ((size_t)l * p.chunks + c) * p.hidden + i);
+    const int l = layer - 1;
+    const u64* base = p.resid_attn + (size_t)l * p.hidden + i;
+    const u64* parts = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
+    if (p.chunks <= PREP_CHUNKS) {
+        auto addr = [&](int k) { return k == 0 ? base : parts + (size_t)(k - 1) * p.hidden; };
+        u64 raw[1 + PREP_CHUNKS];
+#pragma unroll
+        for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= p.chunks ? ld_tagged(addr(k)) : 0;
+        settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + p.chunks);
+        float v = tagged_float(raw[0]);
+#pragma unroll
+        for (int k = 1; k <= PREP_CHUNKS; k++)
+            if (k <= p.chunks) v += tagged_float(raw[k]);
+        return v;
+    }
+    float v = ld_value(p, base);
+    for (int c = 0; c < p.chunks; c++) v += ld_value(p, parts + (size_t)c * p.hidden);
     return v;
 }
 
@@ -324,7 +340,6 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 // then sums: one round trip in all, where a round trip per source or per element would add up
 // on the critical path of every layer.
 #define PREP_MAX 8
-#define PREP_CHUNKS 2
 __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* red) {
     const int ct = threadIdx.x - 32;

@@ -40,6 +40,14 @@ impl Kernel {
             })
     }
 
+    /// Shared memory the kernel declares statically, beside the dynamic part a launch asks for.
+    pub fn static_smem(&self) -> Result<usize> {
+        self.func
+            .shared_size_bytes()
+            .map(|b| b as usize)
+            .map_err(|e| anyhow!("{}: shared memory size query failed: {e}", self.name))
+    }
+
     pub fn occupancy(&self, block: u32, smem: usize) -> Result<u32> {
         self.func
             .occupancy_max_active_blocks_per_multiprocessor(block, smem, None)

@@ -26,8 +26,6 @@ const TILE_GROUPS: usize = CONSUMER_WARPS / 2;
 const PAGE_BYTES: usize = 16384;
 /// Profile words per instruction (PROF_WORDS in runtime.cuh).
 const PROF_WORDS: usize = 6;
-/// The kernel's static shared memory (its two flags), beside the dynamic part sized here.
-const STATIC_SMEM: usize = 128;
 /// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
 /// Tags are epoch + 1 in 32 bits: before they would wrap, the tagged arena is cleared and the
@@ -246,24 +244,6 @@ impl<'g> MegakernelPath<'g> {
         let attention_scratch =
             CONSUMER_WARPS * group * (2 + c.head_dim) + group * c.head_dim + 2 * c.head_dim;
         let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
-        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, two
-        // instructions' words, the layer pointer table; then the static flags.
-        let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS + 2 * WORDS) * 4
-            + c.num_layers * std::mem::size_of::<[u64; 6]>()
-            + STATIC_SMEM;
-        // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
-        // (see TILE_GROUPS in megakernel.cu).
-        let pages =
-            (gpu.max_smem_per_block.saturating_sub(fixed)) / (PAGE_BYTES + 16) / TILE_GROUPS
-                * TILE_GROUPS;
-        if pages < TILE_GROUPS {
-            bail!(
-                "megakernel: {} B of shared memory per block leaves {pages} pages; at least {TILE_GROUPS} are needed",
-                gpu.max_smem_per_block
-            );
-        }
-        let smem = (pages * PAGE_BYTES + fixed - STATIC_SMEM + pages * 16) as u32;
-
         // Extra NVRTC options (e.g. `-DPREP_MAX=16`), for measuring variants of the sources.
         let defines: Vec<String> = std::env::var("MEGAINFER_MK_DEFINES")
             .map(|v| v.split_whitespace().map(String::from).collect())
@@ -274,6 +254,24 @@ impl<'g> MegakernelPath<'g> {
             .load_module(Ptx::from_binary(cubin))
             .context("loading the megakernel CUBIN")?;
         let kernel = Kernel::load(&module, "megakernel")?;
+        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, two
+        // instructions' words, the layer pointer table; then the kernel's static flags.
+        let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS + 2 * WORDS) * 4
+            + c.num_layers * std::mem::size_of::<[u64; 6]>();
+        let static_smem = kernel.static_smem()?;
+        // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
+        // (see TILE_GROUPS in runtime.cuh).
+        let pages = (gpu.max_smem_per_block.saturating_sub(fixed + static_smem))
+            / (PAGE_BYTES + 16)
+            / TILE_GROUPS
+            * TILE_GROUPS;
+        if pages < TILE_GROUPS {
+            bail!(
+                "megakernel: {} B of shared memory per block leaves {pages} pages; at least {TILE_GROUPS} are needed",
+                gpu.max_smem_per_block
+            );
+        }
+        let smem = (pages * PAGE_BYTES + fixed + pages * 16) as u32;
         kernel.allow_smem(smem as usize)?;
         let occ = kernel.occupancy(THREADS, smem as usize)?;
         if occ < 1 {
