@@ -52,7 +52,8 @@ struct MkParams {
     u32* error;          // [flag, sm, instruction, tile or arena element, expected, seen, kind]
     u32* progress;       // per SM: [consumer instruction, consumer stage, loader instruction, loader tile]
     // null, or per instruction (PROF_WORDS): globaltimer at start, inputs arrived and prepared,
-    // tiles done, stored; then the loader's first page wait and its last tile issued.
+    // tiles done, stored; then the loader's first page wait and its last tile issued (for
+    // attention: warp 0's blocks done, every warp's).
     u64* profile;
     TokenMeta* meta;     // two slots, by epoch parity
     u32* history;

@@ -82,7 +82,10 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
             }
         }
     }
+    // Profile words 4 and 5 (the loader's for a mat-vec): warp 0's blocks done, every warp's.
+    if (ct == 0 && prof) prof[4] = global_ns();
     consumers_sync();
+    if (ct == 0 && prof) prof[5] = global_ns();
     for (int idx = ct; idx < G * hd; idx += CONSUMERS) {
         const int g = idx / hd, d = idx % hd, head = kvh * G + g;
         float M = NEG_INF;

@@ -399,7 +399,9 @@ impl<'g> MegakernelPath<'g> {
         let mut result = Ok(());
         let mut t = token;
         let mut timeline = String::from(
-            "step,pos,sm,kind,desc,start,prepared,tiles,stored,load_first,load_last\n",
+            // extra1, extra2: a mat-vec's first page wait and last tile issued by the loader;
+            // attention's warp 0 done with its blocks, and every warp done.
+            "step,pos,sm,kind,desc,start,prepared,tiles,stored,extra1,extra2\n",
         );
         let sm_of: Vec<usize> = (0..n)
             .map(|pos| self.sm_offsets.partition_point(|&o| o as usize <= pos) - 1)
