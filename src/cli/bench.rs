@@ -148,7 +148,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             if let Some(mk) = path.as_megakernel() {
                 mk.reset();
                 let first = argmax(&mk.feed(&prompt)?);
-                profile = Some(mk.profile(first, 16)?);
+                profile = Some(mk.profile(first, 16, args.timeline.is_some())?);
             }
         }
         let (lo, hi) = (
@@ -210,8 +210,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             );
         }
     }
-    if let (Some(p), Some(file)) = (&profile, &args.timeline) {
-        std::fs::write(file, &p.timeline).with_context(|| format!("writing {}", file.display()))?;
+    if let (Some(Some(csv)), Some(file)) = (profile.as_ref().map(|p| &p.timeline), &args.timeline) {
+        std::fs::write(file, csv).with_context(|| format!("writing {}", file.display()))?;
     }
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");

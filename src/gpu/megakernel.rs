@@ -148,8 +148,9 @@ pub struct Profile {
     /// Attention: its computation), storing], busy µs per SM: the type's instruction time
     /// summed / SM count)
     pub rows: Vec<(&'static str, usize, [f64; 3], f64)>,
-    /// Every instruction of every profiled step as CSV (ns from the step's first start).
-    pub timeline: String,
+    /// With `timeline`: every instruction of every profiled step as CSV (ns from the step's
+    /// first start).
+    pub timeline: Option<String>,
 }
 
 impl std::fmt::Display for Profile {
@@ -386,8 +387,8 @@ impl<'g> MegakernelPath<'g> {
     }
 
     /// Runs `steps` greedy steps from `token` with per-instruction timestamps (globaltimer)
-    /// and returns the mean breakdown per instruction type.
-    pub fn profile(&mut self, token: u32, steps: usize) -> Result<Profile> {
+    /// and returns the mean breakdown per instruction type (and, with `timeline`, every stamp).
+    pub fn profile(&mut self, token: u32, steps: usize, timeline: bool) -> Result<Profile> {
         let n = self.instructions;
         let buf = self
             .gpu
@@ -398,11 +399,11 @@ impl<'g> MegakernelPath<'g> {
         let mut step_us = 0.0;
         let mut result = Ok(());
         let mut t = token;
-        let mut timeline = String::from(
+        let mut csv = timeline.then(|| {
             // extra1, extra2: a mat-vec's first page wait and last tile issued by the loader;
             // attention's warp 0 done with its blocks, and every warp done.
-            "step,pos,sm,kind,desc,start,prepared,tiles,stored,extra1,extra2\n",
-        );
+            String::from("step,pos,sm,kind,desc,start,prepared,tiles,stored,extra1,extra2\n")
+        });
         let sm_of: Vec<usize> = (0..n)
             .map(|pos| self.sm_offsets.partition_point(|&o| o as usize <= pos) - 1)
             .collect();
@@ -420,17 +421,19 @@ impl<'g> MegakernelPath<'g> {
             step_us += (end - start) as f64 / 1e3;
             for i in 0..n {
                 let r = &p[i * PROF_WORDS..(i + 1) * PROF_WORDS];
-                let times: Vec<String> = r
-                    .iter()
-                    .map(|&x| x.saturating_sub(start).to_string())
-                    .collect();
-                timeline += &format!(
-                    "{step},{i},{},{},\"{}\",{}\n",
-                    sm_of[i],
-                    self.kinds[i],
-                    self.descs[i],
-                    times.join(",")
-                );
+                if let Some(csv) = &mut csv {
+                    let times: Vec<String> = r
+                        .iter()
+                        .map(|&x| x.saturating_sub(start).to_string())
+                        .collect();
+                    *csv += &format!(
+                        "{step},{i},{},{},\"{}\",{}\n",
+                        sm_of[i],
+                        self.kinds[i],
+                        self.descs[i],
+                        times.join(",")
+                    );
+                }
                 let e = sums.entry(self.kinds[i]).or_default();
                 e.0 += 1;
                 for k in 0..3 {
@@ -457,7 +460,7 @@ impl<'g> MegakernelPath<'g> {
         Ok(Profile {
             step_us: step_us / steps as f64,
             rows,
-            timeline,
+            timeline: csv,
         })
     }
 
