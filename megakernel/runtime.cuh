@@ -401,28 +401,25 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
     for (int i = ct; i < p.hidden; i += CONSUMERS) xs[i] = xs[i] * scale * bf16_to_f32(g[i]);
 }
 
-// Copies n tagged values, element i read from src(i), into shared memory as floats: every read
-// of a thread's batch is issued before it waits on any of them.
+// Copies n tagged values into shared memory as floats, every read of a thread's batch issued
+// before it waits on any of them.
 #define COPY_MAX 8
-template <typename Src>
-__device__ void gather_in(const MkParams& p, float* dst, int n, Src src) {
+__device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
     const int ct = threadIdx.x - 32;
-    if (n > 0) warp_gate(p, src(min(n - 1, ct & ~31)));
+    if (n > 0) warp_gate(p, src + min(n - 1, ct & ~31));
     for (int i0 = 0; i0 < n; i0 += COPY_MAX * CONSUMERS) {
-        const int first = i0 + ct, mine = n > first ? min(COPY_MAX, (n - first + CONSUMERS - 1) / CONSUMERS) : 0;
-        auto addr = [&](int k) { return src(first + k * CONSUMERS); };
         u64 raw[COPY_MAX];
 #pragma unroll
-        for (int k = 0; k < COPY_MAX; k++) raw[k] = k < mine ? ld_tagged(addr(k)) : 0;
-        settle<COPY_MAX>(p, raw, addr, mine);
+        for (int k = 0; k < COPY_MAX; k++) {
+            const int i = i0 + ct + k * CONSUMERS;
+            raw[k] = i < n ? ld_tagged(src + i) : 0;
+        }
+        const int first = i0 + ct, mine = n > first ? (n - first + CONSUMERS - 1) / CONSUMERS : 0;
+        settle<COPY_MAX>(p, raw, [&](int k) { return src + first + k * CONSUMERS; }, mine);
 #pragma unroll
         for (int k = 0; k < COPY_MAX; k++)
             if (k < mine) dst[first + k * CONSUMERS] = tagged_float(raw[k]);
     }
-}
-
-__device__ __forceinline__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
-    gather_in(p, dst, n, [&](int i) { return src + i; });
 }
 
 // Dot products of the instruction's weight rows (from the paged ring) with xs: the two

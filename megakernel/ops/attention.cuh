@@ -1,5 +1,7 @@
 // Attention(layer, kv_head, part, parts): softmax attention of a KV head's query heads.
 
+#define ATT_IN_MAX 4
+
 // Scratch: per warp and head (m, l, acc[head_dim]), then the G queries, then this token's K
 // and V rows. Rows before pos come from the cache (written by earlier launches); the part that
 // ends at pos takes row pos from kv_new (written this launch, tagged) as a last step of warp 0.
@@ -20,10 +22,19 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
         const u64* qsrc = p.q + (size_t)layer * p.heads * hd + kvh * G * hd;
         const u64* ksrc = p.kv_new + ((size_t)layer * 2 * p.kv_heads + kvh) * hd;
         const u64* vsrc = ksrc + (size_t)p.kv_heads * hd;
-        const int nq = G * hd;
-        gather_in(p, qs, nq + (has_new ? 2 * hd : 0), [&](int i) {
-            return i < nq ? qsrc + i : i < nq + hd ? ksrc + (i - nq) : vsrc + (i - nq - hd);
-        });
+        const int nq = G * hd, n = nq + (has_new ? 2 * hd : 0);
+        auto src = [&](int i) { return i < nq ? qsrc + i : i < nq + hd ? ksrc + (i - nq) : vsrc + (i - nq - hd); };
+        warp_gate(p, src(min(n - 1, ct & ~31)));
+        for (int i0 = ct; i0 < n; i0 += ATT_IN_MAX * CONSUMERS) {
+            const int mine = min(ATT_IN_MAX, (n - i0 + CONSUMERS - 1) / CONSUMERS);
+            u64 raw[ATT_IN_MAX];
+#pragma unroll
+            for (int k = 0; k < ATT_IN_MAX; k++) raw[k] = k < mine ? ld_tagged(src(i0 + k * CONSUMERS)) : 0;
+            settle<ATT_IN_MAX>(p, raw, [&](int k) { return src(i0 + k * CONSUMERS); }, mine);
+#pragma unroll
+            for (int k = 0; k < ATT_IN_MAX; k++)
+                if (k < mine) qs[i0 + k * CONSUMERS] = tagged_float(raw[k]);
+        }
     }
     consumers_sync();
     if (ct == 0 && prof) prof[1] = global_ns();
