@@ -1,4 +1,5 @@
-// Attention math shared by the baseline kernel and the megakernel's Attention instruction.
+// Attention math of the baseline kernel (the megakernel's is in ops/attention.cuh: its K and
+// V rows are staged in shared memory).
 //
 // One warp works through blocks of 32 positions: lane j scores position base + j on its own
 // (the whole q·k dot product, 16-byte loads of its K row, so a block's 32 rows are in flight

@@ -7,6 +7,7 @@ mod gpu_common;
 use gpu_common::skip_notice;
 
 use megainfer::gpu::{compile, sources};
+use megainfer::model::presets;
 
 fn nvrtc_or_skip() -> bool {
     if compile::nvrtc_present() {
@@ -34,13 +35,23 @@ fn megakernel_compiles_for_sm90a() {
     if !nvrtc_or_skip() {
         return;
     }
-    let cubin =
-        compile::compile_cubin("megakernel", &sources::megakernel(), "sm_90a", &[]).unwrap();
-    assert_eq!(
-        &cubin[..4],
-        b"\x7fELF",
-        "NVRTC output is not a CUBIN (ELF) image"
-    );
+    // Each attention shape the GPU paths support: head_dim 64 and 128, 1 to 9 query heads
+    // per KV head (more than one pass of four).
+    for (hd, group) in [(64, 4), (64, 3), (128, 2), (64, 9), (128, 1)] {
+        let mut cfg = presets::by_name("smollm2-135m").unwrap();
+        cfg.head_dim = hd;
+        cfg.num_kv_heads = 1;
+        cfg.num_heads = group;
+        let defines = sources::megakernel_defines(&cfg);
+        let cubin =
+            compile::compile_cubin("megakernel", &sources::megakernel(), "sm_90a", &defines)
+                .unwrap();
+        assert_eq!(
+            &cubin[..4],
+            b"\x7fELF",
+            "NVRTC output is not a CUBIN (ELF) image (head_dim {hd}, group {group})"
+        );
+    }
 }
 
 #[test]

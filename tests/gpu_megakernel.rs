@@ -89,6 +89,35 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
     assert!(err <= 1e-2, "rel L2 {err} after a long run");
 }
 
+/// Attention stages earlier K/V rows in the page ring: 900 positions are more tiles than the
+/// ring holds (64 positions a page at head_dim 64, 32 at 128; 12 pages on an H100), so they are
+/// taken a ring's worth at a time, in one part and split in three.
+#[test]
+fn megakernel_attention_longer_than_the_page_ring() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    const LEN: usize = 900;
+    for (label, cfg) in [
+        ("hd64", tiny(192, 3, 1, 64, 520)),
+        ("hd128", tiny(256, 4, 2, 128, 520)),
+    ] {
+        let w = random_weights(&cfg, 21);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let tokens: Vec<u32> = (0..LEN as u32).map(|k| (k * 37 + 5) % 1000).collect();
+        let want = CpuForward::new(&cfg, &w, LEN).forward(&tokens).unwrap();
+        for parts in [1, 3] {
+            let sched = schedule_for(&cfg, &gpu, LEN, Some(parts)).unwrap();
+            let mut mk = MegakernelPath::new(&gpu, &dm, &sched, LEN).unwrap();
+            let got = mk.feed(&tokens).unwrap();
+            let err = rel_l2(&got, &want);
+            println!(
+                "{label} parts={parts} at position {}: rel L2 {err:.2e}",
+                LEN - 1
+            );
+            assert!(err <= 1e-2, "{label} parts={parts}: rel L2 {err} > 1e-2");
+        }
+    }
+}
+
 #[test]
 fn megakernel_and_graph_agree_on_greedy_tokens() {
     let Some(gpu) = gpu_or_skip() else { return };

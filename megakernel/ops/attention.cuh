@@ -1,28 +1,189 @@
-// Attention(layer, kv_head, part, parts): softmax attention of a KV head's query heads.
+// Attention(layer, kv_head, part, parts): softmax attention of a KV head's query heads over
+// positions [p0, p1) of the sequence.
+//
+// The K and V rows before pos sit in shared memory: the loader staged them in pages (see
+// attention tiles in runtime.cuh). Row pos (this token's) comes tagged from kv_new. All eight
+// consumer warps work on every step, each step ending at a barrier:
+//   scores   S[g][j] = q_g · k_j * scale: 8 lanes per position, each a slice of the dims;
+//   softmax  one warp per head: the round's max and sum, S turned into exp(S - max);
+//   values   thread (head, 4 dims, position group) sums P · V over its positions;
+//   combine  thread (head, dim) adds the position groups into the running output.
+// A round is at most ATT_ROUND staged positions (and this token's, in the first round); longer
+// parts take several, carried by an online softmax (running max, sum and output per head).
+// The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
+// -DMK_HEAD_DIM and -DMK_GROUP), so these loops have constant trip counts.
+
+#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP)
+#error "the megakernel is compiled for a model: define MK_HEAD_DIM and MK_GROUP"
+#endif
+constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
+static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
+// Staged positions per round; S rows have room for this token's position too (padded to 16 bytes).
+constexpr int ATT_ROUND = 256, ATT_S_STRIDE = ATT_ROUND + 4;
+// Scores: 8 lanes per position, ATT_LANE_DIMS dims each, heads taken 4 at a time.
+constexpr int ATT_LANE_DIMS = ATT_HD / 8, ATT_HEADS_PER_PASS = 4;
+// Values: items of 4 dims of one head; position groups share the consumer threads.
+constexpr int ATT_ITEMS = ATT_G * ATT_HD / 4;
+constexpr int ATT_GROUPS = CONSUMERS / ATT_ITEMS > 1 ? CONSUMERS / ATT_ITEMS : 1;
+// The scratch layout in floats (mirrored by the host's attention_scratch): S, the position
+// groups' partial outputs, the running output, the queries, this token's K and V, and per
+// head the running max, sum and the round's correction factor.
+constexpr int ATT_OFF_PART = ATT_G * ATT_S_STRIDE;
+constexpr int ATT_OFF_OUT = ATT_OFF_PART + ATT_GROUPS * ATT_G * ATT_HD;
+constexpr int ATT_OFF_Q = ATT_OFF_OUT + ATT_G * ATT_HD;
+constexpr int ATT_OFF_KN = ATT_OFF_Q + ATT_G * ATT_HD;
+constexpr int ATT_OFF_VN = ATT_OFF_KN + ATT_HD;
+constexpr int ATT_OFF_STATS = ATT_OFF_VN + ATT_HD;
 
 #define ATT_IN_MAX 4
 
-// Scratch: per warp and head (m, l, acc[head_dim]), then the G queries, then this token's K
-// and V rows. Rows before pos come from the cache (written by earlier launches); the part that
-// ends at pos takes row pos from kv_new (written this launch, tagged) as a last step of warp 0.
-__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, float* scratch, u64* prof) {
+// The positions of one round: j < nr are staged rows (tile j / ATT_TR of the round, row
+// j % ATT_TR), and, when has_new, j == nr is this token's.
+constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
+struct AttnRound {
+    const bf16_t* pages;
+    int first_slot, npages, nr;  // the round's tiles take consecutive slots of the ring
+    bool has_new;
+    __device__ __forceinline__ const bf16_t* k_row(int j) const {
+        int slot = first_slot + j / ATT_TR;
+        if (slot >= npages) slot -= npages;
+        return pages + (size_t)slot * (PAGE_BYTES / 2) + (j % ATT_TR) * ATT_HD;
+    }
+    __device__ __forceinline__ const bf16_t* v_row(int j) const { return k_row(j) + ATT_TR * ATT_HD; }
+};
+
+// Heads [G0, G0 + GN): each octet of lanes scores positions octet, octet + 32, ...; the loop
+// runs alike for the warp's four octets (a position past the end is computed on a valid row
+// and not stored) so the shuffles see the whole warp.
+template <int G0>
+__device__ __forceinline__ void attn_scores(const AttnRound& r, const float* qs, const float* kn, float* S, float scale) {
+    constexpr int GN = ATT_G - G0 < ATT_HEADS_PER_PASS ? ATT_G - G0 : ATT_HEADS_PER_PASS;
+    constexpr int LD = ATT_LANE_DIMS;
+    const int ct = threadIdx.x - 32, octet = ct >> 3, q8 = ct & 7, n = r.nr + (r.has_new ? 1 : 0);
+    float q[GN][LD];
+#pragma unroll
+    for (int g = 0; g < GN; g++)
+#pragma unroll
+        for (int i = 0; i < LD; i += 4) *(float4*)&q[g][i] = *(const float4*)(qs + (G0 + g) * ATT_HD + q8 * LD + i);
+    for (int j0 = octet & ~3; j0 < n; j0 += CONSUMERS / 8) {
+        const int j = min(j0 + (octet & 3), n - 1);
+        float k[LD];
+        if (j < r.nr) {
+            const bf16_t* row = r.k_row(j) + q8 * LD;
+#pragma unroll
+            for (int i = 0; i < LD; i += 8) widen8(*(const uint4*)(row + i), k + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < LD; i += 4) *(float4*)&k[i] = *(const float4*)(kn + q8 * LD + i);
+        }
+        float dot[GN];
+#pragma unroll
+        for (int g = 0; g < GN; g++) {
+            dot[g] = 0.f;
+#pragma unroll
+            for (int i = 0; i < LD; i++) dot[g] = fmaf(q[g][i], k[i], dot[g]);
+        }
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1)
+#pragma unroll
+            for (int g = 0; g < GN; g++) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+        if (q8 == 0 && j0 + (octet & 3) < n)
+#pragma unroll
+            for (int g = 0; g < GN; g++) S[(G0 + g) * ATT_S_STRIDE + j] = dot[g] * scale;
+    }
+    if constexpr (G0 + GN < ATT_G) attn_scores<G0 + GN>(r, qs, kn, S, scale);
+}
+
+// One warp per head: the round's max; S becomes exp(S - new max); the running max and sum
+// move on, and corr keeps the factor that rescales the running output.
+__device__ __forceinline__ void attn_softmax(int n, float* S, float* stats) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31;
+    for (int g = cw; g < ATT_G; g += CONSUMER_WARPS) {
+        float* s = S + g * ATT_S_STRIDE;
+        float mx = NEG_INF;
+        for (int j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
+        const float m_old = stats[g], m_new = fmaxf(m_old, warp_max(mx));
+        float sum = 0.f;
+        for (int j = lane; j < n; j += 32) {
+            const float e = __expf(s[j] - m_new);
+            s[j] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            const float corr = __expf(m_old - m_new);  // m_old = -inf in the first round: 0
+            stats[g] = m_new;
+            stats[ATT_G + g] = stats[ATT_G + g] * corr + sum;
+            stats[2 * ATT_G + g] = corr;
+        }
+    }
+}
+
+// Thread (group, item) sums P · V over staged positions group, group + ATT_GROUPS, ... for 4
+// dims of one head (unrolled, so several rows' loads are in flight); the group that this
+// token's position falls to adds it.
+__device__ __forceinline__ void attn_values(const AttnRound& r, const float* S, const float* vn, float* part) {
+    const int ct = threadIdx.x - 32;
+    for (int t = ct; t < ATT_ITEMS * ATT_GROUPS; t += CONSUMERS) {
+        const int item = t % ATT_ITEMS, grp = t / ATT_ITEMS;
+        const int g = item / (ATT_HD / 4), d0 = (item % (ATT_HD / 4)) * 4;
+        const float* s = S + g * ATT_S_STRIDE;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int j = grp; j < r.nr; j += ATT_GROUPS) {
+            const float pj = s[j];
+            const uint2 w = *(const uint2*)(r.v_row(j) + d0);
+            acc[0] = fmaf(pj, __uint_as_float(w.x << 16), acc[0]);
+            acc[1] = fmaf(pj, __uint_as_float(w.x & 0xffff0000u), acc[1]);
+            acc[2] = fmaf(pj, __uint_as_float(w.y << 16), acc[2]);
+            acc[3] = fmaf(pj, __uint_as_float(w.y & 0xffff0000u), acc[3]);
+        }
+        if (r.has_new && grp == r.nr % ATT_GROUPS) {
+            const float pj = s[r.nr];
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[i] = fmaf(pj, vn[d0 + i], acc[i]);
+        }
+        *(float4*)(part + grp * ATT_G * ATT_HD + g * ATT_HD + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+}
+
+// Output element i (head i / head_dim of the group, dim i % head_dim): the whole attention
+// output, or with split KV this part's normalised output and, once per head, its max and sum.
+__device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int i, float o, float M, float L) {
     const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
-    const int hd = p.head_dim, G = p.heads / p.kv_heads;
-    const int len = m.pos + 1, p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
-    const bool has_new = p1 == len;
-    const size_t layer_off = (size_t)layer * p.max_seq * p.kv_heads * hd;
-    const int kv_stride = p.kv_heads * hd, stride = 2 + hd;
-    float* qs = scratch + CONSUMER_WARPS * G * stride;
-    float* kn = qs + G * hd;
-    float* vn = kn + hd;
+    const int d = i % ATT_HD, head = kvh * ATT_G + i / ATT_HD;
+    const u32 tag = launch_tag(p);
+    if (parts == 1) {
+        st_tagged(p.attn_out + ((size_t)layer * p.heads + head) * ATT_HD + d, o, tag);
+    } else {
+        u64* dst = p.attn_part + (((size_t)layer * p.heads + head) * parts + part) * (ATT_HD + 2);
+        st_tagged(dst + d, o, tag);
+        if (d == 0) { st_tagged(dst + ATT_HD, M, tag); st_tagged(dst + ATT_HD + 1, L, tag); }
+    }
+}
+
+__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, u32 instr, u32 seq,
+                             const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof) {
+    constexpr int hd = ATT_HD, G = ATT_G;
+    const int ct = threadIdx.x - 32;
+    const int layer = w[W_LAYER], kvh = w[W_A];
+    const AttnRange a = attn_range(w, m.pos);
+    float* S = scratch;
+    float* partial = scratch + ATT_OFF_PART;
+    float* out = scratch + ATT_OFF_OUT;
+    float* qs = scratch + ATT_OFF_Q;
+    float* kn = scratch + ATT_OFF_KN;
+    float* vn = scratch + ATT_OFF_VN;
+    float* stats = scratch + ATT_OFF_STATS;  // [max][sum][corr] per head
+    for (int i = ct; i < G * hd; i += CONSUMERS) out[i] = 0.f;
+    if (ct < G) { stats[ct] = NEG_INF; stats[G + ct] = 0.f; }
     {
         // The queries and (for the last part) this token's K and V rows, read as one batch:
-        // element i < G·hd is a query value, then hd of K, then hd of V.
+        // element i < G·hd is a query value, then hd of K, then hd of V (contiguous in scratch).
         const u64* qsrc = p.q + (size_t)layer * p.heads * hd + kvh * G * hd;
         const u64* ksrc = p.kv_new + ((size_t)layer * 2 * p.kv_heads + kvh) * hd;
         const u64* vsrc = ksrc + (size_t)p.kv_heads * hd;
-        const int nq = G * hd, n = nq + (has_new ? 2 * hd : 0);
+        const int nq = G * hd, n = nq + (a.has_new ? 2 * hd : 0);
         auto src = [&](int i) { return i < nq ? qsrc + i : i < nq + hd ? ksrc + (i - nq) : vsrc + (i - nq - hd); };
         warp_gate(p, src(min(n - 1, ct & ~31)));
         for (int i0 = ct; i0 < n; i0 += ATT_IN_MAX * CONSUMERS) {
@@ -38,74 +199,52 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
     }
     consumers_sync();
     if (ct == 0 && prof) prof[1] = global_ns();
-    const int p_end = has_new ? len - 1 : p1;
-    const bf16_t* kh = p.k_cache + layer_off + kvh * hd;
-    const bf16_t* vh = p.v_cache + layer_off + kvh * hd;
-    const float scale = rsqrtf((float)hd);
-    const int chunks = hd / 8;
-    for (int g0 = 0; g0 < G; g0 += ATT_HEADS_PER_PASS) {
-        const int gn = min(ATT_HEADS_PER_PASS, G - g0);
-        float mx[ATT_HEADS_PER_PASS], l[ATT_HEADS_PER_PASS], acc[ATT_HEADS_PER_PASS][8];
-#pragma unroll
-        for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
-            mx[g] = NEG_INF; l[g] = 0.f;
-#pragma unroll
-            for (int d = 0; d < 8; d++) acc[g][d] = 0.f;
-        }
-        if (hd == 64) attend_group_warp<8>(qs + g0 * hd, gn, kh, vh, kv_stride, scale, p0, p_end, cw, CONSUMER_WARPS, mx, l, acc);
-        else attend_group_warp<16>(qs + g0 * hd, gn, kh, vh, kv_stride, scale, p0, p_end, cw, CONSUMER_WARPS, mx, l, acc);
-        if (has_new && cw == 0) {
-            // Lanes c, c + CH, ... hold dims [8c, 8c + 8) of acc (after attend_group_warp).
-            const int c = lane % (hd / 8);
-#pragma unroll
-            for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
-                if (g >= gn) break;
-                float dot = 0.f;
-                for (int d = lane; d < hd; d += 32) dot = fmaf(qs[(g0 + g) * hd + d], kn[d], dot);
-                const float s = warp_sum(dot) * scale;
-                const float m_new = fmaxf(mx[g], s), corr = __expf(mx[g] - m_new), e = __expf(s - m_new);
-                l[g] = l[g] * corr + e;
-#pragma unroll
-                for (int d = 0; d < 8; d++) acc[g][d] = fmaf(e, vn[8 * c + d], acc[g][d] * corr);
-                mx[g] = m_new;
-            }
-        }
-        // Constant indices only (unrolled, guarded), so the arrays stay in registers.
-#pragma unroll
-        for (int g = 0; g < ATT_HEADS_PER_PASS; g++) {
-            if (g >= gn) break;
-            float* st = scratch + (cw * G + g0 + g) * stride;
-            if (lane == 0) { st[0] = mx[g]; st[1] = l[g]; }
-            if (lane < chunks) {
-#pragma unroll
-                for (int d = 0; d < 8; d++) st[2 + lane * 8 + d] = acc[g][d];
-            }
-        }
+    const int n = a.cached_end - a.p0;
+    if (n == 0 && !a.has_new) {
+        // A part with no position (more parts than positions): an empty softmax.
+        for (int i = ct; i < G * hd; i += CONSUMERS) attn_store(p, w, i, 0.f, NEG_INF, 0.f);
+        return;
     }
-    // Profile words 4 and 5 (the loader's for a mat-vec): warp 0's blocks done, every warp's.
-    if (ct == 0 && prof) prof[4] = global_ns();
-    consumers_sync();
-    if (ct == 0 && prof) prof[5] = global_ns();
-    for (int idx = ct; idx < G * hd; idx += CONSUMERS) {
-        const int g = idx / hd, d = idx % hd, head = kvh * G + g;
-        float M = NEG_INF;
-        for (int k = 0; k < CONSUMER_WARPS; k++) M = fmaxf(M, scratch[(k * G + g) * stride]);
-        float L = 0.f, A = 0.f;
-        for (int k = 0; k < CONSUMER_WARPS; k++) {
-            const float* s = scratch + (k * G + g) * stride;
-            if (s[1] == 0.f) continue;  // a warp that saw no position
-            float c = __expf(s[0] - M);
-            L += s[1] * c;
-            A += s[2 + d] * c;
+    const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
+    const float scale = rsqrtf((float)hd);
+    bool ok = true;
+    for (int t0 = 0; t0 == 0 || t0 < ntiles; t0 += round_tiles) {
+        const int t1 = min(ntiles, t0 + round_tiles);
+        const AttnRound r{pages, (int)((seq + t0) % p.pages), p.pages, min(n, t1 * ATT_TR) - t0 * ATT_TR,
+                          a.has_new && t0 == 0};
+        for (int t = t0; ok && t < t1; t++) {
+            const u32 s = seq + t;
+            ok = page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s);
         }
-        float o = L > 0.f ? A / L : 0.f;
-        const u32 tag = launch_tag(p);
-        if (parts == 1) {
-            st_tagged(p.attn_out + (size_t)layer * p.heads * hd + head * hd + d, o, tag);
-        } else {
-            u64* dst = p.attn_part + (((size_t)layer * p.heads + head) * parts + part) * (hd + 2);
-            st_tagged(dst + d, o, tag);
-            if (d == 0) { st_tagged(dst + hd, M, tag); st_tagged(dst + hd + 1, L, tag); }
+        if (!ok) mk_failed = 1;
+        if (consumers_failed()) return;
+        attn_scores<0>(r, qs, kn, S, scale);
+        consumers_sync();
+        attn_softmax(r.nr + (r.has_new ? 1 : 0), S, stats);
+        consumers_sync();
+        // Profile words 4 and 5 (the loader's for a mat-vec): scores and softmax done, and the
+        // weighted values (the last round's).
+        if (ct == 0 && prof) prof[4] = global_ns();
+        attn_values(r, S, vn, partial);
+        consumers_sync();
+        if (ct == 0 && prof) prof[5] = global_ns();
+        // The round's pages go back to the loader (each "empty" barrier counts two arrivals).
+        if (ct < t1 - t0) {
+            u64* bar = &empty[(seq + t0 + ct) % p.pages];
+            mbar_arrive(bar);
+            mbar_arrive(bar);
         }
+        // The running output takes this round's values; after the last round it is divided by
+        // the sum and stored.
+        const bool last = t1 >= ntiles;
+        for (int i = ct; i < G * hd; i += CONSUMERS) {
+            const int g = i / hd;
+            float v = out[i] * stats[2 * G + g];
+#pragma unroll
+            for (int k = 0; k < ATT_GROUPS; k++) v += partial[k * G * hd + i];
+            if (last) attn_store(p, w, i, v / stats[G + g], stats[g], stats[G + g]);
+            else out[i] = v;
+        }
+        if (!last) consumers_sync();
     }
 }

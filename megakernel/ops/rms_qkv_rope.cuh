@@ -23,8 +23,7 @@ __device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, co
             // kv_new, where it carries its tag (the same bf16 values, widened).
             bool is_k = head < p.heads + p.kv_heads;
             int kvh = head - p.heads - (is_k ? 0 : p.kv_heads);
-            bf16_t* cache = (is_k ? p.k_cache : p.v_cache) +
-                            (((size_t)layer * p.max_seq + m.pos) * p.kv_heads + kvh) * hd;
+            bf16_t* cache = (bf16_t*)kv_row(p, is_k ? p.k_cache : p.v_cache, layer, kvh, m.pos);
             const bf16_t ha = f32_to_bf16(a), hb = f32_to_bf16(b);
             cache[i] = ha; cache[i + half] = hb;
             u64* row = p.kv_new + (((size_t)layer * 2 + (is_k ? 0 : 1)) * p.kv_heads + kvh) * hd;

@@ -172,6 +172,17 @@ impl std::fmt::Display for Profile {
     }
 }
 
+/// Floats of shared memory the attention instruction uses (the layout at the top of
+/// megakernel/ops/attention.cuh): scores for a round of 256 staged positions and this token's,
+/// the position groups' partial outputs, the running output, the queries, this token's K and
+/// V rows, and three numbers per head.
+fn attention_scratch(group: usize, head_dim: usize) -> usize {
+    const ROUND_STRIDE: usize = 256 + 4;
+    let items = group * head_dim / 4;
+    let position_groups = (CONSUMER_WARPS * 32 / items).max(1);
+    group * ROUND_STRIDE + (position_groups + 2) * group * head_dim + 2 * head_dim + 3 * group
+}
+
 impl<'g> MegakernelPath<'g> {
     pub fn new(
         gpu: &'g Gpu,
@@ -187,9 +198,7 @@ impl<'g> MegakernelPath<'g> {
                 gpu.sm_count
             );
         }
-        if (c.num_heads / c.num_kv_heads * (2 + c.head_dim) * CONSUMER_WARPS + 2 * c.head_dim)
-            > 16384
-        {
+        if attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim) > 8192 {
             bail!("megakernel: too many query heads per KV head for the attention scratch");
         }
         let enc = schedule.encode();
@@ -239,16 +248,13 @@ impl<'g> MegakernelPath<'g> {
             enc.down_chunks as usize,
         );
         let instructions = words.len() / WORDS;
-        // The attention instruction keeps per-warp softmax states, its group's queries and this
-        // token's K and V rows there.
-        let group = c.num_heads / c.num_kv_heads;
-        let attention_scratch =
-            CONSUMER_WARPS * group * (2 + c.head_dim) + group * c.head_dim + 2 * c.head_dim;
+        let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
         let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
         // Extra NVRTC options (e.g. `-DPREP_MAX=16`), for measuring variants of the sources.
-        let defines: Vec<String> = std::env::var("MEGAINFER_MK_DEFINES")
-            .map(|v| v.split_whitespace().map(String::from).collect())
-            .unwrap_or_default();
+        let mut defines = sources::megakernel_defines(c);
+        if let Ok(v) = std::env::var("MEGAINFER_MK_DEFINES") {
+            defines.extend(v.split_whitespace().map(String::from));
+        }
         let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
         let module = gpu
             .ctx
@@ -401,7 +407,7 @@ impl<'g> MegakernelPath<'g> {
         let mut t = token;
         let mut csv = timeline.then(|| {
             // extra1, extra2: a mat-vec's first page wait and last tile issued by the loader;
-            // attention's warp 0 done with its blocks, and every warp done.
+            // attention's scores and softmax done, and its weighted values done (last round).
             String::from("step,pos,sm,kind,desc,start,prepared,tiles,stored,extra1,extra2\n")
         });
         let sm_of: Vec<usize> = (0..n)

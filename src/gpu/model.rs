@@ -90,7 +90,10 @@ impl DeviceModel {
     }
 }
 
-/// `[layers, max_seq, kv_heads, head_dim]` bf16, K and V.
+/// K and V, bf16, `max_seq * kv_heads * head_dim` per layer. The order within a layer is the
+/// path's: position-major (`[max_seq, kv_heads, head_dim]`) for the baseline kernels,
+/// head-major (`[kv_heads, max_seq, head_dim]`) for the megakernel, whose loader copies a KV
+/// head's consecutive positions into shared memory in one piece.
 pub struct KvCache {
     pub k: CudaSlice<u16>,
     pub v: CudaSlice<u16>,

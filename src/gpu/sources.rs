@@ -4,11 +4,9 @@ const COMMON: &str = include_str!("../../megakernel/common.cuh");
 const ATTENTION: &str = include_str!("../../megakernel/attention.cuh");
 const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
-const GROUP_ATTENTION: &str = include_str!("../../megakernel/group_attention.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
 /// The instructions with code of their own; the three whose post step is one store loop
 /// (OProjResidual, RmsUpGateSilu, DownProjResidual) are written out in the interpreter's switch.
-/// This order keeps the compiled kernel identical to the one measured (commit d45fa18).
 const OPS: [&str; 5] = [
     include_str!("../../megakernel/ops/attention.cuh"),
     include_str!("../../megakernel/ops/attn_reduce.cuh"),
@@ -23,9 +21,18 @@ pub fn baseline() -> String {
     [COMMON, ATTENTION, BASELINE].join("\n")
 }
 
-/// The persistent interpreter.
+/// The preprocessor definitions the interpreter is compiled with for a model: its attention
+/// shape, so that attention's loops have constant trip counts.
+pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
+    vec![
+        format!("-DMK_HEAD_DIM={}", config.head_dim),
+        format!("-DMK_GROUP={}", config.num_heads / config.num_kv_heads),
+    ]
+}
+
+/// The persistent interpreter (compile it with `megakernel_defines`).
 pub fn megakernel() -> String {
-    let mut parts = vec![COMMON, ATTENTION, GROUP_ATTENTION, PIPELINE, RUNTIME];
+    let mut parts = vec![COMMON, PIPELINE, RUNTIME];
     parts.extend(OPS);
     parts.push(MEGAKERNEL);
     parts.join("\n")
