@@ -11,7 +11,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     float* xs = (float*)(smem + (size_t)p.pages * PAGE_BYTES);
     float* res = xs + p.xs_floats;
     float* red = res + 2 * RES_MAX;               // 2 * CONSUMER_WARPS words
-    u32* iws = (u32*)(red + 2 * CONSUMER_WARPS);  // this and the next instruction's words
+    float* ss = red + 2 * CONSUMER_WARPS;         // per warp: the RMS norm's sum of squares
+    u32* iws = (u32*)(ss + CONSUMER_WARPS);       // this and the next instruction's words
     LayerW* lw = (LayerW*)(iws + 2 * MK_WORDS);
     u64* full = (u64*)(lw + p.n_layers);
     u64* empty = full + p.pages;
@@ -50,13 +51,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         }
         switch (op) {
             case OP_QKV:
-                prepare_normed(p, w[W_LAYER], false, m.token, lw[w[W_LAYER]].attn_norm, xs, red);
+                prepare_normed(p, w[W_LAYER], false, m.token, lw[w[W_LAYER]].attn_norm, xs, ss);
                 break;
             case OP_UPGATE:
-                prepare_normed(p, w[W_LAYER], true, m.token, lw[w[W_LAYER]].ffn_norm, xs, red);
+                prepare_normed(p, w[W_LAYER], true, m.token, lw[w[W_LAYER]].ffn_norm, xs, ss);
                 break;
             case OP_LMHEAD:
-                prepare_normed(p, p.n_layers, false, m.token, p.final_norm, xs, red);
+                prepare_normed(p, p.n_layers, false, m.token, p.final_norm, xs, ss);
                 break;
             case OP_OPROJ: {
                 // The residual rows it adds to travel in the same round trip as its input.
@@ -87,21 +88,24 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             if (ct == 0) note(p, 1, ST_POST);
             // The residual, SiLU and down-proj stores are one loop each: written out here.
             const int layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
+            // The RMS norm's scale (see prepare_normed), for the three instructions with one.
+            const float scale = op == OP_QKV || op == OP_UPGATE || op == OP_LMHEAD ? rms_scale(p, ss) : 1.f;
             switch (op) {
-                case OP_QKV: post_qkv(p, w, m, res); break;
+                case OP_QKV: post_qkv(p, w, m, res, scale); break;
                 case OP_OPROJ:
                     for (int j = ct; j < rc; j += CONSUMERS)
                         st_tagged(p.resid_attn + (size_t)layer * p.hidden + rs + j, res[RES_MAX + j] + res_at(res, j), tag);
                     break;
                 case OP_UPGATE:
                     for (int j = ct; j < rc; j += CONSUMERS)
-                        st_tagged(p.act + (size_t)layer * p.inter + rs + j, silu(res_at(res, j)) * res_at(res, rc + j), tag);
+                        st_tagged(p.act + (size_t)layer * p.inter + rs + j,
+                                  silu(scale * res_at(res, j)) * (scale * res_at(res, rc + j)), tag);
                     break;
                 case OP_DOWN:
                     for (int j = ct; j < rc; j += CONSUMERS)
                         st_tagged(p.mlp_part + ((size_t)layer * p.chunks + w[W_C]) * p.hidden + rs + j, res_at(res, j), tag);
                     break;
-                case OP_LMHEAD: post_lmhead(p, w, res, red); break;
+                case OP_LMHEAD: post_lmhead(p, w, res, red, scale); break;
                 default: break;
             }
         } else if (ct == 0 && prof && op != OP_ATTN) {

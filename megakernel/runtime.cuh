@@ -350,16 +350,18 @@ __device__ __forceinline__ void consumers_sync() { named_sync(1, CONSUMERS); }
 // A consumer barrier that tells every consumer whether any consumer's wait failed.
 __device__ __forceinline__ bool consumers_failed() { return named_sync_or(1, CONSUMERS, mk_failed != 0); }
 
-// Sum over all consumer threads; every caller gets the total.
-__device__ float consumers_sum(float v, float* red) {
-    const int ct = threadIdx.x - 32, cw = ct >> 5;
+// Each consumer warp's share of a sum, for rms_scale to add up after a later barrier.
+__device__ __forceinline__ void consumers_partial_sum(float v, float* ss) {
     v = warp_sum(v);
-    if ((ct & 31) == 0) red[cw] = v;
-    consumers_sync();
+    if ((threadIdx.x & 31) == 0) ss[(threadIdx.x - 32) >> 5] = v;
+}
+
+// The RMS norm's scale from the sums of squares prepare_normed left in ss.
+__device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
     float t = 0.f;
-    for (int i = 0; i < CONSUMER_WARPS; i++) t += red[i];
-    consumers_sync();
-    return t;
+#pragma unroll
+    for (int i = 0; i < CONSUMER_WARPS; i++) t += ss[i];
+    return rsqrtf(t / p.hidden + p.eps);
 }
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
@@ -388,13 +390,15 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
     return v;
 }
 
-// xs = rmsnorm(src) * g, src given by resid_in(layer) or resid_attn[l] (after_attn).
+// xs = src * g, src given by resid_in(layer) or resid_attn[l] (after_attn), and the sums of
+// squares in ss: the norm's scale is one number, applied to the mat-vec's results (W(x·s·g) =
+// s·W(x·g)), so the tiles need not wait for the sum to be reduced.
 // Each thread first issues every L2 load it needs (PREP_MAX elements of each source and of g),
 // then sums: one round trip in all, where a round trip per source or per element would add up
 // on the critical path of every layer.
 #define PREP_MAX 8
 __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
-                               float* xs, float* red) {
+                               float* xs, float* ss) {
     const int ct = threadIdx.x - 32;
     const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
     if (p.hidden <= PREP_MAX * CONSUMERS && nparts <= PREP_CHUNKS) {
@@ -424,7 +428,7 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
         for (int c = 0; c < PREP_CHUNKS; c++)
             if (c < nparts)
                 settle<PREP_MAX>(p, rawp[c], [&](int k) { return parts + (size_t)c * p.hidden + ct + k * CONSUMERS; }, mine);
-        float ss = 0.f;
+        float sq = 0.f;
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
             if (k < mine) {
@@ -433,24 +437,23 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
                 for (int c = 0; c < PREP_CHUNKS; c++)
                     if (c < nparts) v[k] += tagged_float(rawp[c][k]);
             }
-            ss += v[k] * v[k];
+            sq += v[k] * v[k];
         }
-        const float scale = rsqrtf(consumers_sum(ss, red) / p.hidden + p.eps);
+        consumers_partial_sum(sq, ss);
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
             const int i = ct + k * CONSUMERS;
-            if (i < p.hidden) xs[i] = v[k] * scale * gw[k];
+            if (i < p.hidden) xs[i] = v[k] * gw[k];
         }
         return;
     }
-    float ss = 0.f;
+    float sq = 0.f;
     for (int i = ct; i < p.hidden; i += CONSUMERS) {
         float v = after_attn ? ld_value(p, p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
-        xs[i] = v;
-        ss += v * v;
+        xs[i] = v * bf16_to_f32(g[i]);
+        sq += v * v;
     }
-    const float scale = rsqrtf(consumers_sum(ss, red) / p.hidden + p.eps);
-    for (int i = ct; i < p.hidden; i += CONSUMERS) xs[i] = xs[i] * scale * bf16_to_f32(g[i]);
+    consumers_partial_sum(sq, ss);
 }
 
 // Copies n tagged values into shared memory as floats, every read of a thread's batch issued

@@ -1,11 +1,11 @@
 // RmsLmHead(rows, block): f32 logits of the rows and the block's (max, first row reaching it).
 
-__device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, float* red) {
+__device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, float* red, float scale) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, rs = w[W_A], rc = w[W_B];
     float v = NEG_INF;
     u32 idx = 0xffffffffu;
     for (int j = ct; j < rc; j += CONSUMERS) {
-        float x = res_at(res, j);
+        float x = scale * res_at(res, j);
         p.logits[rs + j] = x;
         argmax_merge(v, idx, x, (u32)(rs + j));
     }

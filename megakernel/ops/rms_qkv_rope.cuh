@@ -1,11 +1,11 @@
 // RmsQkvRope(layer, head, pairs): the post step after the shared RMS-norm and mat-vec: RoPE,
 // then Q into q[l], or K/V into the cache at pos and into kv_new.
 
-__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res) {
+__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res, float scale) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
     const int hd = p.head_dim, half = hd / 2;
     for (int j = ct; j < pc; j += CONSUMERS) {
-        float a = res_at(res, j), b = res_at(res, pc + j);
+        float a = scale * res_at(res, j), b = scale * res_at(res, pc + j);
         const int i = ps + j;
         if (head < p.heads + p.kv_heads) {
             float s, c;

@@ -261,9 +261,9 @@ impl<'g> MegakernelPath<'g> {
             .load_module(Ptx::from_binary(cubin))
             .context("loading the megakernel CUBIN")?;
         let kernel = Kernel::load(&module, "megakernel")?;
-        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, two
+        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, the RMS sums of squares, two
         // instructions' words, the layer pointer table; then the kernel's static flags.
-        let fixed = (xs_floats + 2 * RES_MAX + 2 * CONSUMER_WARPS + 2 * WORDS) * 4
+        let fixed = (xs_floats + 2 * RES_MAX + 3 * CONSUMER_WARPS + 2 * WORDS) * 4
             + c.num_layers * std::mem::size_of::<[u64; 6]>();
         let static_smem = kernel.static_smem()?;
         // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
