@@ -6,8 +6,8 @@
 // consumer warps work on every step, each step ending at a barrier:
 //   scores   S[g][j] = q_g · k_j * scale: 8 lanes per position, each a slice of the dims;
 //   softmax  one warp per head: the round's max and sum, S turned into exp(S - max);
-//   values   thread (head, 4 dims, position group) sums P · V over its positions;
-//   combine  thread (head, dim) adds the position groups into the running output.
+//   values   thread (4 dims, position group) sums P · V over its positions for every head;
+//   combine  thread (head, dim) adds the warps' partial sums into the running output.
 // A round is at most ATT_ROUND staged positions (and this token's, in the first round); longer
 // parts take several, carried by an online softmax (running max, sum and output per head).
 // The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
@@ -22,14 +22,14 @@ static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
 constexpr int ATT_ROUND = 256, ATT_S_STRIDE = ATT_ROUND + 4;
 // Scores: 8 lanes per position, ATT_LANE_DIMS dims each, heads taken 4 at a time.
 constexpr int ATT_LANE_DIMS = ATT_HD / 8, ATT_HEADS_PER_PASS = 4;
-// Values: items of 4 dims of one head; position groups share the consumer threads.
-constexpr int ATT_ITEMS = ATT_G * ATT_HD / 4;
-constexpr int ATT_GROUPS = CONSUMERS / ATT_ITEMS > 1 ? CONSUMERS / ATT_ITEMS : 1;
-// The scratch layout in floats (mirrored by the host's attention_scratch): S, the position
-// groups' partial outputs, the running output, the queries, this token's K and V, and per
-// head the running max, sum and the round's correction factor.
+// Values: a thread takes 4 dims of every head; the position groups share the consumer threads
+// (16 groups at head_dim 64, two to a warp; 8 at 128).
+constexpr int ATT_ITEMS = ATT_HD / 4, ATT_GROUPS = CONSUMERS / ATT_ITEMS;
+// The scratch layout in floats (mirrored by the host's attention_scratch): S, each warp's
+// partial output, the running output, the queries, this token's K and V, and per head the
+// running max, sum and the round's correction factor.
 constexpr int ATT_OFF_PART = ATT_G * ATT_S_STRIDE;
-constexpr int ATT_OFF_OUT = ATT_OFF_PART + ATT_GROUPS * ATT_G * ATT_HD;
+constexpr int ATT_OFF_OUT = ATT_OFF_PART + CONSUMER_WARPS * ATT_G * ATT_HD;
 constexpr int ATT_OFF_Q = ATT_OFF_OUT + ATT_G * ATT_HD;
 constexpr int ATT_OFF_KN = ATT_OFF_Q + ATT_G * ATT_HD;
 constexpr int ATT_OFF_VN = ATT_OFF_KN + ATT_HD;
@@ -65,6 +65,7 @@ __device__ __forceinline__ void attn_scores(const AttnRound& r, const float* qs,
     for (int g = 0; g < GN; g++)
 #pragma unroll
         for (int i = 0; i < LD; i += 4) *(float4*)&q[g][i] = *(const float4*)(qs + (G0 + g) * ATT_HD + q8 * LD + i);
+#pragma unroll 2
     for (int j0 = octet & ~3; j0 < n; j0 += CONSUMERS / 8) {
         const int j = min(j0 + (octet & 3), n - 1);
         float k[LD];
@@ -120,31 +121,42 @@ __device__ __forceinline__ void attn_softmax(int n, float* S, float* stats) {
 }
 
 // Thread (group, item) sums P · V over staged positions group, group + ATT_GROUPS, ... for 4
-// dims of one head (unrolled, so several rows' loads are in flight); the group that this
-// token's position falls to adds it.
+// dims of every head, so each V row is read once for all of them (unrolled, so several rows'
+// loads are in flight); the group that this token's position falls to adds it. The groups
+// sharing a warp are added by shuffles, and each warp leaves one partial output.
 __device__ __forceinline__ void attn_values(const AttnRound& r, const float* S, const float* vn, float* part) {
-    const int ct = threadIdx.x - 32;
-    for (int t = ct; t < ATT_ITEMS * ATT_GROUPS; t += CONSUMERS) {
-        const int item = t % ATT_ITEMS, grp = t / ATT_ITEMS;
-        const int g = item / (ATT_HD / 4), d0 = (item % (ATT_HD / 4)) * 4;
-        const float* s = S + g * ATT_S_STRIDE;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-        for (int j = grp; j < r.nr; j += ATT_GROUPS) {
-            const float pj = s[j];
-            const uint2 w = *(const uint2*)(r.v_row(j) + d0);
-            acc[0] = fmaf(pj, __uint_as_float(w.x << 16), acc[0]);
-            acc[1] = fmaf(pj, __uint_as_float(w.x & 0xffff0000u), acc[1]);
-            acc[2] = fmaf(pj, __uint_as_float(w.y << 16), acc[2]);
-            acc[3] = fmaf(pj, __uint_as_float(w.y & 0xffff0000u), acc[3]);
-        }
-        if (r.has_new && grp == r.nr % ATT_GROUPS) {
-            const float pj = s[r.nr];
+    const int ct = threadIdx.x - 32, item = ct % ATT_ITEMS, grp = ct / ATT_ITEMS, d0 = item * 4;
+    float acc[ATT_G][4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) acc[i] = fmaf(pj, vn[d0 + i], acc[i]);
+    for (int g = 0; g < ATT_G; g++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[g][i] = 0.f;
+    auto add = [&](int j, const float* v) {
+#pragma unroll
+        for (int g = 0; g < ATT_G; g++) {
+            const float pj = S[g * ATT_S_STRIDE + j];
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[g][i] = fmaf(pj, v[i], acc[g][i]);
         }
-        *(float4*)(part + grp * ATT_G * ATT_HD + g * ATT_HD + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    };
+#pragma unroll 2
+    for (int j = grp; j < r.nr; j += ATT_GROUPS) {
+        const uint2 w = *(const uint2*)(r.v_row(j) + d0);
+        const float v[4] = {__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                            __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u)};
+        add(j, v);
     }
+    if (r.has_new && grp == r.nr % ATT_GROUPS) add(r.nr, vn + d0);
+#pragma unroll
+    for (int o = ATT_ITEMS; o < 32; o <<= 1)
+#pragma unroll
+        for (int g = 0; g < ATT_G; g++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+    if ((ct & 31) < ATT_ITEMS)
+#pragma unroll
+        for (int g = 0; g < ATT_G; g++)
+            *(float4*)(part + ((ct >> 5) * ATT_G + g) * ATT_HD + d0) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
 }
 
 // Output element i (head i / head_dim of the group, dim i % head_dim): the whole attention
@@ -241,7 +253,7 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
             const int g = i / hd;
             float v = out[i] * stats[2 * G + g];
 #pragma unroll
-            for (int k = 0; k < ATT_GROUPS; k++) v += partial[k * G * hd + i];
+            for (int k = 0; k < CONSUMER_WARPS; k++) v += partial[k * G * hd + i];
             if (last) attn_store(p, w, i, v / stats[G + g], stats[g], stats[G + g]);
             else out[i] = v;
         }

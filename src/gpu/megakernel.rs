@@ -174,13 +174,11 @@ impl std::fmt::Display for Profile {
 
 /// Floats of shared memory the attention instruction uses (the layout at the top of
 /// megakernel/ops/attention.cuh): scores for a round of 256 staged positions and this token's,
-/// the position groups' partial outputs, the running output, the queries, this token's K and
-/// V rows, and three numbers per head.
+/// each consumer warp's partial output, the running output, the queries, this token's K and V
+/// rows, and three numbers per head.
 fn attention_scratch(group: usize, head_dim: usize) -> usize {
     const ROUND_STRIDE: usize = 256 + 4;
-    let items = group * head_dim / 4;
-    let position_groups = (CONSUMER_WARPS * 32 / items).max(1);
-    group * ROUND_STRIDE + (position_groups + 2) * group * head_dim + 2 * head_dim + 3 * group
+    group * ROUND_STRIDE + (CONSUMER_WARPS + 2) * group * head_dim + 2 * head_dim + 3 * group
 }
 
 impl<'g> MegakernelPath<'g> {
@@ -198,7 +196,7 @@ impl<'g> MegakernelPath<'g> {
                 gpu.sm_count
             );
         }
-        if attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim) > 8192 {
+        if attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim) > 16384 {
             bail!("megakernel: too many query heads per KV head for the attention scratch");
         }
         let enc = schedule.encode();
