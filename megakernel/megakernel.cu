@@ -67,10 +67,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
                 break;
             }
             case OP_DOWN: copy_in(p, xs, p.act + (size_t)w[W_LAYER] * p.inter + w[W_D], w[W_E]); break;
-            case OP_ATTN:
-                op_attention(p, w, m, instr, seq, pages, full, empty, xs, prof);
-                seq += attn_tile_count(p, w, m.pos);
-                break;
+            case OP_ATTN: seq += op_attention(p, w, m, instr, seq, pages, full, empty, xs, prof); break;
             case OP_ATTN_REDUCE: op_attn_reduce(p, w); break;
             case OP_ARGMAX: op_argmax(p, m, red); break;
             default: break;

@@ -84,7 +84,7 @@ struct MkParams {
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
 enum ErrorKind : u32 { ERR_DATA = 1, ERR_PAGE_CONSUMER = 2, ERR_PAGE_LOADER = 3 };
-enum Stage : u32 { ST_PREPARE = 2, ST_TILES = 3, ST_POST = 4, ST_DONE = 5 };
+enum Stage : u32 { ST_PREPARE = 1, ST_TILES = 2, ST_POST = 3, ST_DONE = 4 };
 
 __device__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
     if (atomicCAS(p.error, 0u, 1u) == 0u) {
@@ -244,8 +244,17 @@ __device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
 // sequence. Its K and V rows before pos were written by earlier launches, so they do not
 // depend on this step: the loader stages them in pages like weight tiles, long before the
 // instruction runs, and attention reads them from shared memory. Row pos (this token's) comes
-// tagged from kv_new. A tile holds ATT rows of K, then the same rows of V; the cache is
+// tagged from kv_new. A tile holds ATT_TR rows of K, then the same rows of V; the cache is
 // head-major ([layer][kv_head][position][head_dim]) so each is one bulk copy.
+// The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
+// -DMK_HEAD_DIM and -DMK_GROUP), so attention's loops have constant trip counts.
+
+#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP)
+#error "the megakernel is compiled for a model: define MK_HEAD_DIM and MK_GROUP"
+#endif
+constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
+static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
+constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
 
 struct AttnRange {
     int p0, cached_end;  // the rows staged in tiles: [p0, cached_end)
@@ -256,13 +265,6 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
     const int part = w[W_B], parts = w[W_C], len = pos + 1;
     const int p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
     return {p0, p1 == len ? len - 1 : p1, p1 == len};
-}
-
-__device__ __forceinline__ int attn_tile_rows(const MkParams& p) { return PAGE_BYTES / (4 * p.head_dim); }
-
-__device__ __forceinline__ int attn_tile_count(const MkParams& p, const u32* w, u32 pos) {
-    const AttnRange a = attn_range(w, pos);
-    return (a.cached_end - a.p0 + attn_tile_rows(p) - 1) / attn_tile_rows(p);
 }
 
 __device__ __forceinline__ const bf16_t* kv_row(const MkParams& p, const bf16_t* cache, int layer, int kvh, int row) {
@@ -294,19 +296,19 @@ __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 
 // Stages an attention instruction's K/V tiles; false when a page wait failed.
 __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
                                u64* full, u64* empty) {
-    const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A], tr = attn_tile_rows(p);
+    const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, pos);
-    for (int r0 = a.p0; r0 < a.cached_end; r0 += tr, seq++) {
+    for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
         const u32 slot = seq % p.pages, round = seq / p.pages;
         if (lane == 0) note(p, 3, seq);
-        const u32 bytes = (u32)min(tr, a.cached_end - r0) * p.head_dim * 2;
+        const u32 bytes = (u32)min(ATT_TR, a.cached_end - r0) * ATT_HD * 2;
         if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
         if (!inflight_wait(p, full, seq, instr)) return false;
         if (lane == 0) mbar_expect_tx(&full[slot], 2 * bytes);
         __syncwarp();
         bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
         if (lane < 2)
-            bulk_load(page + lane * tr * p.head_dim, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
+            bulk_load(page + lane * ATT_TR * ATT_HD, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
                       &full[slot]);
     }
     return true;
@@ -356,6 +358,18 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
 __device__ __forceinline__ void consumers_sync() { named_sync(1, CONSUMERS); }
 // A consumer barrier that tells every consumer whether any consumer's wait failed.
 __device__ __forceinline__ bool consumers_failed() { return named_sync_or(1, CONSUMERS, mk_failed != 0); }
+
+// The (value, index) that wins over all consumer threads (argmax_merge), in consumer thread 0;
+// red holds 2 * CONSUMER_WARPS words.
+__device__ __forceinline__ void consumers_argmax(float& v, u32& idx, float* red) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5;
+    warp_argmax(v, idx);
+    u32* redi = (u32*)(red + CONSUMER_WARPS);
+    if ((ct & 31) == 0) { red[cw] = v; redi[cw] = idx; }
+    consumers_sync();
+    if (ct == 0)
+        for (int k = 1; k < CONSUMER_WARPS; k++) argmax_merge(v, idx, red[k], redi[k]);
+}
 
 // Each consumer warp's share of a sum, for rms_scale to add up after a later barrier.
 __device__ __forceinline__ void consumers_partial_sum(float v, float* ss) {

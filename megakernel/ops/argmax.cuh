@@ -1,18 +1,14 @@
 // Argmax(blocks): the greedy token over the blocks, written for the host and the next step.
 
 __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
-    const int ct = threadIdx.x - 32, cw = ct >> 5;
+    const int ct = threadIdx.x - 32;
     float v = NEG_INF;
     u32 idx = 0xffffffffu;
     if (p.n_lm > 0) warp_gate(p, p.lm_best + 2 * min(p.n_lm - 1, ct & ~31));
     for (int k = ct; k < p.n_lm; k += CONSUMERS)
         argmax_merge(v, idx, ld_value(p, p.lm_best + 2 * k), __float_as_uint(ld_value(p, p.lm_best + 2 * k + 1)));
-    warp_argmax(v, idx);
-    u32* redi = (u32*)(red + CONSUMER_WARPS);
-    if ((ct & 31) == 0) { red[cw] = v; redi[cw] = idx; }
-    consumers_sync();
+    consumers_argmax(v, idx, red);
     if (ct != 0) return;
-    for (int k = 1; k < CONSUMER_WARPS; k++) argmax_merge(v, idx, red[k], redi[k]);
     p.history[m.pos + 1] = idx;
     TokenMeta* cur = p.meta + (p.epoch & 1);
     TokenMeta* nxt = p.meta + ((p.epoch + 1) & 1);

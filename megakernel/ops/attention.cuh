@@ -10,14 +10,8 @@
 //   combine  thread (head, dim) adds the warps' partial sums into the running output.
 // A round is at most ATT_ROUND staged positions (and this token's, in the first round); longer
 // parts take several, carried by an online softmax (running max, sum and output per head).
-// The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
-// -DMK_HEAD_DIM and -DMK_GROUP), so these loops have constant trip counts.
+// The shape constants (ATT_HD, ATT_G, ATT_TR) are in runtime.cuh, beside the loader's tiles.
 
-#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP)
-#error "the megakernel is compiled for a model: define MK_HEAD_DIM and MK_GROUP"
-#endif
-constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
-static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
 // Staged positions per round; S rows have room for this token's position too (padded to 16 bytes).
 constexpr int ATT_ROUND = 256, ATT_S_STRIDE = ATT_ROUND + 4;
 // Scores: 8 lanes per position, ATT_LANE_DIMS dims each, heads taken 4 at a time.
@@ -39,7 +33,6 @@ constexpr int ATT_OFF_STATS = ATT_OFF_VN + ATT_HD;
 
 // The positions of one round: j < nr are staged rows (tile j / ATT_TR of the round, row
 // j % ATT_TR), and, when has_new, j == nr is this token's.
-constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
 struct AttnRound {
     const bf16_t* pages;
     int first_slot, npages, nr;  // the round's tiles take consecutive slots of the ring
@@ -174,8 +167,9 @@ __device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int 
     }
 }
 
-__device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m, u32 instr, u32 seq,
-                             const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof) {
+// Returns how many of the ring's tiles (staged K/V) it consumed.
+__device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m, u32 instr, u32 seq,
+                            const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof) {
     constexpr int hd = ATT_HD, G = ATT_G;
     const int ct = threadIdx.x - 32;
     const int layer = w[W_LAYER], kvh = w[W_A];
@@ -212,12 +206,12 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
     consumers_sync();
     if (ct == 0 && prof) prof[1] = global_ns();
     const int n = a.cached_end - a.p0;
+    const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
     if (n == 0 && !a.has_new) {
         // A part with no position (more parts than positions): an empty softmax.
         for (int i = ct; i < G * hd; i += CONSUMERS) attn_store(p, w, i, 0.f, NEG_INF, 0.f);
-        return;
+        return 0;
     }
-    const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
     const float scale = rsqrtf((float)hd);
     bool ok = true;
     for (int t0 = 0; t0 == 0 || t0 < ntiles; t0 += round_tiles) {
@@ -229,7 +223,7 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
             ok = page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s);
         }
         if (!ok) mk_failed = 1;
-        if (consumers_failed()) return;
+        if (consumers_failed()) return ntiles;
         attn_scores<0>(r, qs, kn, S, scale);
         consumers_sync();
         attn_softmax(r.nr + (r.has_new ? 1 : 0), S, stats);
@@ -259,4 +253,5 @@ __device__ void op_attention(const MkParams& p, const u32* w, const TokenMeta& m
         }
         if (!last) consumers_sync();
     }
+    return ntiles;
 }

@@ -93,7 +93,7 @@ pub struct MegakernelPath<'g> {
     logits: CudaSlice<f32>,
     /// Every tagged activation buffer, one after the other (see `Arena`).
     arena: CudaSlice<u64>,
-    arena_parts: Vec<(&'static str, usize)>,
+    arena_layout: Arena,
     _layers: CudaSlice<u64>,
     _kv: KvCache,
     seq: Sequence,
@@ -130,13 +130,13 @@ impl Arena {
             .map(|p| p.1)
             .expect("arena part")
     }
-}
 
-/// `buffer[element]` for an arena offset.
-fn arena_element(parts: &[(&'static str, usize)], offset: usize) -> String {
-    match parts.iter().rev().find(|p| p.1 <= offset) {
-        Some((name, start)) => format!("{name}[{}]", offset - start),
-        None => format!("arena[{offset}]"),
+    /// `buffer[element]` for an offset.
+    fn element(&self, offset: usize) -> String {
+        match self.parts.iter().rev().find(|p| p.1 <= offset) {
+            Some((name, start)) => format!("{name}[{}]", offset - start),
+            None => format!("arena[{offset}]"),
+        }
     }
 }
 
@@ -196,7 +196,8 @@ impl<'g> MegakernelPath<'g> {
                 gpu.sm_count
             );
         }
-        if attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim) > 16384 {
+        let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
+        if attention_scratch > 16384 {
             bail!("megakernel: too many query heads per KV head for the attention scratch");
         }
         let enc = schedule.encode();
@@ -246,9 +247,8 @@ impl<'g> MegakernelPath<'g> {
             enc.down_chunks as usize,
         );
         let instructions = words.len() / WORDS;
-        let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
         let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
-        // Extra NVRTC options (e.g. `-DPREP_MAX=16`), for measuring variants of the sources.
+        // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants.
         let mut defines = sources::megakernel_defines(c);
         if let Ok(v) = std::env::var("MEGAINFER_MK_DEFINES") {
             defines.extend(v.split_whitespace().map(String::from));
@@ -259,8 +259,9 @@ impl<'g> MegakernelPath<'g> {
             .load_module(Ptx::from_binary(cubin))
             .context("loading the megakernel CUBIN")?;
         let kernel = Kernel::load(&module, "megakernel")?;
-        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, the RMS sums of squares, two
-        // instructions' words, the layer pointer table; then the kernel's static flags.
+        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, the RMS
+        // sums of squares, two instructions' words, the layer pointer table; then the kernel's
+        // static flags.
         let fixed = (xs_floats + 2 * RES_MAX + 3 * CONSUMER_WARPS + 2 * WORDS) * 4
             + c.num_layers * std::mem::size_of::<[u64; 6]>();
         let static_smem = kernel.static_smem()?;
@@ -381,7 +382,7 @@ impl<'g> MegakernelPath<'g> {
             history,
             logits,
             arena: arena_d,
-            arena_parts: arena.parts,
+            arena_layout: arena,
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
@@ -542,7 +543,7 @@ impl<'g> MegakernelPath<'g> {
         let what = match e[6] {
             1 => format!(
                 "waited too long for {} (tag {} expected, {} seen): nothing wrote it this step",
-                arena_element(&self.arena_parts, e[3] as usize),
+                self.arena_layout.element(e[3] as usize),
                 e[4],
                 e[5]
             ),
@@ -553,7 +554,7 @@ impl<'g> MegakernelPath<'g> {
             ),
         };
         let progress = self.gpu.stream.clone_dtoh(&self.progress)?;
-        let stages = ["start", "?", "preparing", "tiles", "storing", "done"];
+        let stages = ["start", "preparing", "tiles", "storing", "done"];
         let stuck: Vec<String> = (0..self.sm_offsets.len() - 1)
             .filter_map(|sm| {
                 let pr = &progress[sm * 4..sm * 4 + 4];
