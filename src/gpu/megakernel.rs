@@ -198,7 +198,11 @@ impl<'g> MegakernelPath<'g> {
         }
         let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
         if attention_scratch > 16384 {
-            bail!("megakernel: too many query heads per KV head for the attention scratch");
+            bail!(
+                "megakernel: {} query heads per KV head at head_dim {} need {attention_scratch} floats of attention scratch; at most 16384 fit",
+                c.num_heads / c.num_kv_heads,
+                c.head_dim
+            );
         }
         let enc = schedule.encode();
         let mut descs = Vec::new();
