@@ -30,11 +30,31 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
     return ok != 0;
 }
 
+// Streamed data is marked first to go from L2 (MK_EVICT_FIRST, on unless defined 0): a token's
+// weights pass through the 50 MB L2 fifty times over, and with the default policy they evicted
+// the lines that are read again soon, the kernel's own code above all, which then came from
+// HBM at every instruction type (measured in BENCHMARKS.md).
+#ifndef MK_EVICT_FIRST
+#define MK_EVICT_FIRST 1
+#endif
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 policy = 0;
+#if MK_EVICT_FIRST
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
+    return policy;
+}
+
 // Bulk copy global -> shared, completion counted in bytes on `bar`. Sizes and addresses are
-// multiples of 16 bytes.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+// multiples of 16 bytes; `policy` comes from l2_evict_first.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+#if MK_EVICT_FIRST
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+#else
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+#endif
 }
 
 __device__ __forceinline__ u64 global_ns() {

@@ -86,7 +86,7 @@ __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u
 enum ErrorKind : u32 { ERR_DATA = 1, ERR_PAGE_CONSUMER = 2, ERR_PAGE_LOADER = 3 };
 enum Stage : u32 { ST_PREPARE = 1, ST_TILES = 2, ST_POST = 3, ST_DONE = 4 };
 
-__device__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
+__device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
     if (atomicCAS(p.error, 0u, 1u) == 0u) {
         p.error[1] = blockIdx.x; p.error[2] = instr; p.error[3] = what; p.error[4] = expected; p.error[5] = seen;
         p.error[6] = kind;
@@ -134,10 +134,13 @@ __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, i
         if (spins == 0) {
             t0 = global_ns();
         } else if (spins % 64 == 0 && (aborted(p) || global_ns() - t0 > p.timeout_ns)) {
+            // One report, out of line: an unrolled report per element bloats every inlined wait.
+            int bad = 0;
+            u32 seen = 0;
 #pragma unroll
             for (int k = N - 1; k >= 0; k--)
-                if (k < n && (u32)(raw[k] >> 32) != tag)
-                    raise_error(p, ERR_DATA, mk_instr, (u32)(addr(k) - p.resid_attn), tag, (u32)(raw[k] >> 32));
+                if (k < n && (u32)(raw[k] >> 32) != tag) { bad = k; seen = (u32)(raw[k] >> 32); }
+            raise_error(p, ERR_DATA, mk_instr, (u32)(addr(bad) - p.resid_attn), tag, seen);
             mk_failed = 1;
             return;
         }
@@ -295,7 +298,7 @@ __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 
 
 // Stages an attention instruction's K/V tiles; false when a page wait failed.
 __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
-                               u64* full, u64* empty) {
+                               u64* full, u64* empty, u64 policy) {
     const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, pos);
     for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
@@ -309,7 +312,7 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 ins
         bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
         if (lane < 2)
             bulk_load(page + lane * ATT_TR * ATT_HD, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
-                      &full[slot]);
+                      &full[slot], policy);
     }
     return true;
 }
@@ -318,6 +321,7 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
                        u64* empty) {
     const int lane = threadIdx.x & 31;
     const u32 pos = p.meta[p.epoch & 1].pos;
+    const u64 policy = l2_evict_first();
     u32 seq = 0;
     for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
         // The operands, read once into registers rather than once per weight row.
@@ -327,7 +331,7 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
         const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
         if (w[W_OP] == OP_ATTN) {
             if (lane == 0) note(p, 2, instr);
-            if (!load_attention(p, w, pos, instr, seq, pages, full, empty)) return;
+            if (!load_attention(p, w, pos, instr, seq, pages, full, empty, policy)) return;
             continue;
         }
         int n = seg_count(w);
@@ -347,7 +351,7 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
             __syncwarp();
             char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
             for (int r = lane; r < rows; r += 32)
-                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, lw, t * rpt + r), bytes_per_row, &full[slot]);
+                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, lw, t * rpt + r), bytes_per_row, &full[slot], policy);
         }
         if (lane == 0 && prof) prof[5] = global_ns();
     }
@@ -498,42 +502,116 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
     }
 }
 
+// A warp covers columns c0 + 512 i of every row (c0: its lane's 8 columns within its half of a
+// 512-column step). With rows of at most 4 steps, x stays in registers for all the tiles of an
+// instruction and the tiles' loop reads only weights from shared memory: with x read there as
+// well (twice the traffic) and one chain at a time, a tile already in the ring took ~1.4 us on
+// the critical path (QKV, O-proj).
+
+// acc[k] += row k . x over this lane's S steps, x in registers (zero past the row's end, where
+// the weights are read at column 0 instead: every load is unconditional, so all of them can be
+// in flight at once).
+template <int R, int S>
+__device__ __forceinline__ void dot_rows(const bf16_t* rows, int cols, int c0, const float (&x)[S][8], float* acc) {
+#pragma unroll
+    for (int i = 0; i < S; i++) {
+        const int c = c0 + 512 * i < cols ? c0 + 512 * i : 0;
+        uint4 wv[R];
+#pragma unroll
+        for (int k = 0; k < R; k++) wv[k] = *(const uint4*)(rows + k * cols + c);
+#pragma unroll
+        for (int k = 0; k < R; k++) acc[k] += dot8(wv[k], x[i]);
+    }
+}
+
+// The same with x read from shared memory, for longer rows.
+template <int R>
+__device__ __forceinline__ void dot_rows(const bf16_t* rows, int cols, int c0, const float* xs, float* acc) {
+#pragma unroll 2
+    for (int c = c0; c < cols; c += 512) {
+        float x[8];
+        *(float4*)x = *(const float4*)(xs + c);
+        *(float4*)(x + 4) = *(const float4*)(xs + c + 4);
+        uint4 wv[R];
+#pragma unroll
+        for (int k = 0; k < R; k++) wv[k] = *(const uint4*)(rows + k * cols + c);
+#pragma unroll
+        for (int k = 0; k < R; k++) acc[k] += dot8(wv[k], x);
+    }
+}
+
+// Rows [row0, row0 + R) of a page: this warp's sums, reduced over its lanes, into res (see
+// consume_tiles).
+template <int R, typename X>
+__device__ __forceinline__ void rows_to_res(const bf16_t* rows, int cols, int c0, const X& x, float* res, int row0,
+                                            int half) {
+    float acc[R];
+#pragma unroll
+    for (int k = 0; k < R; k++) acc[k] = 0.f;
+    dot_rows<R>(rows, cols, c0, x, acc);
+#pragma unroll
+    for (int k = 0; k < R; k++) acc[k] = warp_sum(acc[k]);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < R; k++) res[2 * (row0 + k) + half] = acc[k];
+}
+
+// Each tile of the warp's group: its rows four at a time (four independent chains), then the
+// last two and one.
+template <typename X>
+__device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, int n, int cols, int rpt,
+                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
+    const int c0 = (half * 32 + lane) * 8, ntiles = (n + rpt - 1) / rpt;
+    for (int t = grp; t < ntiles; t += TILE_GROUPS) {
+        u32 s = seq + t, slot = s % p.pages;
+        if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
+        const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
+        int rows = min(rpt, n - t * rpt), r = 0;
+        for (; r + 4 <= rows; r += 4) rows_to_res<4>(page + r * cols, cols, c0, x, res, t * rpt + r, half);
+        if (r + 2 <= rows) {
+            rows_to_res<2>(page + r * cols, cols, c0, x, res, t * rpt + r, half);
+            r += 2;
+        }
+        if (r < rows) rows_to_res<1>(page + r * cols, cols, c0, x, res, t * rpt + r, half);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+    return true;
+}
+
+// The tiles with this lane's S steps of xs held in registers.
+template <int S>
+__device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, int n, int cols, int rpt,
+                                                     const bf16_t* pages, u64* full, u64* empty, const float* xs,
+                                                     float* res) {
+    const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * 8;
+    float x[S][8];
+#pragma unroll
+    for (int i = 0; i < S; i++) {
+        const bool in = c0 + 512 * i < cols;
+        const float* src = xs + (in ? c0 + 512 * i : 0);
+        *(float4*)x[i] = *(const float4*)src;
+        *(float4*)(x[i] + 4) = *(const float4*)(src + 4);
+#pragma unroll
+        for (int j = 0; j < 8; j++) x[i][j] = in ? x[i][j] : 0.f;
+    }
+    return tiles_to_res(p, instr, seq, n, cols, rpt, pages, full, empty, x, res);
+}
+
 // Dot products of the instruction's weight rows (from the paged ring) with xs: the two
 // column halves of row j land in res[2j] and res[2j + 1] (summed in that order by res_at).
 // False when a page wait failed (the error is raised).
 __device__ bool consume_tiles(const MkParams& p, const u32* w, u32 instr, u32 seq, const bf16_t* pages, u64* full,
                               u64* empty, const float* xs, float* res) {
-    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
-    int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
-    int ntiles = (n + rpt - 1) / rpt;
-    for (int t = grp; t < ntiles; t += TILE_GROUPS) {
-        u32 s = seq + t, slot = s % p.pages;
-        if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
-        const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
-        int rows = min(rpt, n - t * rpt);
-        // Four rows at a time: the x slice is read once for all four, and the four sums and
-        // their shuffle reductions are independent chains the warp can overlap.
-        for (int r0 = 0; r0 < rows; r0 += 4) {
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int c = (half * 32 + lane) * 8; c < cols; c += 512) {
-                float x[8];
-                *(float4*)x = *(const float4*)(xs + c);
-                *(float4*)(x + 4) = *(const float4*)(xs + c + 4);
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    if (r0 + k < rows) acc[k] += dot8(*(const uint4*)(page + (r0 + k) * cols + c), x);
-            }
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[k] = warp_sum(acc[k]);
-            if (lane == 0)
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    if (r0 + k < rows) res[2 * (t * rpt + r0 + k) + half] = acc[k];
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);
+    const int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
+    switch ((cols + 511) / 512) {
+        case 1: return tiles_x_in_registers<1>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
+        case 2: return tiles_x_in_registers<2>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
+        case 3: return tiles_x_in_registers<3>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
+        case 4: return tiles_x_in_registers<4>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
+        default: return tiles_to_res(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
     }
-    return true;
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }
