@@ -586,7 +586,6 @@ impl<'g> MegakernelPath<'g> {
     }
 
     /// Starts a new sequence (the KV cache is simply overwritten).
-    /// Starts a new sequence (the KV cache is simply overwritten).
     pub fn reset(&mut self) {
         self.seq.reset();
     }
