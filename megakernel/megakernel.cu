@@ -43,6 +43,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         const u32 op = w[W_OP], instr = (u32)((wg - p.instrs) / MK_WORDS);
         const u32 next = ct < MK_WORDS && wg + MK_WORDS < end ? __ldg(wg + MK_WORDS + ct) : 0;
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
+        const TileGeom g = tile_geom(w, p);
+        const Rope rope = op == OP_QKV ? rope_of(p, w, m.pos) : Rope{0.f, 1.f};
         if (ct == 0) {
             if (prof) prof[0] = global_ns();
             mk_instr = instr;
@@ -75,11 +77,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         if (consumers_failed()) return;
         // Attention stamps when its inputs arrived itself; its compute counts as its tiles.
         if (ct == 0 && prof) prof[op == OP_ATTN ? 2 : 1] = global_ns();
-        const int ntiles = tile_count(w, p);
-        if (ntiles > 0) {
+        if (g.tiles > 0) {
             if (ct == 0) note(p, 1, ST_TILES);
-            if (!consume_tiles(p, w, instr, seq, pages, full, empty, xs, res)) mk_failed = 1;
-            seq += ntiles;
+            if (!consume_tiles(p, g, instr, seq, pages, full, empty, xs, res)) mk_failed = 1;
+            seq += g.tiles;
             if (consumers_failed()) return;
             if (ct == 0 && prof) prof[2] = global_ns();
             if (ct == 0) note(p, 1, ST_POST);
@@ -88,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             // The RMS norm's scale (see prepare_normed), for the three instructions with one.
             const float scale = op == OP_QKV || op == OP_UPGATE || op == OP_LMHEAD ? rms_scale(p, ss) : 1.f;
             switch (op) {
-                case OP_QKV: post_qkv(p, w, m, res, scale); break;
+                case OP_QKV: post_qkv(p, w, m, res, scale, rope); break;
                 case OP_OPROJ:
                     for (int j = ct; j < rc; j += CONSUMERS)
                         st_tagged(p.resid_attn + (size_t)layer * p.hidden + rs + j, res[RES_MAX + j] + res_at(res, j), tag);

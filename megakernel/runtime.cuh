@@ -235,11 +235,19 @@ __device__ __forceinline__ int rows_per_tile(int cols, int n) {
     return max(1, min(PAGE_BYTES / (cols * 2), (n + TILE_GROUPS - 1) / TILE_GROUPS));
 }
 
-__device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
-    int n = seg_count(w);
-    if (n == 0) return 0;
-    int rpt = rows_per_tile(seg_cols(w, p), n);
-    return (n + rpt - 1) / rpt;
+// A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
+// others). The consumers work it out when an instruction starts, before they wait for its
+// inputs: worked out between the inputs and the tiles (two switches, two divisions) it cost
+// ~0.6 us on the critical path of every instruction (H100, Llama-1B).
+struct TileGeom {
+    int n, cols, rpt, tiles;
+};
+
+__device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p) {
+    const int n = seg_count(w);
+    if (n == 0) return {0, 0, 0, 0};
+    const int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
+    return {n, cols, rpt, (n + rpt - 1) / rpt};
 }
 
 // ---- attention tiles ----
@@ -252,8 +260,8 @@ __device__ __forceinline__ int tile_count(const u32* w, const MkParams& p) {
 // The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
 // -DMK_HEAD_DIM and -DMK_GROUP), so attention's loops have constant trip counts.
 
-#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP)
-#error "the megakernel is compiled for a model: define MK_HEAD_DIM and MK_GROUP"
+#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP) || !defined(MK_HIDDEN) || !defined(MK_Q_DIM)
+#error "the megakernel is compiled for a model: define MK_HEAD_DIM, MK_GROUP, MK_HIDDEN and MK_Q_DIM"
 #endif
 constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
 static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
@@ -435,14 +443,21 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
         // The down-projection parts are written last (the residual is older); after the
         // attention, the residual itself.
         const u64* newest = nparts > 0 ? parts + (size_t)(nparts - 1) * p.hidden : base;
+        // The norm's weights (and layer 0's embedding row) do not depend on this step: they
+        // are in flight while the gate waits.
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            const bool in = i < p.hidden;
+            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
+            gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
+        }
         if (newest) warp_gate(p, newest + min(p.hidden - 1, ct & ~31));
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
             const int i = ct + k * CONSUMERS;
             const bool in = i < p.hidden;
             raw[k] = in && base ? ld_tagged(base + i) : 0;
-            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
-            gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
 #pragma unroll
             for (int c = 0; c < PREP_CHUNKS; c++)
                 rawp[c][k] = in && c < nparts ? ld_tagged(parts + (size_t)c * p.hidden + i) : 0;
@@ -582,36 +597,44 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
 
 // The tiles with this lane's S steps of xs held in registers.
 template <int S>
-__device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, int n, int cols, int rpt,
+__device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                      const bf16_t* pages, u64* full, u64* empty, const float* xs,
                                                      float* res) {
     const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * 8;
     float x[S][8];
 #pragma unroll
     for (int i = 0; i < S; i++) {
-        const bool in = c0 + 512 * i < cols;
+        const bool in = c0 + 512 * i < g.cols;
         const float* src = xs + (in ? c0 + 512 * i : 0);
         *(float4*)x[i] = *(const float4*)src;
         *(float4*)(x[i] + 4) = *(const float4*)(src + 4);
 #pragma unroll
         for (int j = 0; j < 8; j++) x[i][j] = in ? x[i][j] : 0.f;
     }
-    return tiles_to_res(p, instr, seq, n, cols, rpt, pages, full, empty, x, res);
+    return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, x, res);
+}
+
+// Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
+// they are at most 4 steps long, else read from shared memory.
+template <int COLS>
+__device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
+                                               const bf16_t* pages, u64* full, u64* empty, const float* xs,
+                                               float* res) {
+    constexpr int S = (COLS + 511) / 512;
+    if constexpr (S <= 4) return tiles_x_in_registers<S>(p, instr, seq, g, pages, full, empty, xs, res);
+    else return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, xs, res);
 }
 
 // Dot products of the instruction's weight rows (from the paged ring) with xs: the two
 // column halves of row j land in res[2j] and res[2j + 1] (summed in that order by res_at).
-// False when a page wait failed (the error is raised).
-__device__ bool consume_tiles(const MkParams& p, const u32* w, u32 instr, u32 seq, const bf16_t* pages, u64* full,
+// The row length is one of the model's dimensions or a down-projection chunk: compile-time
+// branches, not a jump table (each indirect branch here cost a few hundred ns). False when a
+// page wait failed (the error is raised).
+__device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages, u64* full,
                               u64* empty, const float* xs, float* res) {
-    const int n = seg_count(w), cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
-    switch ((cols + 511) / 512) {
-        case 1: return tiles_x_in_registers<1>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
-        case 2: return tiles_x_in_registers<2>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
-        case 3: return tiles_x_in_registers<3>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
-        case 4: return tiles_x_in_registers<4>(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
-        default: return tiles_to_res(p, instr, seq, n, cols, rpt, pages, full, empty, xs, res);
-    }
+    if (g.cols == MK_HIDDEN) return tiles_of_width<MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res);
+    if (g.cols == MK_Q_DIM) return tiles_of_width<MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res);
+    return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, xs, res);
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }

@@ -1,18 +1,28 @@
 // RmsQkvRope(layer, head, pairs): the post step after the shared RMS-norm and mat-vec: RoPE,
-// then Q into q[l], or K/V into the cache at pos and into kv_new.
+// then Q into q[l], or K/V into the cache at pos and into kv_new. Consumer thread j < pairs
+// rotates pair j (pairs <= head_dim / 2 < CONSUMERS).
 
-__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res, float scale) {
+// Thread j's rotation, worked out when the instruction starts (it depends only on the
+// position), so that the sine, cosine and inv_freq load are off the critical path.
+struct Rope {
+    float s, c;
+};
+
+__device__ __forceinline__ Rope rope_of(const MkParams& p, const u32* w, u32 pos) {
+    const int ct = threadIdx.x - 32;
+    Rope r = {0.f, 1.f};
+    if (ct < (int)w[W_C] && (int)w[W_A] < p.heads + p.kv_heads) sincosf((float)pos * p.inv_freq[w[W_B] + ct], &r.s, &r.c);
+    return r;
+}
+
+__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res, float scale,
+                         Rope rope) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
     const int hd = p.head_dim, half = hd / 2;
-    for (int j = ct; j < pc; j += CONSUMERS) {
-        float a = scale * res_at(res, j), b = scale * res_at(res, pc + j);
-        const int i = ps + j;
-        if (head < p.heads + p.kv_heads) {
-            float s, c;
-            sincosf((float)m.pos * p.inv_freq[i], &s, &c);
-            float ra = a * c - b * s, rb = b * c + a * s;
-            a = ra; b = rb;
-        }
+    if (ct < pc) {
+        const int j = ct, i = ps + j;
+        const float x = scale * res_at(res, j), y = scale * res_at(res, pc + j);
+        const float a = x * rope.c - y * rope.s, b = y * rope.c + x * rope.s;
         const u32 tag = launch_tag(p);
         if (head < p.heads) {
             u64* q = p.q + (size_t)layer * p.heads * hd + head * hd;

@@ -22,11 +22,13 @@ pub fn baseline() -> String {
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
-/// shape, so that attention's loops have constant trip counts.
+/// shape and the lengths of its mat-vec rows, so that loops have constant trip counts.
 pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
     vec![
         format!("-DMK_HEAD_DIM={}", config.head_dim),
         format!("-DMK_GROUP={}", config.num_heads / config.num_kv_heads),
+        format!("-DMK_HIDDEN={}", config.hidden_size),
+        format!("-DMK_Q_DIM={}", config.q_dim()),
     ]
 }
 
