@@ -78,6 +78,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         // Attention stamps when its inputs arrived itself; its compute counts as its tiles.
         if (ct == 0 && prof) prof[op == OP_ATTN ? 2 : 1] = global_ns();
         if (g.tiles > 0) {
+            // The RMS norm's scale (see prepare_normed), for the three instructions with one.
+            const float scale = op == OP_QKV || op == OP_UPGATE || op == OP_LMHEAD ? rms_scale(p, ss) : 1.f;
             if (ct == 0) note(p, 1, ST_TILES);
             if (!consume_tiles(p, g, instr, seq, pages, full, empty, xs, res)) mk_failed = 1;
             seq += g.tiles;
@@ -86,8 +88,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             if (ct == 0) note(p, 1, ST_POST);
             // The residual, SiLU and down-proj stores are one loop each: written out here.
             const int layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
-            // The RMS norm's scale (see prepare_normed), for the three instructions with one.
-            const float scale = op == OP_QKV || op == OP_UPGATE || op == OP_LMHEAD ? rms_scale(p, ss) : 1.f;
             switch (op) {
                 case OP_QKV: post_qkv(p, w, m, res, scale, rope); break;
                 case OP_OPROJ:

@@ -167,6 +167,15 @@ __device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int 
     }
 }
 
+// Waits for tiles [t0, t1) of the instruction's staged K/V; false when a page wait failed.
+__device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq, u64* full, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
+        const u32 s = seq + t;
+        if (!page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
+    }
+    return true;
+}
+
 // Returns how many of the ring's tiles (staged K/V) it consumed.
 __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m, u32 instr, u32 seq,
                             const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof) {
@@ -181,6 +190,11 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     float* kn = scratch + ATT_OFF_KN;
     float* vn = scratch + ATT_OFF_VN;
     float* stats = scratch + ATT_OFF_STATS;  // [max][sum][corr] per head
+    const int n = a.cached_end - a.p0;
+    const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
+    // The first round's K/V rows do not depend on this step: they are waited for before the
+    // inputs, so that the wait is off the critical path.
+    if (!attn_pages(p, instr, seq, full, 0, min(ntiles, round_tiles))) mk_failed = 1;
     for (int i = ct; i < G * hd; i += CONSUMERS) out[i] = 0.f;
     if (ct < G) { stats[ct] = NEG_INF; stats[G + ct] = 0.f; }
     {
@@ -189,11 +203,11 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         const u64* qsrc = p.q + (size_t)layer * p.heads * hd + kvh * G * hd;
         const u64* ksrc = p.kv_new + ((size_t)layer * 2 * p.kv_heads + kvh) * hd;
         const u64* vsrc = ksrc + (size_t)p.kv_heads * hd;
-        const int nq = G * hd, n = nq + (a.has_new ? 2 * hd : 0);
+        const int nq = G * hd, nin = nq + (a.has_new ? 2 * hd : 0);
         auto src = [&](int i) { return i < nq ? qsrc + i : i < nq + hd ? ksrc + (i - nq) : vsrc + (i - nq - hd); };
-        warp_gate(p, src(min(n - 1, ct & ~31)));
-        for (int i0 = ct; i0 < n; i0 += ATT_IN_MAX * CONSUMERS) {
-            const int mine = min(ATT_IN_MAX, (n - i0 + CONSUMERS - 1) / CONSUMERS);
+        warp_gate(p, src(min(nin - 1, ct & ~31)));
+        for (int i0 = ct; i0 < nin; i0 += ATT_IN_MAX * CONSUMERS) {
+            const int mine = min(ATT_IN_MAX, (nin - i0 + CONSUMERS - 1) / CONSUMERS);
             u64 raw[ATT_IN_MAX];
 #pragma unroll
             for (int k = 0; k < ATT_IN_MAX; k++) raw[k] = k < mine ? ld_tagged(src(i0 + k * CONSUMERS)) : 0;
@@ -203,27 +217,22 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
                 if (k < mine) qs[i0 + k * CONSUMERS] = tagged_float(raw[k]);
         }
     }
-    consumers_sync();
+    if (consumers_failed()) return ntiles;
     if (ct == 0 && prof) prof[1] = global_ns();
-    const int n = a.cached_end - a.p0;
-    const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
     if (n == 0 && !a.has_new) {
         // A part with no position (more parts than positions): an empty softmax.
         for (int i = ct; i < G * hd; i += CONSUMERS) attn_store(p, w, i, 0.f, NEG_INF, 0.f);
         return 0;
     }
     const float scale = rsqrtf((float)hd);
-    bool ok = true;
     for (int t0 = 0; t0 == 0 || t0 < ntiles; t0 += round_tiles) {
         const int t1 = min(ntiles, t0 + round_tiles);
         const AttnRound r{pages, (int)((seq + t0) % p.pages), p.pages, min(n, t1 * ATT_TR) - t0 * ATT_TR,
                           a.has_new && t0 == 0};
-        for (int t = t0; ok && t < t1; t++) {
-            const u32 s = seq + t;
-            ok = page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s);
+        if (t0 > 0) {
+            if (!attn_pages(p, instr, seq, full, t0, t1)) mk_failed = 1;
+            if (consumers_failed()) return ntiles;
         }
-        if (!ok) mk_failed = 1;
-        if (consumers_failed()) return ntiles;
         attn_scores<0>(r, qs, kn, S, scale);
         consumers_sync();
         attn_softmax(r.nr + (r.has_new ? 1 : 0), S, stats);
