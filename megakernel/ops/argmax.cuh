@@ -4,7 +4,6 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
     const int ct = threadIdx.x - 32;
     float v = NEG_INF;
     u32 idx = 0xffffffffu;
-    if (p.n_lm > 0) warp_gate(p, p.lm_best + 2 * min(p.n_lm - 1, ct & ~31));
     for (int k = ct; k < p.n_lm; k += CONSUMERS)
         argmax_merge(v, idx, ld_value(p, p.lm_best + 2 * k), __float_as_uint(ld_value(p, p.lm_best + 2 * k + 1)));
     consumers_argmax(v, idx, red);

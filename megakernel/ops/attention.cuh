@@ -205,7 +205,6 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         const u64* vsrc = ksrc + (size_t)p.kv_heads * hd;
         const int nq = G * hd, nin = nq + (a.has_new ? 2 * hd : 0);
         auto src = [&](int i) { return i < nq ? qsrc + i : i < nq + hd ? ksrc + (i - nq) : vsrc + (i - nq - hd); };
-        warp_gate(p, src(min(nin - 1, ct & ~31)));
         for (int i0 = ct; i0 < nin; i0 += ATT_IN_MAX * CONSUMERS) {
             const int mine = min(ATT_IN_MAX, (nin - i0 + CONSUMERS - 1) / CONSUMERS);
             u64 raw[ATT_IN_MAX];
