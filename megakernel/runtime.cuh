@@ -122,8 +122,9 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 // re-reading all the stale ones together, so stragglers cost one round trip per retry rather
 // than one each. Every consumer thread polls its own elements: a gate in front (lane 0 of each
 // warp waiting for one element before the others read theirs) added a round trip to every
-// hop (H100: Llama-1B 0.882 -> 0.878 ms/token without it, SmolLM2 0.479 -> 0.453). Past the time limit (or once another SM failed) it reports a stale element
-// (the first error raised wins) and marks the CTA failed.
+// hop (H100: Llama-1B 0.882 -> 0.878 ms/token without it, SmolLM2 0.479 -> 0.453). Past the
+// time limit (or once another SM failed) it reports a stale element (the first error raised
+// wins) and marks the CTA failed.
 template <int N, typename Addr>
 __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, int n) {
     const u32 tag = launch_tag(p);
