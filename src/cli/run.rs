@@ -129,13 +129,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ids.len()
         );
     }
-    let use_cuda = match args.device {
-        DeviceChoice::Cpu => false,
-        DeviceChoice::Cuda => true,
-        DeviceChoice::Auto => crate::gpu::available(),
+    let gpu = match args.device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => Some(Gpu::new(0)?),
+        // A GPU the kernels cannot run on (e.g. older than Hopper) leaves the CPU.
+        DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                eprintln!("megainfer: {e:#}; falling back to the CPU");
+                None
+            }
+        },
+        DeviceChoice::Auto => None,
     };
-    if use_cuda {
-        let gpu = Gpu::new(0)?;
+    if let Some(gpu) = gpu {
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB \
              (prompt fed one token per step: simple prefill)",

@@ -35,14 +35,8 @@ impl Gpu {
             attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
             attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         );
-        if cc.0 < 8 {
-            bail!(
-                "GPU compute capability {}.{} is too old: megainfer needs 8.0 or newer",
-                cc.0,
-                cc.1
-            );
-        }
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        check_compute_capability(&name, cc)?;
         let (_, total) =
             cudarc::driver::result::mem_get_info().map_err(|e| anyhow!("cuMemGetInfo: {e}"))?;
         Ok(Self {
@@ -102,8 +96,45 @@ impl Gpu {
     }
 }
 
+/// The kernels use Hopper instructions (`cp.async.bulk`, mbarrier `expect_tx`,
+/// `griddepcontrol`): compute capability 9.0 or newer.
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (9, 0);
+
+/// Refuses a GPU older than [`MIN_COMPUTE_CAPABILITY`], naming it.
+pub fn check_compute_capability(name: &str, cc: (i32, i32)) -> Result<()> {
+    if cc < MIN_COMPUTE_CAPABILITY {
+        bail!(
+            "{name} has compute capability {}.{}; megainfer's GPU kernels need {}.{} or newer (Hopper: cp.async.bulk, mbarrier expect_tx, griddepcontrol). Use --device cpu",
+            cc.0,
+            cc.1,
+            MIN_COMPUTE_CAPABILITY.0,
+            MIN_COMPUTE_CAPABILITY.1
+        );
+    }
+    Ok(())
+}
+
 /// Raw device address of a buffer (event tracking is off, so no guard is needed).
 pub fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     use cudarc::driver::DevicePtr;
     s.device_ptr(stream).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_compute_capability;
+
+    #[test]
+    fn pre_hopper_gpus_are_refused_by_name() {
+        let e = check_compute_capability("NVIDIA A100-SXM4-80GB", (8, 0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("NVIDIA A100-SXM4-80GB") && e.contains("8.0"),
+            "{e}"
+        );
+        assert!(check_compute_capability("NVIDIA GeForce RTX 4090", (8, 9)).is_err());
+        assert!(check_compute_capability("NVIDIA H100", (9, 0)).is_ok());
+        assert!(check_compute_capability("NVIDIA B200", (10, 0)).is_ok());
+    }
 }
