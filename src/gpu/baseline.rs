@@ -126,14 +126,19 @@ impl<'g> BaselinePath<'g> {
         let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
         let grid = (rows as u32).div_ceil(GEMV_ROWS_PER_BLOCK);
         let mut a = kargs![&w, &x, &y, &rows_i, &cols_i, &acc];
-        self.k.gemv.launch(
-            &self.gpu.stream,
-            grid,
-            GEMV_THREADS,
-            (cols * 4) as u32,
-            self.pdl(),
-            &mut a,
-        )
+        // SAFETY: the arguments are the values bl_gemv declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+        // path that outlive the launch.
+        unsafe {
+            self.k.gemv.launch(
+                &self.gpu.stream,
+                grid,
+                GEMV_THREADS,
+                (cols * 4) as u32,
+                self.pdl(),
+                &mut a,
+            )
+        }
     }
 
     fn pdl(&self) -> bool {
@@ -162,25 +167,35 @@ impl<'g> BaselinePath<'g> {
         );
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let embed = ptr(&self.model.embed, s);
-        self.k.embed.launch(
-            s,
-            (hidden as u32).div_ceil(256),
-            256,
-            0,
-            pdl,
-            &mut kargs![&embed, &meta, &x, &hidden],
-        )?;
+        // SAFETY: the arguments are the values bl_embed declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+        // path that outlive the launch.
+        unsafe {
+            self.k.embed.launch(
+                s,
+                (hidden as u32).div_ceil(256),
+                256,
+                0,
+                pdl,
+                &mut kargs![&embed, &meta, &x, &hidden],
+            )
+        }?;
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
             let norm = ptr(&lw.attn_norm, s);
-            self.k.rmsnorm.launch(
-                s,
-                1,
-                1024,
-                0,
-                pdl,
-                &mut kargs![&x, &norm, &xn, &hidden, &eps],
-            )?;
+            // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+            // path that outlive the launch.
+            unsafe {
+                self.k.rmsnorm.launch(
+                    s,
+                    1,
+                    1024,
+                    0,
+                    pdl,
+                    &mut kargs![&x, &norm, &xn, &hidden, &eps],
+                )
+            }?;
             self.gemv(
                 ptr(&lw.w_qkv, s),
                 xn,
@@ -191,33 +206,48 @@ impl<'g> BaselinePath<'g> {
             )?;
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
-            self.k.rope_kv.launch(
-                s,
-                (c.num_heads + 2 * c.num_kv_heads) as u32,
-                (c.head_dim / 2) as u32,
-                0,
-                pdl,
-                &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
-            )?;
+            // SAFETY: the arguments are the values bl_rope_kv declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+            // path that outlive the launch.
+            unsafe {
+                self.k.rope_kv.launch(
+                    s,
+                    (c.num_heads + 2 * c.num_kv_heads) as u32,
+                    (c.head_dim / 2) as u32,
+                    0,
+                    pdl,
+                    &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
+                )
+            }?;
             let att_smem = ((ATT_THREADS / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
-            self.k.attention.launch(
-                s,
-                c.num_heads as u32,
-                ATT_THREADS,
-                att_smem,
-                pdl,
-                &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
-            )?;
+            // SAFETY: the arguments are the values bl_attention declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+            // path that outlive the launch.
+            unsafe {
+                self.k.attention.launch(
+                    s,
+                    c.num_heads as u32,
+                    ATT_THREADS,
+                    att_smem,
+                    pdl,
+                    &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
+                )
+            }?;
             self.gemv(ptr(&lw.wo, s), attn, x, c.hidden_size, c.q_dim(), true)?;
             let norm = ptr(&lw.ffn_norm, s);
-            self.k.rmsnorm.launch(
-                s,
-                1,
-                1024,
-                0,
-                pdl,
-                &mut kargs![&x, &norm, &xn, &hidden, &eps],
-            )?;
+            // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+            // path that outlive the launch.
+            unsafe {
+                self.k.rmsnorm.launch(
+                    s,
+                    1,
+                    1024,
+                    0,
+                    pdl,
+                    &mut kargs![&x, &norm, &xn, &hidden, &eps],
+                )
+            }?;
             self.gemv(
                 ptr(&lw.w_gu, s),
                 xn,
@@ -226,14 +256,19 @@ impl<'g> BaselinePath<'g> {
                 c.hidden_size,
                 false,
             )?;
-            self.k.silu_mul.launch(
-                s,
-                (inter as u32).div_ceil(256),
-                256,
-                0,
-                pdl,
-                &mut kargs![&gu, &act, &inter],
-            )?;
+            // SAFETY: the arguments are the values bl_silu_mul declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+            // path that outlive the launch.
+            unsafe {
+                self.k.silu_mul.launch(
+                    s,
+                    (inter as u32).div_ceil(256),
+                    256,
+                    0,
+                    pdl,
+                    &mut kargs![&gu, &act, &inter],
+                )
+            }?;
             self.gemv(
                 ptr(&lw.w_down, s),
                 act,
@@ -244,14 +279,19 @@ impl<'g> BaselinePath<'g> {
             )?;
         }
         let norm = ptr(&self.model.final_norm, s);
-        self.k.rmsnorm.launch(
-            s,
-            1,
-            1024,
-            0,
-            pdl,
-            &mut kargs![&x, &norm, &xn, &hidden, &eps],
-        )?;
+        // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+        // path that outlive the launch.
+        unsafe {
+            self.k.rmsnorm.launch(
+                s,
+                1,
+                1024,
+                0,
+                pdl,
+                &mut kargs![&x, &norm, &xn, &hidden, &eps],
+            )
+        }?;
         self.gemv(
             self.model.lm_head_ptr(g),
             xn,
@@ -261,14 +301,19 @@ impl<'g> BaselinePath<'g> {
             false,
         )?;
         let vocab = c.vocab_size as i32;
-        self.k.argmax.launch(
-            s,
-            1,
-            1024,
-            0,
-            pdl,
-            &mut kargs![&logits, &vocab, &meta, &history],
-        )
+        // SAFETY: the arguments are the values bl_argmax declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+        // path that outlive the launch.
+        unsafe {
+            self.k.argmax.launch(
+                s,
+                1,
+                1024,
+                0,
+                pdl,
+                &mut kargs![&logits, &vocab, &meta, &history],
+            )
+        }
     }
 
     fn capture(&mut self) -> Result<()> {
@@ -364,7 +409,10 @@ pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
     let mut times = Vec::new();
     for rep in 0..6 {
         start.record(&gpu.stream)?;
-        k.launch(&gpu.stream, grid, 512, 0, false, &mut kargs![&p, &n, &sp])?;
+        // SAFETY: the arguments are the values bw_read declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+        // path that outlive the launch.
+        unsafe { k.launch(&gpu.stream, grid, 512, 0, false, &mut kargs![&p, &n, &sp]) }?;
         stop.record(&gpu.stream)?;
         stop.synchronize()?;
         if rep > 0 {

@@ -55,7 +55,15 @@ impl Kernel {
     }
 
     /// Launches with raw argument pointers (each points at the argument's value).
-    pub fn launch(
+    ///
+    /// # Safety
+    /// `args` must hold exactly one pointer per kernel parameter, in order, each pointing at a
+    /// live value of the parameter's type (e.g. built with [`kargs!`](crate::kargs) from
+    /// references to locals of those types); every device pointer among those values must
+    /// address memory of this context that stays allocated, and large enough for what the
+    /// kernel reads and writes, until the launch completes. The driver cannot check any of
+    /// this: a mismatch is undefined behaviour on the device.
+    pub unsafe fn launch(
         &self,
         stream: &CudaStream,
         grid: u32,
@@ -64,6 +72,8 @@ impl Kernel {
         pdl: bool,
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        // SAFETY: CUlaunchAttribute is a plain C struct (an id and a union of integers and
+        // structs of integers) for which all-zero bytes are a valid value.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
@@ -79,8 +89,9 @@ impl Kernel {
             attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
             numAttrs: pdl as u32,
         };
-        // SAFETY: args match the kernel's parameter list (checked by each caller's
-        // construction); the function belongs to the stream's context.
+        // SAFETY: the caller guarantees that args match the kernel's parameters (this
+        // function's contract); the function belongs to the stream's context and `cfg` and
+        // `attr` outlive the call.
         unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,
