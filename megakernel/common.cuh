@@ -73,7 +73,7 @@ __device__ __forceinline__ void warp_argmax(float& v, u32& i) {
 struct TokenMeta {
     u32 token;   // token fed at this step
     u32 pos;     // its position; the sequence length is pos + 1
-    u32 next;    // greedy next token, written by the argmax
+    u32 next;    // greedy next token, written by the baseline's argmax (the megakernel leaves it 0)
     u32 pad;
 };
 

@@ -9,9 +9,9 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
     consumers_argmax(v, idx, red);
     if (ct != 0) return;
     p.history[m.pos + 1] = idx;
-    TokenMeta* cur = p.meta + (p.epoch & 1);
+    // Only the next step's slot is written: other CTAs read this step's slot whole during the
+    // launch.
     TokenMeta* nxt = p.meta + ((p.epoch + 1) & 1);
-    cur->next = idx;
     nxt->token = idx;
     nxt->pos = m.pos + 1;
     nxt->next = 0;
