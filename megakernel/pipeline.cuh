@@ -1,10 +1,8 @@
-// Paged shared memory: a ring of PAGES pages of PAGE_BYTES, each with a "full" mbarrier (the
+// Paged shared memory: a ring of p.pages pages of PAGE_BYTES (both from the host), each with a "full" mbarrier (the
 // loader warp's bulk copies completed) and an "empty" mbarrier (the consumer warp released it).
 // The loader walks the instruction stream ahead of the consumers and never waits for data:
 // weights do not depend on activations, so the next instructions' weights stream in while the
 // current instruction waits, computes and stores.
-
-#define PAGE_BYTES 16384
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

@@ -1,32 +1,33 @@
-// The megakernel: one persistent CTA per SM interprets its instruction stream for one decode
-// step. Warp 0 is the loader (weights -> paged shared memory, running ahead of the consumers);
-// warps 1..CONSUMER_WARPS compute. Activations passed between instructions carry the launch's
-// tag (epoch + 1) and are waited for where they are read, so the same streams run token after
-// token without host work. The schedule's counters (the waits and signals it encodes) describe
-// exactly these dependencies; the interpreter has no need to keep them.
+// The megakernel's interpreter core: one persistent CTA per SM interprets its instruction
+// stream for one decode step. Warp 0 is the loader (weights -> paged shared memory, running
+// ahead of the consumers); warps 1..CONSUMER_WARPS compute. Activations passed between
+// instructions carry the launch's tag (epoch + 1) and are waited for where they are read, so
+// the same streams run token after token without host work.
+//
+// This file holds what every instruction shares: the parameter block, errors and progress,
+// tagged activations, the page ring's waits and the mat-vec tiles' loop. What an instruction
+// does lives in ops/ (one header per instruction), reached through the table in ops.cuh.
+// MK_WORDS, CONSUMER_WARPS, RES_MAX, PAGE_BYTES, PROF_WORDS, TILE_GROUPS, the opcodes, the
+// error kinds, the progress stages and the shared-memory carve-up come from the host
+// (src/gpu/megakernel/abi.rs), which also checks MkParams' layout against its own.
 
-#define MK_WORDS 16
 // 8 consumer warps + the loader = 9 warps: at most 3 per SM sub-partition, which lets each
-// thread have 168 registers. With 13 warps (128 registers) the interpreter loop spilled, and
-// the reloads went to L2.
-#define CONSUMER_WARPS 8
+// thread have 168 registers; with more warps (fewer registers each) the interpreter loop
+// spills, and the reloads go to L2.
 #define CONSUMERS (CONSUMER_WARPS * 32)
 #define MK_THREADS (CONSUMERS + 32)
-#define RES_MAX 2048
 // Each tile is consumed by a pair of warps splitting its columns; tile t goes to group
 // t % TILE_GROUPS and the host makes the page count a multiple of TILE_GROUPS, so a page is
 // always consumed by the same group. A warp then waits on a page's "full" barrier only after
 // it consumed the page's previous tile itself, so that phase is complete: the parity test
 // cannot pass for a phase two ahead. (Bulk copies complete out of order, so "issued earlier"
-// is not enough: with 12 pages shared round-robin by 8 groups the LM head hung.)
-#define TILE_GROUPS (CONSUMER_WARPS / 2)
+// is not enough: pages shared round-robin by more groups than divide their count can hang.)
+static_assert(TILE_GROUPS * 2 == CONSUMER_WARPS, "a tile group is a pair of consumer warps");
 #define ABORT_CHECK_SPINS 1024
-#define PROF_WORDS 6
 
-enum Op : u32 {
-    OP_NOOP = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_REDUCE = 3, OP_OPROJ = 4,
-    OP_UPGATE = 5, OP_DOWN = 6, OP_LMHEAD = 7, OP_ARGMAX = 8,
-};
+#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP) || !defined(MK_HIDDEN) || !defined(MK_Q_DIM)
+#error "the megakernel is compiled for a model: define MK_HEAD_DIM, MK_GROUP, MK_HIDDEN and MK_Q_DIM"
+#endif
 
 // Word layout of one instruction: scheduler/src/encode.rs (operands a0..a4 = W_A..W_E).
 #define W_OP 0
@@ -81,10 +82,21 @@ struct MkParams {
     u64 timeout_ns;
 };
 
-__device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
+// Shared memory as the interpreter uses it; carved by MK_SMEM_* (from the host's plan, see
+// megakernel.cu).
+struct Smem {
+    bf16_t* pages;  // the page ring: p.pages pages of PAGE_BYTES
+    float* xs;      // the input vector of the instruction (attention: its scratch)
+    float* res;     // per weight row, the two column halves' dot products (2 * RES_MAX)
+    float* red;     // 2 * CONSUMER_WARPS words for block reductions
+    float* ss;      // per consumer warp: the RMS norm's sum of squares
+    u32* iws;       // this and the next instruction's words
+    LayerW* lw;     // the layer pointer table
+    u64* full;      // per page: the loader's copies landed
+    u64* empty;     // per page: the consumers released it
+};
 
-enum ErrorKind : u32 { ERR_DATA = 1, ERR_PAGE_CONSUMER = 2, ERR_PAGE_LOADER = 3 };
-enum Stage : u32 { ST_PREPARE = 1, ST_TILES = 2, ST_POST = 3, ST_DONE = 4 };
+__device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
 __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
     if (atomicCAS(p.error, 0u, 1u) == 0u) {
@@ -103,8 +115,15 @@ __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr,
 
 // Set by a consumer thread whose wait timed out; the interpreter stops at its next barrier.
 __shared__ u32 mk_failed;
-// The instruction the consumers are on, for error reports.
+// The instruction the consumers are on, for error reports and the loader's in-flight limit.
 __shared__ u32 mk_instr;
+// Both are written by one thread while others read them, so every access is volatile (PTX
+// treats a volatile load or store as relaxed at system scope: no data race, no stale value
+// kept in a register). Only their last value matters, so no ordering beyond that is needed.
+__device__ __forceinline__ void set_failed(u32 v) { *(volatile u32*)&mk_failed = v; }
+__device__ __forceinline__ bool any_failed() { return *(volatile u32*)&mk_failed != 0; }
+__device__ __forceinline__ void set_current_instr(u32 v) { *(volatile u32*)&mk_instr = v; }
+__device__ __forceinline__ u32 current_instr() { return *(volatile u32*)&mk_instr; }
 
 __device__ __forceinline__ u32 launch_tag(const MkParams& p) { return p.epoch + 1; }
 
@@ -143,8 +162,8 @@ __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, i
 #pragma unroll
             for (int k = N - 1; k >= 0; k--)
                 if (k < n && (u32)(raw[k] >> 32) != tag) { bad = k; seen = (u32)(raw[k] >> 32); }
-            raise_error(p, ERR_DATA, mk_instr, (u32)(addr(bad) - p.resid_attn), tag, seen);
-            mk_failed = 1;
+            raise_error(p, ERR_DATA, current_instr(), (u32)(addr(bad) - p.resid_attn), tag, seen);
+            set_failed(1);
             return;
         }
 #pragma unroll
@@ -182,48 +201,6 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
     }
 }
 
-// ---- geometry of an instruction's weight rows (shared by loader and consumers) ----
-
-__device__ __forceinline__ int seg_cols(const u32* w, const MkParams& p) {
-    switch (w[W_OP]) {
-        case OP_OPROJ: return p.heads * p.head_dim;
-        case OP_DOWN: return (int)w[W_E];
-        case OP_QKV: case OP_UPGATE: case OP_LMHEAD: return p.hidden;
-        default: return 0;
-    }
-}
-
-__device__ __forceinline__ int seg_count(const u32* w) {
-    switch (w[W_OP]) {
-        case OP_QKV: return 2 * (int)w[W_C];
-        case OP_UPGATE: return 2 * (int)w[W_B];
-        case OP_OPROJ: case OP_DOWN: case OP_LMHEAD: return (int)w[W_B];
-        default: return 0;
-    }
-}
-
-// lw: the layer pointer table, copied to shared memory at the start (reads of it must not
-// become L2 round trips on the critical path).
-__device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p, const LayerW* lw, int j) {
-    const LayerW& L = lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
-    switch (w[W_OP]) {
-        case OP_QKV: {
-            int pc = w[W_C], half = p.head_dim / 2;
-            int row = w[W_A] * p.head_dim + (j < pc ? (int)w[W_B] + j : half + (int)w[W_B] + j - pc);
-            return L.w_qkv + (size_t)row * p.hidden;
-        }
-        case OP_UPGATE: {
-            int rc = w[W_B];
-            int row = j < rc ? (int)w[W_A] + j : p.inter + (int)w[W_A] + j - rc;
-            return L.w_gu + (size_t)row * p.hidden;
-        }
-        case OP_OPROJ: return L.wo + (size_t)(w[W_A] + j) * (p.heads * p.head_dim);
-        case OP_DOWN: return L.w_down + (size_t)(w[W_A] + j) * p.inter + w[W_D];
-        case OP_LMHEAD: return p.lm_head + (size_t)(w[W_A] + j) * p.hidden;
-        default: return nullptr;
-    }
-}
-
 // Rows of n rows of cols columns per tile: a page's worth, but no more than an even share for
 // the warp pairs, so that a small instruction's rows are worked on by all of them at once.
 __device__ __forceinline__ int rows_per_tile(int cols, int n) {
@@ -237,45 +214,6 @@ __device__ __forceinline__ int rows_per_tile(int cols, int n) {
 struct TileGeom {
     int n, cols, rpt, tiles;
 };
-
-__device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p) {
-    const int n = seg_count(w);
-    if (n == 0) return {0, 0, 0, 0};
-    const int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
-    return {n, cols, rpt, (n + rpt - 1) / rpt};
-}
-
-// ---- attention tiles ----
-// Attention(layer, kv_head, part, parts) covers positions [p0, p1) of the len = pos + 1 long
-// sequence. Its K and V rows before pos were written by earlier launches, so they do not
-// depend on this step: the loader stages them in pages like weight tiles, long before the
-// instruction runs, and attention reads them from shared memory. Row pos (this token's) comes
-// tagged from kv_new. A tile holds ATT_TR rows of K, then the same rows of V; the cache is
-// head-major ([layer][kv_head][position][head_dim]) so each is one bulk copy.
-// The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
-// -DMK_HEAD_DIM and -DMK_GROUP), so attention's loops have constant trip counts.
-
-#if !defined(MK_HEAD_DIM) || !defined(MK_GROUP) || !defined(MK_HIDDEN) || !defined(MK_Q_DIM)
-#error "the megakernel is compiled for a model: define MK_HEAD_DIM, MK_GROUP, MK_HIDDEN and MK_Q_DIM"
-#endif
-constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
-static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
-constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
-
-struct AttnRange {
-    int p0, cached_end;  // the rows staged in tiles: [p0, cached_end)
-    bool has_new;        // the part ends at pos: row pos is folded in from kv_new
-};
-
-__device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
-    const int part = w[W_B], parts = w[W_C], len = pos + 1;
-    const int p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
-    return {p0, p1 == len ? len - 1 : p1, p1 == len};
-}
-
-__device__ __forceinline__ const bf16_t* kv_row(const MkParams& p, const bf16_t* cache, int layer, int kvh, int row) {
-    return cache + (((size_t)layer * p.kv_heads + kvh) * p.max_seq + row) * p.head_dim;
-}
 
 // ---- loader warp ----
 
@@ -293,78 +231,17 @@ __device__ __forceinline__ const bf16_t* kv_row(const MkParams& p, const bf16_t*
 #define MK_INFLIGHT_STREAM 4
 #endif
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {
-    const u32 limit = *(volatile u32*)&mk_instr == instr ? MK_INFLIGHT_STREAM : MK_INFLIGHT;
+    const u32 limit = current_instr() == instr ? MK_INFLIGHT_STREAM : MK_INFLIGHT;
     if (limit >= (u32)p.pages || seq < limit) return true;
     const u32 s = seq - limit;
     return page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_LOADER, instr, s);
-}
-
-// Stages an attention instruction's K/V tiles; false when a page wait failed.
-__device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
-                               u64* full, u64* empty, u64 policy) {
-    const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
-    const AttnRange a = attn_range(w, pos);
-    for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
-        const u32 slot = seq % p.pages, round = seq / p.pages;
-        if (lane == 0) note(p, 3, seq);
-        const u32 bytes = (u32)min(ATT_TR, a.cached_end - r0) * ATT_HD * 2;
-        if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
-        if (!inflight_wait(p, full, seq, instr)) return false;
-        if (lane == 0) mbar_expect_tx(&full[slot], 2 * bytes);
-        __syncwarp();
-        bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
-        if (lane < 2)
-            bulk_load(page + lane * ATT_TR * ATT_HD, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
-                      &full[slot], policy);
-    }
-    return true;
-}
-
-__device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, bf16_t* pages, u64* full,
-                       u64* empty) {
-    const int lane = threadIdx.x & 31;
-    const u32 pos = p.meta[p.epoch & 1].pos;
-    const u64 policy = l2_evict_first();
-    u32 seq = 0;
-    for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
-        // The operands, read once into registers rather than once per weight row.
-        u32 w[W_E + 1];
-#pragma unroll
-        for (int k = 0; k <= W_E; k++) w[k] = wg[k];
-        const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
-        if (w[W_OP] == OP_ATTN) {
-            if (lane == 0) note(p, 2, instr);
-            if (!load_attention(p, w, pos, instr, seq, pages, full, empty, policy)) return;
-            continue;
-        }
-        int n = seg_count(w);
-        if (n == 0) continue;
-        if (lane == 0) note(p, 2, instr);
-        int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
-        u32 bytes_per_row = cols * 2;
-        u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
-        if (lane == 0 && prof) prof[4] = global_ns();
-        for (int t = 0; t * rpt < n; t++, seq++) {
-            u32 slot = seq % p.pages, round = seq / p.pages;
-            if (lane == 0) note(p, 3, seq);
-            int rows = min(rpt, n - t * rpt);
-            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
-            if (!inflight_wait(p, full, seq, instr)) return;
-            if (lane == 0) mbar_expect_tx(&full[slot], rows * bytes_per_row);
-            __syncwarp();
-            char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
-            for (int r = lane; r < rows; r += 32)
-                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, lw, t * rpt + r), bytes_per_row, &full[slot], policy);
-        }
-        if (lane == 0 && prof) prof[5] = global_ns();
-    }
 }
 
 // ---- consumer helpers (ct = consumer thread index, cw = consumer warp index) ----
 
 __device__ __forceinline__ void consumers_sync() { named_sync(1, CONSUMERS); }
 // A consumer barrier that tells every consumer whether any consumer's wait failed.
-__device__ __forceinline__ bool consumers_failed() { return named_sync_or(1, CONSUMERS, mk_failed != 0); }
+__device__ __forceinline__ bool consumers_failed() { return named_sync_or(1, CONSUMERS, any_failed()); }
 
 // The (value, index) that wins over all consumer threads (argmax_merge), in consumer thread 0;
 // red holds 2 * CONSUMER_WARPS words.
@@ -382,109 +259,6 @@ __device__ __forceinline__ void consumers_argmax(float& v, u32& idx, float* red)
 __device__ __forceinline__ void consumers_partial_sum(float v, float* ss) {
     v = warp_sum(v);
     if ((threadIdx.x & 31) == 0) ss[(threadIdx.x - 32) >> 5] = v;
-}
-
-// The RMS norm's scale from the sums of squares prepare_normed left in ss.
-__device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
-    float t = 0.f;
-#pragma unroll
-    for (int i = 0; i < CONSUMER_WARPS; i++) t += ss[i];
-    return rsqrtf(t / p.hidden + p.eps);
-}
-
-// Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
-// attention residual plus its down-projection partial sums (each written once per token).
-// Its parts are read at once (one round trip, not one each) when there are few enough.
-#define PREP_CHUNKS 2
-__device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
-    if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
-    const int l = layer - 1;
-    const u64* base = p.resid_attn + (size_t)l * p.hidden + i;
-    const u64* parts = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
-    if (p.chunks <= PREP_CHUNKS) {
-        auto addr = [&](int k) { return k == 0 ? base : parts + (size_t)(k - 1) * p.hidden; };
-        u64 raw[1 + PREP_CHUNKS];
-#pragma unroll
-        for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= p.chunks ? ld_tagged(addr(k)) : 0;
-        settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + p.chunks);
-        float v = tagged_float(raw[0]);
-#pragma unroll
-        for (int k = 1; k <= PREP_CHUNKS; k++)
-            if (k <= p.chunks) v += tagged_float(raw[k]);
-        return v;
-    }
-    float v = ld_value(p, base);
-    for (int c = 0; c < p.chunks; c++) v += ld_value(p, parts + (size_t)c * p.hidden);
-    return v;
-}
-
-// xs = src * g, src given by resid_in(layer) or resid_attn[l] (after_attn), and the sums of
-// squares in ss: the norm's scale is one number, applied to the mat-vec's results (W(x·s·g) =
-// s·W(x·g)), so the tiles need not wait for the sum to be reduced.
-// Each thread first issues every L2 load it needs (PREP_MAX elements of each source and of g),
-// then sums: one round trip in all, where a round trip per source or per element would add up
-// on the critical path of every layer.
-#define PREP_MAX 8
-__device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
-                               float* xs, float* ss) {
-    const int ct = threadIdx.x - 32;
-    const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
-    if (p.hidden <= PREP_MAX * CONSUMERS && nparts <= PREP_CHUNKS) {
-        u64 raw[PREP_MAX], rawp[PREP_CHUNKS][PREP_MAX];
-        float gw[PREP_MAX], v[PREP_MAX];
-        const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
-                          : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
-        const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
-        // The norm's weights (and layer 0's embedding row) do not depend on this step: they
-        // are issued first, so they are in flight while the inputs are waited for.
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            const bool in = i < p.hidden;
-            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
-            gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            const bool in = i < p.hidden;
-            raw[k] = in && base ? ld_tagged(base + i) : 0;
-#pragma unroll
-            for (int c = 0; c < PREP_CHUNKS; c++)
-                rawp[c][k] = in && c < nparts ? ld_tagged(parts + (size_t)c * p.hidden + i) : 0;
-        }
-        const int mine = p.hidden > ct ? (p.hidden - ct + CONSUMERS - 1) / CONSUMERS : 0;
-        if (base) settle<PREP_MAX>(p, raw, [&](int k) { return base + ct + k * CONSUMERS; }, mine);
-#pragma unroll
-        for (int c = 0; c < PREP_CHUNKS; c++)
-            if (c < nparts)
-                settle<PREP_MAX>(p, rawp[c], [&](int k) { return parts + (size_t)c * p.hidden + ct + k * CONSUMERS; }, mine);
-        float sq = 0.f;
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            if (k < mine) {
-                if (base) v[k] = tagged_float(raw[k]);
-#pragma unroll
-                for (int c = 0; c < PREP_CHUNKS; c++)
-                    if (c < nparts) v[k] += tagged_float(rawp[c][k]);
-            }
-            sq += v[k] * v[k];
-        }
-        consumers_partial_sum(sq, ss);
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            if (i < p.hidden) xs[i] = v[k] * gw[k];
-        }
-        return;
-    }
-    float sq = 0.f;
-    for (int i = ct; i < p.hidden; i += CONSUMERS) {
-        float v = after_attn ? ld_value(p, p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
-        xs[i] = v * bf16_to_f32(g[i]);
-        sq += v * v;
-    }
-    consumers_partial_sum(sq, ss);
 }
 
 // Copies n tagged values into shared memory as floats, every read of a thread's batch issued

@@ -70,3 +70,44 @@ fn nvrtc_errors_carry_the_compiler_log() {
     assert!(err.contains("NVRTC failed to compile broken"), "{err}");
     assert!(err.contains("expected an expression"), "{err}");
 }
+
+/// The host's layout checks are compiled in: a CUDA `MkParams` that differs from the host's
+/// (two fields swapped) or an attention scratch the host sizes differently fails to compile,
+/// naming what differs.
+#[test]
+fn abi_mismatches_are_compile_errors() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let cfg = presets::by_name("smollm2-135m").unwrap();
+    let defines = sources::megakernel_defines(&cfg);
+    let src = sources::megakernel();
+    let fields = "    float eps;\n    u32 epoch;\n";
+    assert!(
+        src.contains(fields),
+        "MkParams' eps and epoch moved; update this test"
+    );
+    let swapped = src.replace(fields, "    u32 epoch;\n    float eps;\n");
+    let err = compile::compile_cubin("mk_swapped", &swapped, "sm_90a", &defines)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("MkParams.eps: the host has it at byte"),
+        "{err}"
+    );
+
+    let wrong: Vec<String> = defines
+        .iter()
+        .map(|d| {
+            if d.starts_with("-DMK_ATT_SCRATCH_FLOATS=") {
+                "-DMK_ATT_SCRATCH_FLOATS=1".to_string()
+            } else {
+                d.clone()
+            }
+        })
+        .collect();
+    let err = compile::compile_cubin("mk_scratch", &src, "sm_90a", &wrong)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("attention scratch"), "{err}");
+}

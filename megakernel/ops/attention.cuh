@@ -2,7 +2,7 @@
 // positions [p0, p1) of the sequence.
 //
 // The K and V rows before pos sit in shared memory: the loader staged them in pages (see
-// attention tiles in runtime.cuh). Row pos (this token's) comes tagged from kv_new. All eight
+// load_attention below). Row pos (this token's) comes tagged from kv_new. All eight
 // consumer warps work on every step, each step ending at a barrier:
 //   scores   S[g][j] = q_g · k_j * scale: 8 lanes per position, each a slice of the dims;
 //   softmax  one warp per head: the round's max and sum, S turned into exp(S - max);
@@ -10,16 +10,64 @@
 //   combine  thread (head, dim) adds the warps' partial sums into the running output.
 // A round is at most ATT_ROUND staged positions (and this token's, in the first round); longer
 // parts take several, carried by an online softmax (running max, sum and output per head).
-// The shape constants (ATT_HD, ATT_G, ATT_TR) are in runtime.cuh, beside the loader's tiles.
 
-// Staged positions per round; S rows have room for this token's position too (padded to 16 bytes).
-constexpr int ATT_ROUND = 256, ATT_S_STRIDE = ATT_ROUND + 4;
+// ---- the loader's side: K/V tiles ----
+// Attention(layer, kv_head, part, parts) covers positions [p0, p1) of the len = pos + 1 long
+// sequence. Its K and V rows before pos were written by earlier launches, so they do not
+// depend on this step: the loader stages them in pages like weight tiles, long before the
+// instruction runs, and attention reads them from shared memory. Row pos (this token's) comes
+// tagged from kv_new. A tile holds ATT_TR rows of K, then the same rows of V; the cache is
+// head-major ([layer][kv_head][position][head_dim]) so each is one bulk copy.
+// The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
+// -DMK_HEAD_DIM and -DMK_GROUP), so attention's loops have constant trip counts.
+
+constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
+static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
+constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
+
+struct AttnRange {
+    int p0, cached_end;  // the rows staged in tiles: [p0, cached_end)
+    bool has_new;        // the part ends at pos: row pos is folded in from kv_new
+};
+
+__device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
+    const int part = w[W_B], parts = w[W_C], len = pos + 1;
+    const int p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
+    return {p0, p1 == len ? len - 1 : p1, p1 == len};
+}
+
+// Stages an attention instruction's K/V tiles; false when a page wait failed.
+__device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
+                               u64* full, u64* empty, u64 policy) {
+    const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
+    const AttnRange a = attn_range(w, pos);
+    for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
+        const u32 slot = seq % p.pages, round = seq / p.pages;
+        if (lane == 0) note(p, 3, seq);
+        const u32 bytes = (u32)min(ATT_TR, a.cached_end - r0) * ATT_HD * 2;
+        if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
+        if (!inflight_wait(p, full, seq, instr)) return false;
+        if (lane == 0) mbar_expect_tx(&full[slot], 2 * bytes);
+        __syncwarp();
+        bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
+        if (lane < 2)
+            bulk_load(page + lane * ATT_TR * ATT_HD, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
+                      &full[slot], policy);
+    }
+    return true;
+}
+
+// ---- the consumers' side ----
+
+// Staged positions per round (MK_ATT_ROUND, from the host, which sizes the scratch with it); S
+// rows have room for this token's position too (padded to 16 bytes).
+constexpr int ATT_ROUND = MK_ATT_ROUND, ATT_S_STRIDE = ATT_ROUND + 4;
 // Scores: 8 lanes per position, ATT_LANE_DIMS dims each, heads taken 4 at a time.
 constexpr int ATT_LANE_DIMS = ATT_HD / 8, ATT_HEADS_PER_PASS = 4;
 // Values: a thread takes 4 dims of every head; the position groups share the consumer threads
 // (16 groups at head_dim 64, two to a warp; 8 at 128).
 constexpr int ATT_ITEMS = ATT_HD / 4, ATT_GROUPS = CONSUMERS / ATT_ITEMS;
-// The scratch layout in floats (mirrored by the host's attention_scratch): S, each warp's
+// The scratch layout in floats (its size checked against the host's attention_scratch below): S, each warp's
 // partial output, the running output, the queries, this token's K and V, and per head the
 // running max, sum and the round's correction factor.
 constexpr int ATT_OFF_PART = ATT_G * ATT_S_STRIDE;
@@ -28,6 +76,8 @@ constexpr int ATT_OFF_Q = ATT_OFF_OUT + ATT_G * ATT_HD;
 constexpr int ATT_OFF_KN = ATT_OFF_Q + ATT_G * ATT_HD;
 constexpr int ATT_OFF_VN = ATT_OFF_KN + ATT_HD;
 constexpr int ATT_OFF_STATS = ATT_OFF_VN + ATT_HD;
+static_assert(ATT_OFF_STATS + 3 * ATT_G == MK_ATT_SCRATCH_FLOATS,
+              "attention scratch: the host (attention_scratch in src/gpu/megakernel/layout.rs) sizes it differently");
 
 #define ATT_IN_MAX 4
 
@@ -194,7 +244,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
     // The first round's K/V rows do not depend on this step: they are waited for before the
     // inputs, so that the wait is off the critical path.
-    if (!attn_pages(p, instr, seq, full, 0, min(ntiles, round_tiles))) mk_failed = 1;
+    if (!attn_pages(p, instr, seq, full, 0, min(ntiles, round_tiles))) set_failed(1);
     for (int i = ct; i < G * hd; i += CONSUMERS) out[i] = 0.f;
     if (ct < G) { stats[ct] = NEG_INF; stats[G + ct] = 0.f; }
     {
@@ -217,7 +267,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         }
     }
     if (consumers_failed()) return ntiles;
-    if (ct == 0 && prof) prof[1] = global_ns();
+    if (ct == 0 && prof) prof[PROF_PREPARED] = global_ns();
     if (n == 0 && !a.has_new) {
         // A part with no position (more parts than positions): an empty softmax.
         for (int i = ct; i < G * hd; i += CONSUMERS) attn_store(p, w, i, 0.f, NEG_INF, 0.f);
@@ -229,7 +279,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         const AttnRound r{pages, (int)((seq + t0) % p.pages), p.pages, min(n, t1 * ATT_TR) - t0 * ATT_TR,
                           a.has_new && t0 == 0};
         if (t0 > 0) {
-            if (!attn_pages(p, instr, seq, full, t0, t1)) mk_failed = 1;
+            if (!attn_pages(p, instr, seq, full, t0, t1)) set_failed(1);
             if (consumers_failed()) return ntiles;
         }
         attn_scores<0>(r, qs, kn, S, scale);
@@ -238,10 +288,10 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         consumers_sync();
         // Profile words 4 and 5 (the loader's for a mat-vec): scores and softmax done, and the
         // weighted values (the last round's).
-        if (ct == 0 && prof) prof[4] = global_ns();
+        if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
         attn_values(r, S, vn, partial);
         consumers_sync();
-        if (ct == 0 && prof) prof[5] = global_ns();
+        if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
         // The round's pages go back to the loader (each "empty" barrier counts two arrivals).
         if (ct < t1 - t0) {
             u64* bar = &empty[(seq + t0 + ct) % p.pages];

@@ -1,4 +1,15 @@
-// RmsLmHead(rows, block): f32 logits of the rows and the block's (max, first row reaching it).
+// RmsLmHead(row_start, rows, block): RMS norm of the last layer's output, f32 logits of the
+// rows and the block's (max, first row reaching it).
+
+__device__ __forceinline__ int lmhead_rows(const u32* w) { return (int)w[W_B]; }
+__device__ __forceinline__ int lmhead_cols(const MkParams& p) { return p.hidden; }
+__device__ __forceinline__ const bf16_t* lmhead_row(const u32* w, const MkParams& p, int j) {
+    return p.lm_head + (size_t)(w[W_A] + j) * p.hidden;
+}
+
+__device__ __forceinline__ void prepare_lmhead(const MkParams& p, const TokenMeta& m, const Smem& sm) {
+    prepare_normed(p, p.n_layers, false, m.token, p.final_norm, sm.xs, sm.ss);
+}
 
 __device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, float* red, float scale) {
     const int ct = threadIdx.x - 32, rs = w[W_A], rc = w[W_B];

@@ -1,6 +1,21 @@
-// RmsQkvRope(layer, head, pairs): the post step after the shared RMS-norm and mat-vec: RoPE,
-// then Q into q[l], or K/V into the cache at pos and into kv_new. Consumer thread j < pairs
-// rotates pair j (pairs <= head_dim / 2 < CONSUMERS).
+// RmsQkvRope(layer, head, pair_start, pairs): RMS norm of the residual entering the layer, the
+// rows of a Q, K or V head that make up its rotation pairs, then RoPE and the stores: Q into
+// q[l], or K/V into the cache at pos and into kv_new. Consumer thread j < pairs rotates pair j
+// (pairs <= head_dim / 2 < CONSUMERS).
+
+// Weight rows: the pairs' first halves (rows pair_start + j), then their second halves (rows
+// head_dim / 2 + pair_start + j) of the head's rows of w_qkv.
+__device__ __forceinline__ int qkv_rows(const u32* w) { return 2 * (int)w[W_C]; }
+__device__ __forceinline__ int qkv_cols(const MkParams& p) { return p.hidden; }
+__device__ __forceinline__ const bf16_t* qkv_row(const u32* w, const MkParams& p, const LayerW& L, int j) {
+    int pc = w[W_C], half = p.head_dim / 2;
+    int row = w[W_A] * p.head_dim + (j < pc ? (int)w[W_B] + j : half + (int)w[W_B] + j - pc);
+    return L.w_qkv + (size_t)row * p.hidden;
+}
+
+__device__ __forceinline__ void prepare_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm) {
+    prepare_normed(p, w[W_LAYER], false, m.token, sm.lw[w[W_LAYER]].attn_norm, sm.xs, sm.ss);
+}
 
 // Thread j's rotation, worked out when the instruction starts (it depends only on the
 // position), so that the sine, cosine and inv_freq load are off the critical path.

@@ -40,6 +40,10 @@ pub struct BenchArgs {
     /// With --profile: write every profiled instruction's timestamps (CSV) to this file.
     #[arg(long, requires = "profile")]
     pub timeline: Option<PathBuf>,
+    /// With --profile: write the profiled steps as a Chrome trace (JSON; open it in Perfetto or
+    /// chrome://tracing): a track per SM, a slice per instruction with its phases.
+    #[arg(long, requires = "profile")]
+    pub trace: Option<PathBuf>,
     /// Seed of the random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -148,7 +152,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             if let Some(mk) = path.as_megakernel() {
                 mk.reset();
                 let first = argmax(&mk.feed(&prompt)?);
-                profile = Some(mk.profile(first, 16, args.timeline.is_some())?);
+                let keep = args.timeline.is_some() || args.trace.is_some();
+                profile = Some(mk.profile(first, 16, keep)?);
             }
         }
         let (lo, hi) = (
@@ -210,8 +215,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             );
         }
     }
-    if let (Some(Some(csv)), Some(file)) = (profile.as_ref().map(|p| &p.timeline), &args.timeline) {
-        std::fs::write(file, csv).with_context(|| format!("writing {}", file.display()))?;
+    if let Some(Some(tl)) = profile.as_ref().map(|p| &p.timeline) {
+        if let Some(file) = &args.timeline {
+            std::fs::write(file, tl.to_csv())
+                .with_context(|| format!("writing {}", file.display()))?;
+        }
+        if let Some(file) = &args.trace {
+            std::fs::write(file, tl.to_chrome_trace())
+                .with_context(|| format!("writing {}", file.display()))?;
+        }
     }
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");

@@ -1,30 +1,44 @@
 //! The CUDA sources, embedded in the binary and assembled into compilation units.
 
+use super::megakernel::{abi, layout};
+
 const COMMON: &str = include_str!("../../megakernel/common.cuh");
-const ATTENTION: &str = include_str!("../../megakernel/attention.cuh");
-const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
+const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
+const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
-/// The instructions with code of their own; the three whose post step is one store loop
-/// (OProjResidual, RmsUpGateSilu, DownProjResidual) are written out in the interpreter's switch.
-const OPS: [&str; 5] = [
+/// One header per instruction (model.cuh: what several of them read), in dependency order.
+const OPS: [&str; 9] = [
+    include_str!("../../megakernel/ops/model.cuh"),
+    include_str!("../../megakernel/ops/rms_qkv_rope.cuh"),
     include_str!("../../megakernel/ops/attention.cuh"),
     include_str!("../../megakernel/ops/attn_reduce.cuh"),
-    include_str!("../../megakernel/ops/rms_qkv_rope.cuh"),
+    include_str!("../../megakernel/ops/o_proj.cuh"),
+    include_str!("../../megakernel/ops/up_gate.cuh"),
+    include_str!("../../megakernel/ops/down_proj.cuh"),
     include_str!("../../megakernel/ops/rms_lm_head.cuh"),
     include_str!("../../megakernel/ops/argmax.cuh"),
 ];
+/// The instruction table: the interpreter's only view of the instructions.
+const TABLE: &str = include_str!("../../megakernel/ops.cuh");
+const LOADER: &str = include_str!("../../megakernel/loader.cuh");
 const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
 pub fn baseline() -> String {
-    [COMMON, ATTENTION, BASELINE].join("\n")
+    [COMMON, BASELINE_ATTENTION, BASELINE].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
-/// shape and the lengths of its mat-vec rows, so that loops have constant trip counts.
+/// shape and the lengths of its mat-vec rows, so that loops have constant trip counts, and the
+/// attention scratch the host plans for it (checked by the kernel).
 pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
+    let group = config.num_heads / config.num_kv_heads;
     vec![
+        format!(
+            "-DMK_ATT_SCRATCH_FLOATS={}",
+            layout::attention_scratch(group, config.head_dim)
+        ),
         format!("-DMK_HEAD_DIM={}", config.head_dim),
         format!("-DMK_GROUP={}", config.num_heads / config.num_kv_heads),
         format!("-DMK_HIDDEN={}", config.hidden_size),
@@ -32,10 +46,12 @@ pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
     ]
 }
 
-/// The persistent interpreter (compile it with `megakernel_defines`).
+/// The persistent interpreter (compile it with `megakernel_defines`): the host's definitions
+/// (abi::prelude) first, its layout checks (abi::checks) last.
 pub fn megakernel() -> String {
-    let mut parts = vec![COMMON, PIPELINE, RUNTIME];
+    let (prelude, checks) = (abi::prelude(), abi::checks());
+    let mut parts = vec![COMMON, &prelude, PIPELINE, RUNTIME];
     parts.extend(OPS);
-    parts.push(MEGAKERNEL);
+    parts.extend([TABLE, LOADER, MEGAKERNEL, &checks]);
     parts.join("\n")
 }

@@ -1,0 +1,44 @@
+// The loader warp: walks its SM's stream ahead of the consumers and fills the page ring with
+// each instruction's weight rows (or, for attention, its staged K/V rows), never waiting for
+// activations. Weights do not depend on them, so the next instructions' weights stream in while
+// the current instruction waits, computes and stores.
+
+__device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, bf16_t* pages, u64* full,
+                       u64* empty) {
+    const int lane = threadIdx.x & 31;
+    const u32 pos = p.meta[p.epoch & 1].pos;
+    const u64 policy = l2_evict_first();
+    u32 seq = 0;
+    for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
+        // The operands, read once into registers rather than once per weight row.
+        u32 w[W_E + 1];
+#pragma unroll
+        for (int k = 0; k <= W_E; k++) w[k] = wg[k];
+        const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
+        if (op_has_own_loader(w[W_OP])) {
+            if (lane == 0) note(p, 2, instr);
+            if (!op_load(p, w, pos, instr, seq, pages, full, empty, policy)) return;
+            continue;
+        }
+        int n = seg_count(w);
+        if (n == 0) continue;
+        if (lane == 0) note(p, 2, instr);
+        int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
+        u32 bytes_per_row = cols * 2;
+        u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
+        if (lane == 0 && prof) prof[PROF_EXTRA1] = global_ns();
+        for (int t = 0; t * rpt < n; t++, seq++) {
+            u32 slot = seq % p.pages, round = seq / p.pages;
+            if (lane == 0) note(p, 3, seq);
+            int rows = min(rpt, n - t * rpt);
+            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
+            if (!inflight_wait(p, full, seq, instr)) return;
+            if (lane == 0) mbar_expect_tx(&full[slot], rows * bytes_per_row);
+            __syncwarp();
+            char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
+            for (int r = lane; r < rows; r += 32)
+                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, lw, t * rpt + r), bytes_per_row, &full[slot], policy);
+        }
+        if (lane == 0 && prof) prof[PROF_EXTRA2] = global_ns();
+    }
+}

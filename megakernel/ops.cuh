@@ -1,0 +1,115 @@
+// The instruction table: every question the interpreter (megakernel.cu, loader.cuh) asks about
+// an instruction is a switch here that calls that instruction's functions in ops/. A new
+// instruction adds a case to each switch that concerns it (docs/megakernel.md, "Adding an
+// instruction"). Everything is inlined: each switch compiles to the branches it replaces.
+
+// ---- weight rows (loader and consumers) ----
+
+__device__ __forceinline__ int seg_cols(const u32* w, const MkParams& p) {
+    switch (w[W_OP]) {
+        case OP_OPROJ: return oproj_cols(p);
+        case OP_DOWN: return down_cols(w);
+        case OP_QKV: return qkv_cols(p);
+        case OP_UPGATE: return upgate_cols(p);
+        case OP_LMHEAD: return lmhead_cols(p);
+        default: return 0;
+    }
+}
+
+__device__ __forceinline__ int seg_count(const u32* w) {
+    switch (w[W_OP]) {
+        case OP_QKV: return qkv_rows(w);
+        case OP_UPGATE: return upgate_rows(w);
+        case OP_OPROJ: return oproj_rows(w);
+        case OP_DOWN: return down_rows(w);
+        case OP_LMHEAD: return lmhead_rows(w);
+        default: return 0;
+    }
+}
+
+// lw: the layer pointer table, copied to shared memory at the start (reads of it must not
+// become L2 round trips on the critical path).
+__device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p, const LayerW* lw, int j) {
+    const LayerW& L = lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
+    switch (w[W_OP]) {
+        case OP_QKV: return qkv_row(w, p, L, j);
+        case OP_UPGATE: return upgate_row(w, p, L, j);
+        case OP_OPROJ: return oproj_row(w, p, L, j);
+        case OP_DOWN: return down_row(w, p, L, j);
+        case OP_LMHEAD: return lmhead_row(w, p, j);
+        default: return nullptr;
+    }
+}
+
+__device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p) {
+    const int n = seg_count(w);
+    if (n == 0) return {0, 0, 0, 0};
+    const int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
+    return {n, cols, rpt, (n + rpt - 1) / rpt};
+}
+
+// ---- the loader ----
+
+// Instructions whose pages the loader fills with something other than weight rows.
+__device__ __forceinline__ bool op_has_own_loader(u32 op) { return op == OP_ATTN; }
+
+// Their loader step; false when a page wait failed.
+__device__ __forceinline__ bool op_load(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
+                                        u64* full, u64* empty, u64 policy) {
+    switch (w[W_OP]) {
+        case OP_ATTN: return load_attention(p, w, pos, instr, seq, pages, full, empty, policy);
+        default: return true;
+    }
+}
+
+// ---- the consumers ----
+
+// What an instruction works out when it starts, before it waits for its inputs (it depends
+// only on the position and the words).
+struct OpEarly {
+    Rope rope;
+};
+
+__device__ __forceinline__ OpEarly op_early(u32 op, const MkParams& p, const u32* w, u32 pos) {
+    return {op == OP_QKV ? rope_of(p, w, pos) : Rope{0.f, 1.f}};
+}
+
+// Waits for the inputs and prepares xs (or, for instructions without weight tiles, does all
+// the work). Returns how many of the ring's tiles it consumed itself (attention's K/V).
+__device__ __forceinline__ u32 op_prepare(u32 op, const MkParams& p, const u32* w, const TokenMeta& m, u32 instr,
+                                          u32 seq, const Smem& sm, u64* prof) {
+    switch (op) {
+        case OP_QKV: prepare_qkv(p, w, m, sm); return 0;
+        case OP_UPGATE: prepare_upgate(p, w, m, sm); return 0;
+        case OP_LMHEAD: prepare_lmhead(p, m, sm); return 0;
+        case OP_OPROJ: prepare_oproj(p, w, m, sm); return 0;
+        case OP_DOWN: prepare_down(p, w, sm); return 0;
+        case OP_ATTN: return op_attention(p, w, m, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, prof);
+        case OP_ATTN_REDUCE: op_attn_reduce(p, w); return 0;
+        case OP_ARGMAX: op_argmax(p, m, sm.red); return 0;
+        default: return 0;
+    }
+}
+
+// Instructions that stamp "inputs arrived" (profile word 1) themselves; their compute counts
+// as their tiles (word 2).
+__device__ __forceinline__ bool op_stamps_inputs(u32 op) { return op == OP_ATTN; }
+
+// The factor the tiles' results take: the RMS norm's scale (see prepare_normed) for the
+// instructions that normalise their input.
+__device__ __forceinline__ float op_scale(u32 op, const MkParams& p, const float* ss) {
+    return op == OP_QKV || op == OP_UPGATE || op == OP_LMHEAD ? rms_scale(p, ss) : 1.f;
+}
+
+// The store after the tiles (res holds the rows' dot products, see consume_tiles).
+__device__ __forceinline__ void op_post(u32 op, const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm,
+                                        float scale, const OpEarly& early) {
+    switch (op) {
+        case OP_QKV: post_qkv(p, w, m, sm.res, scale, early.rope); break;
+        case OP_OPROJ: post_oproj(p, w, sm.res); break;
+        case OP_UPGATE: post_upgate(p, w, sm.res, scale); break;
+        case OP_DOWN: post_down(p, w, sm.res); break;
+        case OP_LMHEAD: post_lmhead(p, w, sm.res, sm.red, scale); break;
+        default: break;
+    }
+}

@@ -1,0 +1,24 @@
+// OProjResidual(layer, row_start, rows): rows of the attention output projection, added to the
+// residual stream entering the layer, into resid_attn[l].
+
+__device__ __forceinline__ int oproj_rows(const u32* w) { return (int)w[W_B]; }
+__device__ __forceinline__ int oproj_cols(const MkParams& p) { return p.heads * p.head_dim; }
+__device__ __forceinline__ const bf16_t* oproj_row(const u32* w, const MkParams& p, const LayerW& L, int j) {
+    return L.wo + (size_t)(w[W_A] + j) * (p.heads * p.head_dim);
+}
+
+// The residual rows it adds to travel in the same round trip as its input; they wait in the
+// second half of res (the host keeps O-proj's rows within RES_MAX / 2).
+__device__ __forceinline__ void prepare_oproj(const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm) {
+    const int ct = threadIdx.x - 32;
+    for (int j = ct; j < (int)w[W_B]; j += CONSUMERS)
+        sm.res[RES_MAX + j] = resid_in(p, w[W_LAYER], m.token, w[W_A] + j);
+    copy_in(p, sm.xs, p.attn_out + (size_t)w[W_LAYER] * p.heads * p.head_dim, p.heads * p.head_dim);
+}
+
+__device__ __forceinline__ void post_oproj(const MkParams& p, const u32* w, const float* res) {
+    const int ct = threadIdx.x - 32, layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
+    const u32 tag = launch_tag(p);
+    for (int j = ct; j < rc; j += CONSUMERS)
+        st_tagged(p.resid_attn + (size_t)layer * p.hidden + rs + j, res[RES_MAX + j] + res_at(res, j), tag);
+}

@@ -1,0 +1,353 @@
+//! The megakernel path: a scheduler `Schedule` lowered to the interpreter's words, device
+//! buffers for every activation, and one persistent launch per decode step.
+
+//!
+//! One file per job: [`abi`] (the host/device interface, emitted into the CUDA compile),
+//! [`layout`] (shared memory, scratch and arena planning), `compile`, `launch`, [`profile`]
+//! (timings, CSV and Chrome trace) and `diagnostics` (error reports); this file builds a path
+//! from a schedule.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use cudarc::driver::{CudaModule, CudaSlice};
+use scheduler::{Op, Schedule};
+
+use super::device::{ptr, Gpu};
+use super::launch::Kernel;
+use super::model::{DeviceModel, KvCache};
+use super::stepping::{self, Sequence, Steps};
+
+pub mod abi;
+mod compile;
+mod diagnostics;
+mod launch;
+pub mod layout;
+pub mod profile;
+
+use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
+use layout::{attention_scratch, xs_floats, Arena, SmemLayout};
+pub use profile::{Profile, Timeline};
+
+/// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
+const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
+
+pub struct MegakernelPath<'g> {
+    gpu: &'g Gpu,
+    model: &'g DeviceModel,
+    kernel: Kernel,
+    _module: Arc<CudaModule>,
+    params: MkParams,
+    smem: u32,
+    pub instructions: usize,
+    words: CudaSlice<u32>,
+    _sm_offsets: CudaSlice<u32>,
+    error: CudaSlice<u32>,
+    progress: CudaSlice<u32>,
+    sm_offsets: Vec<u32>,
+    meta: CudaSlice<u32>,
+    history: CudaSlice<u32>,
+    logits: CudaSlice<f32>,
+    /// Every tagged activation buffer, one after the other (see `Arena`).
+    arena: CudaSlice<u64>,
+    arena_layout: Arena,
+    _layers: CudaSlice<LayerW>,
+    _kv: KvCache,
+    seq: Sequence,
+    /// Per encoded position: the instruction, for error messages.
+    descs: Vec<String>,
+    kinds: Vec<&'static str>,
+}
+
+impl<'g> MegakernelPath<'g> {
+    pub fn new(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        schedule: &Schedule,
+        max_seq: usize,
+    ) -> Result<Self> {
+        let c = &model.config;
+        if schedule.streams.len() != gpu.sm_count {
+            bail!(
+                "schedule built for {} SMs, the GPU has {}",
+                schedule.streams.len(),
+                gpu.sm_count
+            );
+        }
+        let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
+        if attention_scratch > 16384 {
+            bail!(
+                "megakernel: {} query heads per KV head at head_dim {} need {attention_scratch} floats of attention scratch; at most 16384 fit",
+                c.num_heads / c.num_kv_heads,
+                c.head_dim
+            );
+        }
+        let enc = schedule.encode();
+        let mut descs = Vec::new();
+        let mut kinds = Vec::new();
+        let mut max_cols = c.hidden_size.max(c.q_dim());
+        for &k in schedule.streams.iter().flatten() {
+            let i = &schedule.instrs[k as usize];
+            descs.push(schedule.describe(k as usize));
+            kinds.push(i.op.kind().name());
+            let rows = match i.op {
+                Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
+                Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
+                Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
+                    row_count as usize
+                }
+                Op::DownProjResidual {
+                    row_count,
+                    col_count,
+                    ..
+                } => {
+                    max_cols = max_cols.max(col_count as usize);
+                    row_count as usize
+                }
+                _ => 0,
+            };
+            // O-proj keeps its residual rows in the second half of the row buffer.
+            let limit = if matches!(i.op, Op::OProjResidual { .. }) {
+                RES_MAX / 2
+            } else {
+                RES_MAX
+            };
+            if rows > limit {
+                bail!(
+                    "schedule: {:?} computes {rows} rows; the megakernel holds at most {limit}",
+                    i.op
+                );
+            }
+        }
+        if max_cols * 2 > PAGE_BYTES {
+            bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
+        }
+        let (words, offsets) = (enc.words, enc.sm_offsets);
+        let (n_lm, parts, chunks) = (
+            enc.lm_blocks as usize,
+            enc.attn_parts as usize,
+            enc.down_chunks as usize,
+        );
+        let instructions = words.len() / WORDS;
+        let xs_floats = xs_floats(max_cols, attention_scratch);
+        let (module, kernel) = compile::load(gpu, c)?;
+        // The kernel's static shared memory (its two flags) sits beside the pages.
+        let layout = SmemLayout::plan(
+            gpu.max_smem_per_block,
+            kernel.static_smem()?,
+            xs_floats,
+            c.num_layers,
+        )?;
+        let pages = layout.pages;
+        let smem = layout.bytes as u32;
+        kernel.allow_smem(smem as usize)?;
+        let occ = kernel.occupancy(THREADS, smem as usize)?;
+        if occ < 1 {
+            bail!("megakernel: a CTA of {THREADS} threads and {smem} B shared memory does not fit on an SM");
+        }
+
+        let s = &gpu.stream;
+        let (l, h, qd) = (c.num_layers, c.hidden_size, c.q_dim());
+        // resid_attn first: the kernel reports a stuck element by its offset from there.
+        let arena = Arena::new(&[
+            ("resid_attn", l * h),
+            ("mlp_part", l * chunks * h),
+            ("q", l * qd),
+            ("kv_new", l * 2 * c.kv_dim()),
+            ("attn_out", l * qd),
+            ("attn_part", l * c.num_heads * parts * (c.head_dim + 2)),
+            ("act", l * c.intermediate_size),
+            ("lm_best", 2 * n_lm.max(1)),
+        ]);
+        let arena_d = gpu.alloc_zeros::<u64>(arena.len, "tagged activations")?;
+        let base = ptr(&arena_d, s);
+        let at = |name: &str| base + 8 * arena.offset(name) as u64;
+        let logits = gpu.alloc_zeros::<f32>(c.vocab_size, "logits")?;
+        let layer_ptrs: Vec<LayerW> = model
+            .layers
+            .iter()
+            .map(|lw| LayerW {
+                attn_norm: ptr(&lw.attn_norm, s),
+                w_qkv: ptr(&lw.w_qkv, s),
+                wo: ptr(&lw.wo, s),
+                ffn_norm: ptr(&lw.ffn_norm, s),
+                w_gu: ptr(&lw.w_gu, s),
+                w_down: ptr(&lw.w_down, s),
+            })
+            .collect();
+        let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
+        let kv = KvCache::new(gpu, c, max_seq)?;
+        let words_d = gpu.upload(&words, "instruction streams")?;
+        let offsets_d = gpu.upload(&offsets, "stream offsets")?;
+        let offsets_host = offsets.clone();
+        let error = gpu.alloc_zeros::<u32>(8, "error word")?;
+        let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
+        let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
+        let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
+        let params = MkParams {
+            instrs: ptr(&words_d, s),
+            sm_offsets: ptr(&offsets_d, s),
+            error: ptr(&error, s),
+            progress: ptr(&progress, s),
+            profile: 0,
+            meta: ptr(&meta, s),
+            history: ptr(&history, s),
+            layers: ptr(&layers, s),
+            embed: ptr(&model.embed, s),
+            final_norm: ptr(&model.final_norm, s),
+            lm_head: model.lm_head_ptr(gpu),
+            inv_freq: ptr(&model.inv_freq, s),
+            k_cache: ptr(&kv.k, s),
+            v_cache: ptr(&kv.v, s),
+            resid_attn: at("resid_attn"),
+            mlp_part: at("mlp_part"),
+            q: at("q"),
+            kv_new: at("kv_new"),
+            attn_out: at("attn_out"),
+            attn_part: at("attn_part"),
+            act: at("act"),
+            lm_best: at("lm_best"),
+            logits: ptr(&logits, s),
+            hidden: h as i32,
+            inter: c.intermediate_size as i32,
+            heads: c.num_heads as i32,
+            kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            vocab: c.vocab_size as i32,
+            n_layers: l as i32,
+            chunks: chunks as i32,
+            max_seq: max_seq as i32,
+            n_lm: n_lm as i32,
+            xs_floats: xs_floats as i32,
+            pages: pages as i32,
+            eps: c.rms_norm_eps,
+            epoch: 0,
+            timeout_ns: DEFAULT_WAIT_TIMEOUT_MS * 1_000_000,
+        };
+        Ok(Self {
+            gpu,
+            model,
+            kernel,
+            _module: module,
+            params,
+            smem,
+            instructions,
+            words: words_d,
+            _sm_offsets: offsets_d,
+            error,
+            progress,
+            sm_offsets: offsets_host,
+            meta,
+            history,
+            logits,
+            arena: arena_d,
+            arena_layout: arena,
+            _layers: layers,
+            _kv: kv,
+            seq: Sequence::new(max_seq),
+            descs,
+            kinds,
+        })
+    }
+
+    pub fn set_wait_timeout_ms(&mut self, ms: u64) {
+        self.params.timeout_ns = ms * 1_000_000;
+    }
+
+    /// Test hook: replaces one encoded word on the device, to break a schedule on purpose
+    /// (see [`Self::make_noop`]). Not for running models: the kernel trusts its words.
+    #[doc(hidden)]
+    pub fn poke_word(&mut self, instruction: usize, word: usize, value: u32) -> Result<()> {
+        if instruction >= self.instructions || word >= WORDS {
+            bail!(
+                "poke_word: instruction {instruction} word {word} is outside the {} instructions of {WORDS} words",
+                self.instructions
+            );
+        }
+        let mut all = self.gpu.stream.clone_dtoh(&self.words)?;
+        all[instruction * WORDS + word] = value;
+        self.gpu.stream.memcpy_htod(&all, &mut self.words)?;
+        Ok(())
+    }
+
+    /// Test hook: turns the instruction at encoded position `instruction` into a no-op
+    /// (opcode 0), so that whatever reads its outputs waits in vain and the kernel reports it.
+    #[doc(hidden)]
+    pub fn make_noop(&mut self, instruction: usize) -> Result<()> {
+        self.poke_word(instruction, 0, 0)
+    }
+
+    /// Starts a new sequence (the KV cache is simply overwritten).
+    pub fn reset(&mut self) {
+        self.seq.reset();
+    }
+
+    /// `n` greedy steps back to back (see [`stepping::decode_greedy`]).
+    pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        stepping::decode_greedy(self, token, n)
+    }
+}
+
+impl Steps for MegakernelPath<'_> {
+    fn gpu(&self) -> &Gpu {
+        self.gpu
+    }
+
+    fn vocab(&self) -> u32 {
+        self.model.config.vocab_size as u32
+    }
+
+    fn seq(&mut self) -> &mut Sequence {
+        &mut self.seq
+    }
+
+    /// The step of epoch `e` reads meta slot `e % 2` (its argmax writes the other one).
+    fn write_meta(&mut self, token: u32, pos: usize) -> Result<()> {
+        let slot = (self.params.epoch & 1) as usize;
+        let mut dst = self.meta.slice_mut(slot * 4..slot * 4 + 4);
+        self.gpu
+            .stream
+            .memcpy_htod(&[token, pos as u32, 0, 0], &mut dst)?;
+        Ok(())
+    }
+
+    fn launch_step(&mut self) -> Result<()> {
+        self.launch()
+    }
+
+    fn check(&self) -> Result<()> {
+        self.check_error()
+    }
+
+    fn history(&self) -> &CudaSlice<u32> {
+        &self.history
+    }
+
+    fn logits(&self) -> &CudaSlice<f32> {
+        &self.logits
+    }
+}
+
+/// The schedule the megakernel runs for `config` on `gpu`: granularity from the cost model,
+/// attention costed at `context` positions, `attn_parts` overriding the split-KV partitions.
+pub fn schedule_for(
+    config: &crate::model::Config,
+    gpu: &Gpu,
+    context: usize,
+    attn_parts: Option<usize>,
+) -> Result<Schedule> {
+    let shape = crate::reference::sliced::shape_of(config);
+    let gs = scheduler::GpuShape::with_sms(gpu.sm_count);
+    // Measured hops (wait, prepare, compute, signal) cost microseconds, not the default 0.5:
+    // a higher fixed cost keeps short contexts from paying an extra split-KV reduction hop.
+    let cost = scheduler::CostModel {
+        context,
+        latency_us: 2.0,
+        ..Default::default()
+    };
+    let mut opts = scheduler::Options::auto(&shape, &gs, &cost);
+    if let Some(p) = attn_parts {
+        opts.attn_parts = p;
+    }
+    scheduler::build(&shape, &gs, &opts).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+}
