@@ -1,5 +1,6 @@
-// Paged shared memory: a ring of p.pages pages of PAGE_BYTES (both from the host), each with a "full" mbarrier (the
-// loader warp's bulk copies completed) and an "empty" mbarrier (the consumer warp released it).
+// Paged shared memory: a ring of p.pages pages of PAGE_BYTES (both from the host), each with a
+// "full" mbarrier (the loader warp's bulk copies completed) and an "empty" mbarrier (the
+// consumer warp released it).
 // The loader walks the instruction stream ahead of the consumers and never waits for data:
 // weights do not depend on activations, so the next instructions' weights stream in while the
 // current instruction waits, computes and stores.
@@ -31,7 +32,7 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
 // Streamed data is marked first to go from L2 (MK_EVICT_FIRST, on unless defined 0): a token's
 // weights pass through the 50 MB L2 fifty times over, and with the default policy they evicted
 // the lines that are read again soon, the kernel's own code above all, which then came from
-// HBM at every instruction type (measured in BENCHMARKS.md).
+// HBM at every instruction type (BENCHMARKS.md, design decisions).
 #ifndef MK_EVICT_FIRST
 #define MK_EVICT_FIRST 1
 #endif

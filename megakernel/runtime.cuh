@@ -111,7 +111,7 @@ __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr,
 // the launch's tag (epoch + 1) in the high half, written by one relaxed 64-bit store, which is
 // single-copy atomic. A reader takes the value once its tag is this launch's: the data carries
 // its own readiness, so no counter, fence or barrier sits between producer and consumer. (A
-// release fence waits for the SM's in-flight weight copies: ~8 us while HBM streams.)
+// release fence would wait for the SM's in-flight weight copies.)
 
 // Set by a consumer thread whose wait timed out; the interpreter stops at its next barrier.
 __shared__ u32 mk_failed;
@@ -140,10 +140,9 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 // Waits until the n elements addr(k) (k < n) read into raw carry this launch's tag,
 // re-reading all the stale ones together, so stragglers cost one round trip per retry rather
 // than one each. Every consumer thread polls its own elements: a gate in front (lane 0 of each
-// warp waiting for one element before the others read theirs) added a round trip to every
-// hop (H100: Llama-1B 0.882 -> 0.878 ms/token without it, SmolLM2 0.479 -> 0.453). Past the
-// time limit (or once another SM failed) it reports a stale element (the first error raised
-// wins) and marks the CTA failed.
+// warp waiting for one element before the others read theirs) would add a round trip to every
+// hop (BENCHMARKS.md, design decisions). Past the time limit (or once another SM failed) it
+// reports a stale element (the first error raised wins) and marks the CTA failed.
 template <int N, typename Addr>
 __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, int n) {
     const u32 tag = launch_tag(p);
@@ -209,8 +208,8 @@ __device__ __forceinline__ int rows_per_tile(int cols, int n) {
 
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
 // others). The consumers work it out when an instruction starts, before they wait for its
-// inputs: worked out between the inputs and the tiles (two switches, two divisions) it cost
-// ~0.6 us on the critical path of every instruction (H100, Llama-1B).
+// inputs: between the inputs and the tiles (two switches, two divisions) it would sit on the
+// critical path of every instruction.
 struct TileGeom {
     int n, cols, rpt, tiles;
 };
@@ -218,12 +217,11 @@ struct TileGeom {
 // ---- loader warp ----
 
 // Before issuing tile seq the loader waits for tile seq - MK_INFLIGHT to land, bounding the
-// bytes each SM has queued in the memory system. A whole ring in flight on every SM (25 MB on
-// an H100) kept HBM no busier but queued the activations on the critical path behind it: on
-// the H100, Llama-1B took 1.140 ms/token with the whole ring in flight, 1.069 with 2 tiles.
-// While the consumers work on the very instruction being loaded, they wait for its tiles
-// and nothing else of this SM is on the critical path: up to MK_INFLIGHT_STREAM then (Llama-1B
-// on the H100: 1.061 ms/token with 2, 1.050 with 3, 1.049 with 4, 1.057 with 6, 1.085 with 12).
+// bytes each SM has queued in the memory system. A whole ring in flight on every SM keeps HBM
+// no busier but queues the activations on the critical path behind it. While the consumers
+// work on the very instruction being loaded, they wait for its tiles and nothing else of this
+// SM is on the critical path: up to MK_INFLIGHT_STREAM then. (The limits were chosen by
+// measurement: BENCHMARKS.md, design decisions.)
 #ifndef MK_INFLIGHT
 #define MK_INFLIGHT 2
 #endif
@@ -283,9 +281,8 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 
 // A warp covers columns c0 + 512 i of every row (c0: its lane's 8 columns within its half of a
 // 512-column step). With rows of at most 4 steps, x stays in registers for all the tiles of an
-// instruction and the tiles' loop reads only weights from shared memory: with x read there as
-// well (twice the traffic) and one chain at a time, a tile already in the ring took ~1.4 us on
-// the critical path (QKV, O-proj).
+// instruction and the tiles' loop reads only weights from shared memory: x read there as well
+// would double the traffic, and one chain at a time would serialise the rows.
 
 // acc[k] += row k . x over this lane's S steps, x in registers (zero past the row's end, where
 // the weights are read at column 0 instead: every load is unconditional, so all of them can be
@@ -392,7 +389,7 @@ __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32
 // Dot products of the instruction's weight rows (from the paged ring) with xs: the two
 // column halves of row j land in res[2j] and res[2j + 1] (summed in that order by res_at).
 // The row length is one of the model's dimensions or a down-projection chunk: compile-time
-// branches, not a jump table (each indirect branch here cost a few hundred ns). False when a
+// branches, not a jump table (an indirect branch here is on the critical path). False when a
 // page wait failed (the error is raised).
 __device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages, u64* full,
                               u64* empty, const float* xs, float* res) {

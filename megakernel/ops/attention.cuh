@@ -67,9 +67,9 @@ constexpr int ATT_LANE_DIMS = ATT_HD / 8, ATT_HEADS_PER_PASS = 4;
 // Values: a thread takes 4 dims of every head; the position groups share the consumer threads
 // (16 groups at head_dim 64, two to a warp; 8 at 128).
 constexpr int ATT_ITEMS = ATT_HD / 4, ATT_GROUPS = CONSUMERS / ATT_ITEMS;
-// The scratch layout in floats (its size checked against the host's attention_scratch below): S, each warp's
-// partial output, the running output, the queries, this token's K and V, and per head the
-// running max, sum and the round's correction factor.
+// The scratch layout in floats (its size checked against the host's attention_scratch below):
+// S, each warp's partial output, the running output, the queries, this token's K and V, and
+// per head the running max, sum and the round's correction factor.
 constexpr int ATT_OFF_PART = ATT_G * ATT_S_STRIDE;
 constexpr int ATT_OFF_OUT = ATT_OFF_PART + CONSUMER_WARPS * ATT_G * ATT_HD;
 constexpr int ATT_OFF_Q = ATT_OFF_OUT + ATT_G * ATT_HD;
