@@ -15,7 +15,7 @@ NV="$PWD/$WHEELS/nvidia/cu13"
 PKGS=(nvidia-cuda-nvrtc==13.5.37 nvidia-cuda-runtime==13.5.37)
 if [ ! -f "$WHEELS/.installed" ] || [ "$(cat "$WHEELS/.installed")" != "${PKGS[*]}" ]; then
   rm -rf "$WHEELS"
-  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$WHEELS" "${PKGS[@]}"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$WHEELS" "${PKGS[@]}"
   echo "${PKGS[*]}" > "$WHEELS/.installed"
 fi
 [ -f "$NV/lib/libnvrtc.so.13" ] && [ -f "$NV/include/cuda_bf16.h" ] || {
