@@ -3,6 +3,8 @@
 #   megainfer, tests/<test binaries>, and optionally model.gguf.part-{a,b}: the default model
 #   split in two (98 MB is over one call's transfer limit). A part found in .carry/ is moved to
 #   /root/models, and the model is joined there once both parts have arrived.
+# GPU tests are #[ignore = "needs a GPU"]: every binary runs with --include-ignored, so the
+# table's "ignored" column must read 0 (docs/gpu-machine.md).
 # Prints a short table last; full logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,13 +26,13 @@ declare -a rows
 for t in ${TESTS:-.carry/tests/*}; do
   name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
   start=$(date +%s.%N)
-  "$t" --test-threads=1 --nocapture ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
+  "$t" --include-ignored --test-threads=1 --nocapture ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
   rc=$?
   secs=$(python3 -c "import time; print(round(time.time() - $start, 1))")
   summary=$(grep -E "^test result:" "$OUT/$name.log" | tail -1)
-  skipped=$(grep -c "SKIPPED" "$OUT/$name.log")
-  rows+=("$(printf '%-28s rc=%-3s %6ss skipped=%s %s' "$name" "$rc" "$secs" "$skipped" "$summary")")
-  grep -E "rel L2|tok/s|ms/token|FAILED|panicked|error" "$OUT/$name.log" | tail -40
+  ignored=$(sed -nE 's/^test result:.* ([0-9]+) ignored.*/\1/p' "$OUT/$name.log" | tail -1)
+  rows+=("$(printf '%-28s rc=%-3s %6ss ignored=%s %s' "$name" "$rc" "$secs" "${ignored:-?}" "$summary")")
+  grep -E "rel L2|tok/s|ms/token|near-tie|FAILED|panicked|error" "$OUT/$name.log" | tail -40
 done
 if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi
 echo

@@ -1,10 +1,10 @@
-//! The megakernel against the CPU reference and the graph baseline. Skipped (with a message)
-//! where no GPU or driver is present, as on CI.
+//! The megakernel against the CPU reference and the graph baseline. Ignored by a
+//! plain `cargo test`; they fail when run without a GPU (tests/common/gpu.rs).
 
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu_or_skip, rel_l2, small_cases, tiny};
+use gpu_common::{gpu, rel_l2, small_cases, tiny};
 
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
@@ -16,6 +16,19 @@ use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
 use scheduler::Op;
 
+/// Tolerances: about ten times the teacher-forced relative L2 error of the logits measured on
+/// an H100 (docs/testing.md). Each test prints its errors, so a change shows in the log.
+///
+/// Small random models: measured ~4e-5.
+const TOL_SMALL: f64 = 4e-4;
+/// Llama-3.2-1B shape, 5 teacher-forced steps: measured 9.38e-4 at step 4 (the worst).
+const TOL_LLAMA_1B: f64 = 1e-2;
+/// Llama-3.2-1B shape after a 505-position greedy run: measured 1.54e-4.
+const TOL_LLAMA_1B_LONG: f64 = 1.5e-3;
+/// Attention over 900 positions: measured 3.77e-5 / 3.73e-5 at head_dim 64 (one part / three),
+/// 4.18e-5 / 4.25e-5 at head_dim 128.
+const TOL_LONG_ATTENTION: f64 = 4e-4;
+
 fn teacher_forced(
     gpu: &Gpu,
     cfg: &Config,
@@ -23,36 +36,50 @@ fn teacher_forced(
     tokens: &[u32],
     parts: Option<usize>,
     label: &str,
+    tol: f64,
 ) {
     let dm = DeviceModel::upload(gpu, cfg, w).unwrap();
     let want = CpuForward::new(cfg, w, 64).forward_all(tokens).unwrap();
     let sched = schedule_for(cfg, gpu, 64, parts).unwrap();
     let mut mk = MegakernelPath::new(gpu, &dm, &sched, 64).unwrap();
+    let mut worst = 0f64;
     for (i, t) in tokens.iter().enumerate() {
         let got = mk.feed(&[*t]).unwrap();
         let err = rel_l2(&got, &want[i]);
+        worst = worst.max(err);
         println!("{label} megakernel parts={parts:?} step {i}: rel L2 {err:.2e}");
-        assert!(err <= 1e-2, "{label}: step {i} rel L2 {err} > 1e-2");
+        assert!(err <= tol, "{label}: step {i} rel L2 {err:.2e} > {tol:.0e}");
         assert_eq!(
             argmax(&got),
             argmax(&want[i]),
             "{label}: step {i} argmax differs"
         );
     }
+    println!("{label} megakernel parts={parts:?}: worst rel L2 {worst:.2e} (tolerance {tol:.0e})");
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn megakernel_matches_reference_on_small_random_models() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     for (label, cfg, w, tokens) in small_cases() {
-        teacher_forced(&gpu, &cfg, &w, &tokens, None, &label);
-        teacher_forced(&gpu, &cfg, &w, &tokens, Some(3), &format!("{label}-split"));
+        teacher_forced(&gpu, &cfg, &w, &tokens, None, &label, TOL_SMALL);
+        teacher_forced(
+            &gpu,
+            &cfg,
+            &w,
+            &tokens,
+            Some(3),
+            &format!("{label}-split"),
+            TOL_SMALL,
+        );
     }
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn megakernel_matches_reference_on_llama_1b_shape() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let cfg = presets::by_name("llama-3.2-1b").unwrap();
     let w = random_weights(&cfg, 7);
     teacher_forced(
@@ -62,12 +89,14 @@ fn megakernel_matches_reference_on_llama_1b_shape() {
         &[128000, 791, 6864, 315, 9822],
         None,
         "llama-1b",
+        TOL_LLAMA_1B,
     );
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn megakernel_long_greedy_run_on_llama_1b_shape() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let cfg = presets::by_name("llama-3.2-1b").unwrap();
     let w = random_weights(&cfg, 9);
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
@@ -85,16 +114,20 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
     let got = mk.feed(&[*toks.last().unwrap()]).unwrap();
     let want = cpu.forward(&[*toks.last().unwrap()]).unwrap();
     let err = rel_l2(&got, &want);
-    println!("llama-1b after 505 positions: rel L2 {err:.2e}");
-    assert!(err <= 1e-2, "rel L2 {err} after a long run");
+    println!("llama-1b after 505 positions: rel L2 {err:.2e} (tolerance {TOL_LLAMA_1B_LONG:.0e})");
+    assert!(
+        err <= TOL_LLAMA_1B_LONG,
+        "rel L2 {err:.2e} > {TOL_LLAMA_1B_LONG:.0e} after a long run"
+    );
 }
 
 /// Attention stages earlier K/V rows in the page ring: 900 positions are more tiles than the
 /// ring holds (64 positions a page at head_dim 64, 32 at 128; 12 pages on an H100), so they are
 /// taken a ring's worth at a time, in one part and split in three.
 #[test]
+#[ignore = "needs a GPU"]
 fn megakernel_attention_longer_than_the_page_ring() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     const LEN: usize = 900;
     for (label, cfg) in [
         ("hd64", tiny(192, 3, 1, 64, 520)),
@@ -110,17 +143,21 @@ fn megakernel_attention_longer_than_the_page_ring() {
             let got = mk.feed(&tokens).unwrap();
             let err = rel_l2(&got, &want);
             println!(
-                "{label} parts={parts} at position {}: rel L2 {err:.2e}",
+                "{label} parts={parts} at position {}: rel L2 {err:.2e} (tolerance {TOL_LONG_ATTENTION:.0e})",
                 LEN - 1
             );
-            assert!(err <= 1e-2, "{label} parts={parts}: rel L2 {err} > 1e-2");
+            assert!(
+                err <= TOL_LONG_ATTENTION,
+                "{label} parts={parts}: rel L2 {err:.2e} > {TOL_LONG_ATTENTION:.0e}"
+            );
         }
     }
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn megakernel_and_graph_agree_on_greedy_tokens() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let cfg = tiny(576, 9, 3, 64, 1536);
     let w = random_weights(&cfg, 5);
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
@@ -136,8 +173,9 @@ fn megakernel_and_graph_agree_on_greedy_tokens() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn broken_schedule_is_an_error_not_a_hang() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let cfg = tiny(192, 3, 3, 64, 520);
     let w = random_weights(&cfg, 3);
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();

@@ -1,10 +1,10 @@
-//! Every GPU decode path against the CPU reference forward. Skipped (with a message) where no
-//! GPU or driver is present, as on CI.
+//! Every GPU decode path against the CPU reference forward. Ignored by a plain `cargo test`;
+//! they fail when run without a GPU (tests/common/gpu.rs).
 
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu_or_skip, rel_l2, small_cases, tiny};
+use gpu_common::{gpu, rel_l2, small_cases, tiny};
 
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
@@ -16,45 +16,79 @@ use megainfer::sampling::argmax;
 
 const MODES: [Mode; 3] = [Mode::Eager, Mode::Graph, Mode::GraphPdl];
 
+/// Tolerances: about ten times the measured teacher-forced relative L2 error of the logits
+/// (docs/testing.md). Each test prints its worst error per path, so a change shows in the log.
+/// The baselines' errors on these shapes were not recorded separately; on real weights they
+/// measure close to the megakernel's (4.21e-3 against 3.35e-3), so these take the megakernel's
+/// measurements on the same shapes until the printed values are recorded.
+///
+/// Small random models: the megakernel measured ~4e-5.
+const TOL_SMALL: f64 = 4e-4;
+/// Llama-3.2-1B shape, 5 teacher-forced steps: the megakernel measured 9.38e-4 at worst.
+const TOL_LLAMA_1B: f64 = 1e-2;
+
 /// Teacher-forced: both sides get the same tokens; logits compared at every step.
-fn check_teacher_forced(gpu: &Gpu, cfg: &Config, w: &Weights, tokens: &[u32], label: &str) {
+fn check_teacher_forced(
+    gpu: &Gpu,
+    cfg: &Config,
+    w: &Weights,
+    tokens: &[u32],
+    label: &str,
+    tol: f64,
+) {
     let dm = DeviceModel::upload(gpu, cfg, w).unwrap();
     let mut cpu = CpuForward::new(cfg, w, 64);
     let want: Vec<Vec<f32>> = cpu.forward_all(tokens).unwrap();
     for mode in MODES {
         let mut path = BaselinePath::new(gpu, &dm, mode, 64).unwrap();
+        let mut worst = 0f64;
         for (i, t) in tokens.iter().enumerate() {
             let got = path.feed(&[*t]).unwrap();
             let err = rel_l2(&got, &want[i]);
+            worst = worst.max(err);
             println!("{label} {} step {i}: rel L2 {err:.2e}", mode.name());
             assert!(
-                err <= 1e-2,
-                "{label} {}: step {i} rel L2 {err} > 1e-2",
+                err <= tol,
+                "{label} {}: step {i} rel L2 {err:.2e} > {tol:.0e}",
                 mode.name()
             );
         }
+        println!(
+            "{label} {}: worst rel L2 {worst:.2e} (tolerance {tol:.0e})",
+            mode.name()
+        );
     }
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn baseline_matches_reference_on_small_random_models() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     for (label, cfg, w, tokens) in small_cases() {
-        check_teacher_forced(&gpu, &cfg, &w, &tokens, &label);
+        check_teacher_forced(&gpu, &cfg, &w, &tokens, &label, TOL_SMALL);
     }
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn baseline_matches_reference_on_llama_1b_shape() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let cfg = presets::by_name("llama-3.2-1b").unwrap();
     let w = random_weights(&cfg, 7);
-    check_teacher_forced(&gpu, &cfg, &w, &[128000, 791, 6864, 315, 9822], "llama-1b");
+    check_teacher_forced(
+        &gpu,
+        &cfg,
+        &w,
+        &[128000, 791, 6864, 315, 9822],
+        "llama-1b",
+        TOL_LLAMA_1B,
+    );
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn baseline_modes_agree_on_greedy_tokens() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let cfg = tiny(576, 9, 3, 64, 1536);
     let w = random_weights(&cfg, 5);
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();

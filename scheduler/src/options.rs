@@ -29,7 +29,7 @@ pub struct CostModel {
 }
 
 impl Default for CostModel {
-    /// H100 SXM as measured (DESIGN.md), a 0.5 µs instruction overhead, a 1024-token context.
+    /// H100 SXM as measured (docs/gpu-machine.md), a 0.5 µs instruction overhead, a 1024-token context.
     fn default() -> Self {
         CostModel {
             bandwidth_gbps: 3110.0,

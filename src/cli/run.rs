@@ -55,6 +55,17 @@ pub struct RunArgs {
     /// GPU decode path.
     #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
     pub path: PathKind,
+    /// Print one JSON object on stdout at the end instead of streaming the text: prompt_ids,
+    /// generated_ids (an eos that stopped the run included), text (without it), stop_reason
+    /// ("eos" or "max_tokens"), ttft_ms, decode_tok_s, device, path.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where a run executed, for `--json`.
+struct RunPlace {
+    device: String,
+    path: &'static str,
 }
 
 pub fn resolve_model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
@@ -152,14 +163,68 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
         let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
-        return stream(&model, &mut backend, &ids, max_tokens, params);
+        let place = RunPlace {
+            device: gpu.describe(),
+            path: args.path.name(),
+        };
+        return finish(args, &model, &mut backend, &ids, max_tokens, params, place);
     }
     eprintln!(
         "megainfer: running on the CPU ({} threads)",
         rayon::current_num_threads()
     );
     let mut backend = CpuForward::new(&model.config, &model.weights, max_context);
-    stream(&model, &mut backend, &ids, max_tokens, params)
+    let place = RunPlace {
+        device: format!("cpu ({} threads)", rayon::current_num_threads()),
+        path: "cpu-reference",
+    };
+    finish(args, &model, &mut backend, &ids, max_tokens, params, place)
+}
+
+fn finish(
+    args: &RunArgs,
+    model: &Model,
+    backend: &mut dyn crate::generate::Backend,
+    ids: &[u32],
+    max_tokens: usize,
+    params: SamplingParams,
+    place: RunPlace,
+) -> Result<()> {
+    if !args.json {
+        return stream(model, backend, ids, max_tokens, params);
+    }
+    let tok = model.tokenizer.as_ref().context("model has no tokenizer")?;
+    let mut sampler = Sampler::new(params);
+    let mut generated: Vec<u32> = Vec::new();
+    let stats = generate(
+        backend,
+        ids,
+        max_tokens,
+        &tok.eos_token_ids,
+        &mut sampler,
+        params.is_greedy(),
+        &mut |t| {
+            generated.push(t);
+            Ok(())
+        },
+    )?;
+    let text_ids: Vec<u32> = generated
+        .iter()
+        .copied()
+        .filter(|t| !tok.eos_token_ids.contains(t))
+        .collect();
+    let out = serde_json::json!({
+        "prompt_ids": ids,
+        "generated_ids": generated,
+        "text": tok.decode(&text_ids)?,
+        "stop_reason": if stats.stopped_on_eos { "eos" } else { "max_tokens" },
+        "ttft_ms": stats.time_to_first_token.as_secs_f64() * 1e3,
+        "decode_tok_s": stats.decode_tokens_per_s(),
+        "device": place.device,
+        "path": place.path,
+    });
+    println!("{out}");
+    Ok(())
 }
 
 pub fn stream(

@@ -59,8 +59,18 @@ pub trait Steps {
     fn logits(&self) -> &CudaSlice<f32>;
 }
 
+/// Every id must index the embedding table: a GPU step reads its row without a bounds check,
+/// so an id past the vocabulary would read past the table rather than fail.
+pub fn check_tokens(tokens: &[u32], vocab: u32) -> Result<()> {
+    if let Some(&t) = tokens.iter().find(|&&t| t >= vocab) {
+        bail!("token id {t} is outside the vocabulary of {vocab}");
+    }
+    Ok(())
+}
+
 /// Feeds `tokens` one step each; the f32 logits after the last.
 pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
+    check_tokens(tokens, s.vocab())?;
     s.seq().check_room(tokens.len())?;
     for &t in tokens {
         let pos = s.seq().pos;
@@ -76,6 +86,7 @@ pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
 /// `n` greedy steps from `token` launched back to back: each step's argmax feeds the next on
 /// the device, and the host reads the tokens once at the end.
 pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u32>> {
+    check_tokens(&[token], s.vocab())?;
     s.seq().check_room(n)?;
     let start = s.seq().pos;
     if s.seq().meta_current != Some(token) {
@@ -106,5 +117,20 @@ impl<S: Steps> Backend for S {
 
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(decode_greedy(self, token, 1)?[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_tokens;
+
+    #[test]
+    fn token_ids_are_checked_against_the_vocabulary() {
+        check_tokens(&[0, 5, 999], 1000).unwrap();
+        check_tokens(&[], 1000).unwrap();
+        let err = check_tokens(&[3, 1000, 7], 1000).unwrap_err().to_string();
+        assert_eq!(err, "token id 1000 is outside the vocabulary of 1000");
+        let err = check_tokens(&[u32::MAX], 49152).unwrap_err().to_string();
+        assert!(err.contains("4294967295") && err.contains("49152"), "{err}");
     }
 }
