@@ -1,5 +1,5 @@
-// Attention math of the baseline kernel (the megakernel's is in ops/attention.cuh: its K and
-// V rows are staged in shared memory).
+// Attention math of the baseline kernel (the megakernel's is in megakernel/ops/attention.cuh:
+// its K and V rows are staged in shared memory).
 //
 // One warp works through blocks of 32 positions: lane j scores position base + j on its own
 // (the whole q·k dot product, 16-byte loads of its K row, so a block's 32 rows are in flight

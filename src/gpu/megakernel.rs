@@ -26,6 +26,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
+pub use launch::MAX_EPOCH;
 use layout::{attention_scratch, xs_floats, Arena, SmemLayout};
 pub use profile::{Profile, Timeline};
 

@@ -11,7 +11,7 @@ use super::MegakernelPath;
 
 /// Tags are epoch + 1 in 32 bits: before they would wrap, the tagged arena is cleared and the
 /// epoch restarts.
-pub(super) const MAX_EPOCH: u32 = u32::MAX - 1;
+pub const MAX_EPOCH: u32 = u32::MAX - 1;
 // The restart keeps the meta slot's parity (see `launch`).
 const _: () = assert!(MAX_EPOCH.is_multiple_of(2));
 
