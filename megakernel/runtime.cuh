@@ -2,10 +2,11 @@
 // step. Warp 0 is the loader (weights -> paged shared memory, running ahead of the consumers);
 // warps 1..CONSUMER_WARPS compute. Activations passed between instructions carry the launch's
 // tag (epoch + 1) and are waited for where they are read, so the same streams run token after
-// token without host work. The schedule's counters (the waits and signals it encodes) describe
-// exactly these dependencies; the interpreter has no need to keep them.
+// token without host work. What each instruction reads is scheduler::access (the scheduler's
+// CPU executor follows the same rule, and a GPU test checks that the two agree).
 
-#define MK_WORDS 16
+// Words per instruction: scheduler::WORDS_PER_INSTR (scheduler/src/encode.rs).
+#define MK_WORDS 8
 // 8 consumer warps + the loader = 9 warps: at most 3 per SM sub-partition, which lets each
 // thread have 168 registers. With 13 warps (128 registers) the interpreter loop spilled, and
 // the reloads went to L2.

@@ -148,7 +148,7 @@ fn broken_schedule_is_an_error_not_a_hang() {
     let (pos, _) = flat
         .iter()
         .enumerate()
-        .find(|(_, &k)| matches!(sched.instrs[k as usize].op, Op::RmsQkvRope { .. }))
+        .find(|(_, &k)| matches!(sched.instrs[k as usize], Op::RmsQkvRope { .. }))
         .expect("a QKV instruction");
     let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 16).unwrap();
     mk.set_wait_timeout_ms(200);

@@ -17,7 +17,7 @@
 //! | `attn_out[l]` | `H·d` | `Attention` (parts = 1) or `AttnReduce` |
 //! | `resid_attn[l]` | hidden | `OProjResidual`: layer input + O projection |
 //! | `act[l]` | intermediate | `RmsUpGateSilu`: silu(gate)·up |
-//! | `mlp_part[l][c]` | hidden | `DownProjResidual` of k-chunk `c` (partial dot products) |
+//! | `mlp_part[l][c]` | hidden | `DownProjPartial` of k-chunk `c` (partial dot products) |
 //! | `logits` | vocab | `RmsLmHead` |
 //! | `lm_best` | `[blocks, 2]`: (max logit as f32 bits, its row) | `RmsLmHead` |
 //!
@@ -89,7 +89,7 @@ pub enum Op {
         row_count: u32,
     },
     /// `mlp_part[l][chunk][r] = W_down[r, cols]·act[l][cols]`, `cols = col_start..+col_count`.
-    DownProjResidual {
+    DownProjPartial {
         layer: u32,
         row_start: u32,
         row_count: u32,
@@ -142,7 +142,7 @@ impl StageKind {
             StageKind::AttnReduce => "AttnReduce",
             StageKind::OProj => "OProjResidual",
             StageKind::UpGate => "RmsUpGateSilu",
-            StageKind::Down => "DownProjResidual",
+            StageKind::Down => "DownProjPartial",
             StageKind::LmHead => "RmsLmHead",
             StageKind::Argmax => "Argmax",
         }
@@ -157,7 +157,7 @@ impl Op {
             Op::AttnReduce { .. } => StageKind::AttnReduce,
             Op::OProjResidual { .. } => StageKind::OProj,
             Op::RmsUpGateSilu { .. } => StageKind::UpGate,
-            Op::DownProjResidual { .. } => StageKind::Down,
+            Op::DownProjPartial { .. } => StageKind::Down,
             Op::RmsLmHead { .. } => StageKind::LmHead,
             Op::Argmax { .. } => StageKind::Argmax,
         }
@@ -171,7 +171,7 @@ impl Op {
             | Op::AttnReduce { layer, .. }
             | Op::OProjResidual { layer, .. }
             | Op::RmsUpGateSilu { layer, .. }
-            | Op::DownProjResidual { layer, .. } => Some(layer),
+            | Op::DownProjPartial { layer, .. } => Some(layer),
             Op::RmsLmHead { .. } | Op::Argmax { .. } => None,
         }
     }
@@ -190,7 +190,7 @@ impl Op {
             Op::AttnReduce { .. } | Op::Argmax { .. } => 0,
             Op::OProjResidual { row_count, .. } => 2 * row_count as u64 * m.q_dim() as u64,
             Op::RmsUpGateSilu { row_count, .. } => 2 * 2 * row_count as u64 * h,
-            Op::DownProjResidual {
+            Op::DownProjPartial {
                 row_count,
                 col_count,
                 ..
@@ -198,22 +198,6 @@ impl Op {
             Op::RmsLmHead { row_count, .. } => 2 * row_count as u64 * h,
         }
     }
-}
-
-/// A wait: block until `counters[counter] >= base * (epoch + 1)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Wait {
-    pub counter: u32,
-    /// The number of instructions signalling `counter` in one token.
-    pub base: u32,
-}
-
-/// An instruction as an SM runs it: wait, compute, then add 1 to `signal` (release).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Instr {
-    pub op: Op,
-    pub waits: Vec<Wait>,
-    pub signal: Option<u32>,
 }
 
 /// A buffer of the table in the module documentation.
@@ -238,6 +222,13 @@ impl Buffer {
     /// Inputs of a launch: read, never written by an instruction.
     pub fn is_input(self) -> bool {
         self == Buffer::TokenIn
+    }
+
+    /// Whether the megakernel hands this buffer between instructions as tagged activations
+    /// (see [`crate::arena`]). The others are the launch's input (`token_in`) and outputs
+    /// only the host reads (`token_out`, `logits`).
+    pub fn is_tagged(self) -> bool {
+        !matches!(self, Buffer::TokenIn | Buffer::TokenOut | Buffer::Logits)
     }
 }
 
@@ -390,7 +381,7 @@ pub fn access(op: &Op, model: &ModelShape, opts: &Options) -> Access {
             a.writes
                 .push(span(Buffer::Act { layer }, row_start, row_count));
         }
-        Op::DownProjResidual {
+        Op::DownProjPartial {
             layer,
             row_start,
             row_count,

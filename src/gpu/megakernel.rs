@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{self, CUlaunchAttributeID};
 use cudarc::driver::{CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
-use scheduler::{Op, Schedule};
+use scheduler::{ArenaLayout, Op, Schedule};
 
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
@@ -91,53 +91,15 @@ pub struct MegakernelPath<'g> {
     meta: CudaSlice<u32>,
     history: CudaSlice<u32>,
     logits: CudaSlice<f32>,
-    /// Every tagged activation buffer, one after the other (see `Arena`).
+    /// Every tagged activation buffer, one after the other (see `scheduler::arena`).
     arena: CudaSlice<u64>,
-    arena_layout: Arena,
+    arena_layout: ArenaLayout,
     _layers: CudaSlice<u64>,
     _kv: KvCache,
     seq: Sequence,
     /// Per encoded position: the instruction, for error messages.
     descs: Vec<String>,
     kinds: Vec<&'static str>,
-}
-
-/// Offsets (in 64-bit words) of the tagged buffers in one allocation, so that the kernel can
-/// name a stuck element by its offset and one memset clears them all.
-struct Arena {
-    parts: Vec<(&'static str, usize)>,
-    len: usize,
-}
-
-impl Arena {
-    fn new(sizes: &[(&'static str, usize)]) -> Self {
-        let mut len = 0;
-        let parts = sizes
-            .iter()
-            .map(|&(name, n)| {
-                let start = len;
-                len += n;
-                (name, start)
-            })
-            .collect();
-        Arena { parts, len }
-    }
-
-    fn offset(&self, name: &str) -> usize {
-        self.parts
-            .iter()
-            .find(|p| p.0 == name)
-            .map(|p| p.1)
-            .expect("arena part")
-    }
-
-    /// `buffer[element]` for an offset.
-    fn element(&self, offset: usize) -> String {
-        match self.parts.iter().rev().find(|p| p.1 <= offset) {
-            Some((name, start)) => format!("{name}[{}]", offset - start),
-            None => format!("arena[{offset}]"),
-        }
-    }
 }
 
 /// Where one decode step's time went, per instruction type (from `MegakernelPath::profile`).
@@ -209,16 +171,16 @@ impl<'g> MegakernelPath<'g> {
         let mut kinds = Vec::new();
         let mut max_cols = c.hidden_size.max(c.q_dim());
         for &k in schedule.streams.iter().flatten() {
-            let i = &schedule.instrs[k as usize];
+            let op = &schedule.instrs[k as usize];
             descs.push(schedule.describe(k as usize));
-            kinds.push(i.op.kind().name());
-            let rows = match i.op {
+            kinds.push(op.kind().name());
+            let rows = match *op {
                 Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
                 Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
                 Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
                     row_count as usize
                 }
-                Op::DownProjResidual {
+                Op::DownProjPartial {
                     row_count,
                     col_count,
                     ..
@@ -229,15 +191,14 @@ impl<'g> MegakernelPath<'g> {
                 _ => 0,
             };
             // O-proj keeps its residual rows in the second half of the row buffer.
-            let limit = if matches!(i.op, Op::OProjResidual { .. }) {
+            let limit = if matches!(op, Op::OProjResidual { .. }) {
                 RES_MAX / 2
             } else {
                 RES_MAX
             };
             if rows > limit {
                 bail!(
-                    "schedule: {:?} computes {rows} rows; the megakernel holds at most {limit}",
-                    i.op
+                    "schedule: {op:?} computes {rows} rows; the megakernel holds at most {limit}"
                 );
             }
         }
@@ -245,11 +206,7 @@ impl<'g> MegakernelPath<'g> {
             bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
         }
         let (words, offsets) = (enc.words, enc.sm_offsets);
-        let (n_lm, parts, chunks) = (
-            enc.lm_blocks as usize,
-            enc.attn_parts as usize,
-            enc.down_chunks as usize,
-        );
+        let (n_lm, chunks) = (enc.lm_blocks as usize, enc.down_chunks as usize);
         let instructions = words.len() / WORDS;
         let xs_floats = max_cols.max(attention_scratch).next_multiple_of(4);
         // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants.
@@ -263,18 +220,9 @@ impl<'g> MegakernelPath<'g> {
             .load_module(Ptx::from_binary(cubin))
             .context("loading the megakernel CUBIN")?;
         let kernel = Kernel::load(&module, "megakernel")?;
-        // Mirrors the shared-memory layout at the top of megakernel.cu: xs, res, red, the RMS
-        // sums of squares, two instructions' words, the layer pointer table; then the kernel's
-        // static flags.
-        let fixed = (xs_floats + 2 * RES_MAX + 3 * CONSUMER_WARPS + 2 * WORDS) * 4
-            + c.num_layers * std::mem::size_of::<[u64; 6]>();
+        let fixed = smem_fixed_bytes(xs_floats, c.num_layers);
         let static_smem = kernel.static_smem()?;
-        // A multiple of TILE_GROUPS, so each page is always consumed by the same warp group
-        // (see TILE_GROUPS in runtime.cuh).
-        let pages = (gpu.max_smem_per_block.saturating_sub(fixed + static_smem))
-            / (PAGE_BYTES + 16)
-            / TILE_GROUPS
-            * TILE_GROUPS;
+        let pages = weight_pages(gpu.max_smem_per_block, fixed + static_smem);
         if pages < TILE_GROUPS {
             bail!(
                 "megakernel: {} B of shared memory per block leaves {pages} pages; at least {TILE_GROUPS} are needed",
@@ -289,19 +237,11 @@ impl<'g> MegakernelPath<'g> {
         }
 
         let s = &gpu.stream;
-        let (l, h, qd) = (c.num_layers, c.hidden_size, c.q_dim());
-        // resid_attn first: the kernel reports a stuck element by its offset from there.
-        let arena = Arena::new(&[
-            ("resid_attn", l * h),
-            ("mlp_part", l * chunks * h),
-            ("q", l * qd),
-            ("kv_new", l * 2 * c.kv_dim()),
-            ("attn_out", l * qd),
-            ("attn_part", l * c.num_heads * parts * (c.head_dim + 2)),
-            ("act", l * c.intermediate_size),
-            ("lm_best", 2 * n_lm.max(1)),
-        ]);
-        let arena_d = gpu.alloc_zeros::<u64>(arena.len, "tagged activations")?;
+        let (l, h) = (c.num_layers, c.hidden_size);
+        // The layout the scheduler names elements by (resid_attn first: the kernel reports a
+        // stuck element by its offset from there).
+        let arena = schedule.arena();
+        let arena_d = gpu.alloc_zeros::<u64>(arena.len(), "tagged activations")?;
         let base = ptr(&arena_d, s);
         let at = |name: &str| base + 8 * arena.offset(name) as u64;
         let logits = gpu.alloc_zeros::<f32>(c.vocab_size, "logits")?;
@@ -636,26 +576,80 @@ impl Steps for MegakernelPath<'_> {
     }
 }
 
-/// The schedule the megakernel runs for `config` on `gpu`: granularity from the cost model,
-/// attention costed at `context` positions, `attn_parts` overriding the split-KV partitions.
+// ---- the schedule the megakernel runs (shared with `megainfer schedule`) ----
+
+/// Shared memory besides the weight pages, mirroring the layout at the top of megakernel.cu:
+/// xs (`xs_floats`), res, red, the RMS sums of squares, two instructions' words, the layer
+/// pointer table. The kernel's static flags come on top.
+fn smem_fixed_bytes(xs_floats: usize, layers: usize) -> usize {
+    (xs_floats + 2 * RES_MAX + 3 * CONSUMER_WARPS + 2 * WORDS) * 4
+        + layers * std::mem::size_of::<[u64; 6]>()
+}
+
+/// Weight pages (each with its two mbarriers) that fit beside `fixed` bytes: a multiple of
+/// TILE_GROUPS, so each page is always consumed by the same warp group (see TILE_GROUPS in
+/// runtime.cuh).
+fn weight_pages(max_smem_per_block: usize, fixed: usize) -> usize {
+    max_smem_per_block.saturating_sub(fixed) / (PAGE_BYTES + 16) / TILE_GROUPS * TILE_GROUPS
+}
+
+/// Opt-in shared memory per block of an H100 (227 KiB) and its SMs: what `megainfer schedule`
+/// assumes where no GPU is present.
+pub const H100_SMS: usize = 132;
+pub const H100_SMEM_PER_BLOCK: usize = 227 << 10;
+
+/// The GPU as the megakernel uses it for `config`: `sm_count` streams and the weight pages it
+/// leaves beside its other shared memory on a GPU with `max_smem_per_block` bytes per block.
+/// The page count feeds the schedule's time estimate only; it is taken with the widest input
+/// vector an auto-granularity schedule can have (a down-projection chunk is at most a page of
+/// f32), so it is the kernel's own count or one below it.
+pub fn megakernel_gpu_shape(
+    config: &crate::model::Config,
+    sm_count: usize,
+    max_smem_per_block: usize,
+) -> scheduler::GpuShape {
+    let scratch = attention_scratch(config.num_heads / config.num_kv_heads, config.head_dim);
+    let xs = config
+        .hidden_size
+        .max(config.q_dim())
+        .max(PAGE_BYTES / 4)
+        .max(scratch)
+        .next_multiple_of(4);
+    scheduler::GpuShape {
+        sm_count,
+        smem_pages: weight_pages(max_smem_per_block, smem_fixed_bytes(xs, config.num_layers)),
+        page_bytes: PAGE_BYTES,
+    }
+}
+
+/// The schedule the megakernel runs for `config` on a GPU of shape `gpu` with `cost` (for
+/// `run` and `bench`: `CostModel::megakernel(context)`), granularity overridden by
+/// `overrides`. `run`, `bench` (through [`schedule_for`]) and `megainfer schedule` all build
+/// their schedules here.
+pub fn megakernel_schedule(
+    config: &crate::model::Config,
+    gpu: &scheduler::GpuShape,
+    cost: &scheduler::CostModel,
+    overrides: &scheduler::Overrides,
+) -> Result<Schedule> {
+    let shape = crate::reference::sliced::shape_of(config);
+    scheduler::plan(&shape, gpu, cost, overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+}
+
+/// The schedule the megakernel runs for `config` on `gpu`, attention costed at `context`
+/// positions (the prompt plus the new tokens), `attn_parts` overriding the split-KV
+/// partitions.
 pub fn schedule_for(
     config: &crate::model::Config,
     gpu: &Gpu,
     context: usize,
     attn_parts: Option<usize>,
 ) -> Result<Schedule> {
-    let shape = crate::reference::sliced::shape_of(config);
-    let gs = scheduler::GpuShape::with_sms(gpu.sm_count);
-    // Measured hops (wait, prepare, compute, signal) cost microseconds, not the default 0.5:
-    // a higher fixed cost keeps short contexts from paying an extra split-KV reduction hop.
-    let cost = scheduler::CostModel {
-        context,
-        latency_us: 2.0,
+    let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
+    let overrides = scheduler::Overrides {
+        attn_parts,
         ..Default::default()
     };
-    let mut opts = scheduler::Options::auto(&shape, &gs, &cost);
-    if let Some(p) = attn_parts {
-        opts.attn_parts = p;
-    }
-    scheduler::build(&shape, &gs, &opts).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+    let cost = scheduler::CostModel::megakernel(context);
+    megakernel_schedule(config, &shape, &cost, &overrides)
 }

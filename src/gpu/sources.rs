@@ -6,7 +6,7 @@ const BASELINE: &str = include_str!("../../megakernel/baseline.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
 /// The instructions with code of their own; the three whose post step is one store loop
-/// (OProjResidual, RmsUpGateSilu, DownProjResidual) are written out in the interpreter's switch.
+/// (OProjResidual, RmsUpGateSilu, DownProjPartial) are written out in the interpreter's switch.
 const OPS: [&str; 5] = [
     include_str!("../../megakernel/ops/attention.cuh"),
     include_str!("../../megakernel/ops/attn_reduce.cuh"),
