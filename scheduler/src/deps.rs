@@ -89,7 +89,7 @@ pub(crate) fn producers(s: &Schedule, writers: &Writers) -> Vec<Vec<u32>> {
 }
 
 /// Per instruction, the global indices of the instructions it depends on directly (see the
-/// module documentation). Fails like [`crate::validate`] on elements written twice.
+/// module documentation). Fails like [`crate::validate()`] on elements written twice.
 pub fn dependencies(s: &Schedule) -> Result<Vec<Vec<u32>>, ScheduleError> {
     Ok(producers(s, &Writers::new(s)?))
 }

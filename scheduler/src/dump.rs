@@ -271,8 +271,8 @@ pub struct JsonInstr {
     pub position: usize,
     pub op: Op,
     pub hbm_bytes: u64,
-    /// What it reads and writes, as `buffer[start..end]` (see the rustdoc of
-    /// `scheduler::instruction`).
+    /// What it reads and writes, as `buffer[start..end]` (e.g. `q[3][64..96]`: elements
+    /// 64..96 of layer 3's `q`; see the rustdoc of `scheduler::instruction`).
     pub reads: Vec<String>,
     pub writes: Vec<String>,
     /// Global indices of the instructions whose output it reads.
@@ -281,7 +281,7 @@ pub struct JsonInstr {
 
 fn span_name(span: &crate::Span) -> String {
     format!(
-        "{:?}[{}..{}]",
+        "{}[{}..{}]",
         span.buffer, span.elements.start, span.elements.end
     )
 }

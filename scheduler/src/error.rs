@@ -15,7 +15,7 @@ pub enum ScheduleError {
     #[error("streams: {0}")]
     Streams(String),
     #[error(
-        "possible deadlock: {instr} reads {buffer:?}[{element}], which {writer} writes later \
+        "possible deadlock: {instr} reads {buffer}[{element}], which {writer} writes later \
          in the global order"
     )]
     Deadlock {
@@ -24,16 +24,16 @@ pub enum ScheduleError {
         element: u32,
         writer: String,
     },
-    #[error("{buffer:?}[{element}] is written twice per token: by {first} and by {second}")]
+    #[error("{buffer}[{element}] is written twice per token: by {first} and by {second}")]
     DoubleWrite {
         buffer: Buffer,
         element: u32,
         first: String,
         second: String,
     },
-    #[error("{instr} writes {buffer:?}, an input of the launch")]
+    #[error("{instr} writes {buffer}, an input of the launch")]
     WriteToInput { instr: String, buffer: Buffer },
-    #[error("{instr} reads {buffer:?}[{element}], which no instruction writes")]
+    #[error("{instr} reads {buffer}[{element}], which no instruction writes")]
     Unwritten {
         instr: String,
         buffer: Buffer,

@@ -140,7 +140,7 @@ impl<'a> Executor<'a> {
             }) {
                 return Err(ExecError::Outside {
                     instr: schedule.describe(x),
-                    buffer: format!("{:?}[{:?}]", bad.buffer, bad.elements),
+                    buffer: format!("{}[{:?}]", bad.buffer, bad.elements),
                 });
             }
             reads.push(runs(&a.reads));

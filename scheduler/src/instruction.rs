@@ -35,6 +35,14 @@
 //! The KV cache keeps earlier positions across launches; the validator only tracks row `pos`,
 //! the one written this token. Past rows were written by earlier launches, which the kernel
 //! boundary orders.
+//!
+//! # Dependencies
+//!
+//! [`access`] is the one statement of what an instruction reads and writes, element by
+//! element. It is the whole dependency model: on the GPU an instruction proceeds once every
+//! element it reads carries the step's tag (the buffers above but `token_in`, `token_out` and
+//! `logits` are tagged activations, see [`crate::arena`]), and the scheduler derives its edges
+//! ([`crate::deps`]), its validation and its CPU executor ([`crate::exec`]) from it.
 
 use std::ops::Range;
 
@@ -229,6 +237,27 @@ impl Buffer {
     /// only the host reads (`token_out`, `logits`).
     pub fn is_tagged(self) -> bool {
         !matches!(self, Buffer::TokenIn | Buffer::TokenOut | Buffer::Logits)
+    }
+}
+
+/// The name of the table above: `q[l]`, `mlp_part[l][c]`, `token_in`, ….
+impl std::fmt::Display for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Buffer::TokenIn => write!(f, "token_in"),
+            Buffer::TokenOut => write!(f, "token_out"),
+            Buffer::Q { layer } => write!(f, "q[{layer}]"),
+            Buffer::KCache { layer } => write!(f, "k_cache[{layer}]"),
+            Buffer::VCache { layer } => write!(f, "v_cache[{layer}]"),
+            Buffer::AttnPart { layer } => write!(f, "attn_part[{layer}]"),
+            Buffer::AttnStats { layer } => write!(f, "attn_stats[{layer}]"),
+            Buffer::AttnOut { layer } => write!(f, "attn_out[{layer}]"),
+            Buffer::ResidAttn { layer } => write!(f, "resid_attn[{layer}]"),
+            Buffer::Act { layer } => write!(f, "act[{layer}]"),
+            Buffer::MlpPart { layer, chunk } => write!(f, "mlp_part[{layer}][{chunk}]"),
+            Buffer::Logits => write!(f, "logits"),
+            Buffer::LmBest => write!(f, "lm_best"),
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 //! - [`plan`] (or [`build`] with explicit [`options`]) makes the instructions of one forward
 //!   pass ([`instruction`] documents them, the buffers and what each reads and writes), orders
 //!   them stage by stage, balances each stage over the SMs by the cost model and
-//!   [`validate`]s the result.
+//!   validates the result ([`validate()`]).
 //! - Dependencies are what the GPU enforces and nothing more: an instruction runs once every
 //!   element it reads carries this step's tag ([`arena`] says where the tagged activations
 //!   live and how an element is named); [`deps`] derives the edges from [`access`].

@@ -5,7 +5,7 @@ use crate::{access, Access, ArenaLayout, GpuShape, ModelShape, Op, Options, Sche
 /// One decode step as per-SM instruction streams.
 ///
 /// `instrs` is the global order (stage by stage; every element an instruction reads is
-/// written by an earlier one, see [`crate::validate`]); every stream is a strictly increasing
+/// written by an earlier one, see [`crate::validate()`]); every stream is a strictly increasing
 /// list of indices into it and every instruction is in exactly one stream. Streams never
 /// change between tokens. Nothing else orders the instructions: an instruction runs once
 /// every element it reads ([`crate::access`]) carries this step's tag.
