@@ -39,6 +39,14 @@ pub enum ScheduleError {
         buffer: Buffer,
         element: u32,
     },
+    #[error("{instr} touches {buffer}[{start}..{end}], outside the buffer ({len} elements)")]
+    OutOfBounds {
+        instr: String,
+        buffer: Buffer,
+        start: u32,
+        end: u32,
+        len: usize,
+    },
     #[error("cost model: {0}")]
     Cost(String),
 }

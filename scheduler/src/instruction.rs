@@ -240,6 +240,34 @@ impl Buffer {
     }
 }
 
+impl Buffer {
+    /// Elements of this buffer in a schedule of `model` with `opts` and `lm_blocks` LM-head
+    /// blocks (for the KV cache: of one row); `None` for a layer or chunk the model does not
+    /// have.
+    pub fn len(self, model: &ModelShape, opts: &Options, lm_blocks: usize) -> Option<usize> {
+        let layer_ok = |l: u32| (l as usize) < model.layers;
+        let slots = model.heads * opts.attn_parts;
+        let (ok, n) = match self {
+            Buffer::TokenIn | Buffer::TokenOut => (true, 2),
+            Buffer::Q { layer } | Buffer::AttnOut { layer } => (layer_ok(layer), model.q_dim()),
+            Buffer::KCache { layer } | Buffer::VCache { layer } => {
+                (layer_ok(layer), model.kv_dim())
+            }
+            Buffer::AttnPart { layer } => (layer_ok(layer), slots * model.head_dim),
+            Buffer::AttnStats { layer } => (layer_ok(layer), slots * 2),
+            Buffer::ResidAttn { layer } => (layer_ok(layer), model.hidden),
+            Buffer::Act { layer } => (layer_ok(layer), model.intermediate),
+            Buffer::MlpPart { layer, chunk } => (
+                layer_ok(layer) && (chunk as usize) < opts.down_chunks,
+                model.hidden,
+            ),
+            Buffer::Logits => (true, model.vocab),
+            Buffer::LmBest => (true, 2 * lm_blocks),
+        };
+        ok.then_some(n)
+    }
+}
+
 /// The name of the table above: `q[l]`, `mlp_part[l][c]`, `token_in`, ….
 impl std::fmt::Display for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

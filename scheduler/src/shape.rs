@@ -125,7 +125,8 @@ pub struct GpuShape {
 }
 
 impl GpuShape {
-    /// H100 SXM: 132 SMs, 13 pages of 16 KiB (208 KiB of the 227 KiB a CTA may use).
+    /// H100 SXM: 132 SMs, 12 weight pages of 16 KiB (what the megakernel leaves of the 227
+    /// KiB a CTA may use, beside its other shared memory, for Llama-3.2-1B).
     pub fn h100() -> GpuShape {
         GpuShape::with_sms(132)
     }
@@ -134,7 +135,7 @@ impl GpuShape {
     pub fn with_sms(sm_count: usize) -> GpuShape {
         GpuShape {
             sm_count,
-            smem_pages: 13,
+            smem_pages: 12,
             page_bytes: 16 << 10,
         }
     }

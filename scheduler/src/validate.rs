@@ -4,10 +4,12 @@
 //! stream in order.
 //!
 //! 1. Structure: the streams partition the instructions and each follows the global order.
-//! 2. One writer: no element is written twice per step and no launch input is written, so a
+//! 2. Bounds: every element read or written lies inside its buffer (on the GPU the buffers sit
+//!    side by side in one arena, so a stray index would hit another buffer).
+//! 3. One writer: no element is written twice per step and no launch input is written, so a
 //!    tag names exactly one store.
-//! 3. Every element read is written in the step: else its reader would wait forever.
-//! 4. No cycle, no deadlock: every element an instruction reads is written by an instruction
+//! 4. Every element read is written in the step: else its reader would wait forever.
+//! 5. No cycle, no deadlock: every element an instruction reads is written by an instruction
 //!    earlier in the global order. Then the earliest unfinished instruction in the global
 //!    order can always run, whatever the interleaving: everything before it in its own stream
 //!    is earlier, hence finished, and so is every writer of what it reads.
@@ -18,6 +20,22 @@ use crate::{Schedule, ScheduleError};
 /// Runs every check; the first violation found is the error.
 pub fn validate(s: &Schedule) -> Result<(), ScheduleError> {
     s.check_streams()?;
+    let blocks = s.lm_blocks();
+    for (x, op) in s.instrs.iter().enumerate() {
+        let a = s.access(op);
+        for span in a.reads.iter().chain(&a.writes) {
+            let len = span.buffer.len(&s.model, &s.options, blocks);
+            if len.is_none_or(|n| span.elements.end as usize > n) {
+                return Err(ScheduleError::OutOfBounds {
+                    instr: s.describe(x),
+                    buffer: span.buffer,
+                    start: span.elements.start,
+                    end: span.elements.end,
+                    len: len.unwrap_or(0),
+                });
+            }
+        }
+    }
     let writers = Writers::new(s)?;
     for (x, op) in s.instrs.iter().enumerate() {
         for read in s.access(op).reads {

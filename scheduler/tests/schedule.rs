@@ -416,6 +416,29 @@ fn validator_catches_bad_accesses() {
         validate(&short),
         Err(ScheduleError::Unwritten { .. })
     ));
+    // An o-proj instruction reaching past the hidden size.
+    let mut long = s.clone();
+    let x = long
+        .instrs
+        .iter()
+        .rposition(|op| op.kind() == StageKind::OProj)
+        .unwrap();
+    if let Op::OProjResidual { row_count, .. } = &mut long.instrs[x] {
+        *row_count += 1;
+    }
+    assert!(matches!(
+        validate(&long),
+        Err(ScheduleError::OutOfBounds { .. })
+    ));
+    // An instruction of a layer the model does not have.
+    let mut deep = s.clone();
+    if let Op::RmsUpGateSilu { layer, .. } = &mut deep.instrs[find(StageKind::UpGate)] {
+        *layer = 7;
+    }
+    assert!(matches!(
+        validate(&deep),
+        Err(ScheduleError::OutOfBounds { .. })
+    ));
     // An instruction on a second SM.
     let mut dup = s.clone();
     let extra = dup.streams[0][0];
