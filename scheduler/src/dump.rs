@@ -12,7 +12,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::deps::dependencies;
+use crate::deps::{dependencies, Writers};
 use crate::{CostModel, GpuShape, ModelShape, Op, Options, Schedule, StageKind};
 
 /// Per-SM HBM bytes of one kind of stage, over all its layers and SMs.
@@ -116,8 +116,9 @@ pub fn estimate(s: &Schedule, cost: &CostModel) -> Estimate {
     let capacity = s.gpu.smem_bytes() as f64;
     let mut sm_free = vec![0f64; s.gpu.sm_count];
     // A schedule that validated has one writer per element; one that does not is estimated
-    // with program order alone.
-    let deps = dependencies(s).unwrap_or_else(|_| vec![Vec::new(); s.instrs.len()]);
+    // with program order alone. The producers are looked up per instruction, not stored: a
+    // fine schedule on many SMs has tens of millions of edges.
+    let writers = Writers::new(s).ok();
     let mut end = vec![0f64; s.instrs.len()];
     let mut sm_of = vec![0usize; s.instrs.len()];
     for (sm, stream) in s.streams.iter().enumerate() {
@@ -128,10 +129,16 @@ pub fn estimate(s: &Schedule, cost: &CostModel) -> Estimate {
     let mut end_all = 0f64;
     for (i, op) in s.instrs.iter().enumerate() {
         let sm = sm_of[i];
-        let inputs = deps[i]
-            .iter()
-            .map(|&w| end[w as usize])
-            .fold(0f64, f64::max);
+        let mut inputs = 0f64;
+        if let Some(writers) = &writers {
+            for r in s.access(op).reads {
+                writers.cover(r.buffer, &r.elements, |_, w| {
+                    if let Some(w) = w {
+                        inputs = inputs.max(end[w]);
+                    }
+                });
+            }
+        }
         let bytes = op.hbm_bytes(&s.model, cost.context) as f64;
         let idle = (inputs - sm_free[sm]).max(0.0);
         let prefetched = bytes.min(capacity).min(idle * bw);
