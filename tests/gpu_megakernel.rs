@@ -186,7 +186,7 @@ fn broken_schedule_is_an_error_not_a_hang() {
     let (pos, _) = flat
         .iter()
         .enumerate()
-        .find(|(_, &k)| matches!(sched.instrs[k as usize].op, Op::RmsQkvRope { .. }))
+        .find(|(_, &k)| matches!(sched.instrs[k as usize], Op::RmsQkvRope { .. }))
         .expect("a QKV instruction");
     let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 16).unwrap();
     mk.set_wait_timeout_ms(200);
@@ -198,4 +198,122 @@ fn broken_schedule_is_an_error_not_a_hang() {
     assert!(err.contains("nothing wrote it this step"), "{err}");
     assert!(err.contains("cannot make progress"), "{err}");
     assert!(start.elapsed().as_secs() < 20);
+}
+
+/// The instructions to turn into no-ops: for every type that hands data on (the argmax writes
+/// only untagged outputs), the first and the last of its kind; for QKV the first of a Q, a K
+/// and a V head; for split-KV attention the first part and the last (the one reading this
+/// token's K/V row).
+fn producers_to_drop(sched: &scheduler::Schedule) -> Vec<u32> {
+    let cfg = &sched.model;
+    let mut picks = Vec::new();
+    for kind in scheduler::StageKind::ALL {
+        let of_kind: Vec<u32> = (0..sched.instrs.len() as u32)
+            .filter(|&i| sched.instrs[i as usize].kind() == kind)
+            .collect();
+        if kind == scheduler::StageKind::Argmax || of_kind.is_empty() {
+            continue;
+        }
+        picks.push(of_kind[0]);
+        picks.push(*of_kind.last().unwrap());
+        let role = |head: u32| {
+            (head >= cfg.heads as u32) as u32 + (head >= (cfg.heads + cfg.kv_heads) as u32) as u32
+        };
+        for want in 0..3 {
+            picks.extend(
+                of_kind
+                    .iter()
+                    .copied()
+                    .find(|&i| match sched.instrs[i as usize] {
+                        Op::RmsQkvRope { head, .. } => role(head) == want,
+                        Op::Attention { part, parts, .. } => (part + 1 == parts) == (want == 1),
+                        _ => false,
+                    }),
+            );
+        }
+    }
+    picks.sort_unstable();
+    picks.dedup();
+    picks
+}
+
+/// `what` in `text` between `before` and `after`.
+fn between<'t>(text: &'t str, before: &str, after: &str) -> Option<&'t str> {
+    let start = text.find(before)? + before.len();
+    let len = text[start..].find(after)?;
+    Some(&text[start..start + len])
+}
+
+/// One source for what an instruction reads: the GPU's hand-written tagged reads against
+/// `scheduler::access`. For every type of instruction that hands data on, on small random
+/// models with and without split-KV attention, one producer becomes a no-op (opcode 0) after
+/// a few clean steps. The kernel must stop with an error naming an element and an
+/// instruction that `scheduler::unwritten_if_dropped` predicts: an element the scheduler
+/// says is never written this step, read by an instruction the scheduler says waits for it.
+/// A GPU read the scheduler does not declare, or a declared read the GPU does not wait for,
+/// shows up as a name outside the prediction (or as no error at all).
+#[test]
+#[ignore = "needs a GPU"]
+fn dropped_producer_is_named_as_the_scheduler_predicts() {
+    let gpu = Gpu::new(0).expect("a GPU");
+    let mut checked = 0;
+    for (label, cfg) in [
+        ("gqa1-hd64", tiny(192, 3, 3, 64, 520)),
+        ("gqa2-hd128", tiny(256, 4, 2, 128, 520)),
+    ] {
+        let w = random_weights(&cfg, 3);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        for parts in [1, 3] {
+            let sched = schedule_for(&cfg, &gpu, 16, Some(parts)).unwrap();
+            let order = sched.encoded_order();
+            for dropped in producers_to_drop(&sched) {
+                let what = format!(
+                    "{label} parts={parts}: {} dropped",
+                    sched.describe(dropped as usize)
+                );
+                let predicted = scheduler::unwritten_if_dropped(&sched, dropped).unwrap();
+                assert!(!predicted.is_empty(), "{what}: nothing predicted");
+                let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 16).unwrap();
+                mk.set_wait_timeout_ms(200);
+                // Clean steps first, so the stale values carry the previous step's tag.
+                mk.feed(&[1, 2, 3, 4]).unwrap();
+                let pos = order.iter().position(|&k| k == dropped).unwrap();
+                mk.poke_word(pos, 0, 0).unwrap();
+                let start = std::time::Instant::now();
+                let err = mk.feed(&[5]).unwrap_err().to_string();
+                println!("{what}: {err} after {:?}", start.elapsed());
+                assert!(err.contains("nothing wrote it this step"), "{what}: {err}");
+                let element = between(&err, "waited too long for ", " (tag").expect("element");
+                let reader: usize = between(&err, " instruction ", " (")
+                    .and_then(|p| p.parse().ok())
+                    .expect("instruction position");
+                let global = order[reader];
+                // Whether the kernel named the dropped instruction's own output or an element
+                // of an instruction stuck behind it (whichever wait timed out first).
+                let arena = sched.arena();
+                let own = sched
+                    .access(&sched.instrs[dropped as usize])
+                    .writes
+                    .iter()
+                    .filter_map(|s| arena.runs(s))
+                    .flatten()
+                    .any(|r| r.map(|o| arena.element(o)).any(|e| e == element));
+                println!(
+                    "  named {}",
+                    if own {
+                        "its own output"
+                    } else {
+                        "an output stuck behind it"
+                    }
+                );
+                assert!(
+                    predicted.contains(&(global, element.to_string())),
+                    "{what}: the kernel names #{global} waiting for {element}; the scheduler predicts {predicted:?}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    println!("{checked} dropped producers named as predicted");
+    assert!(checked >= 4 * 8, "only {checked} cases");
 }

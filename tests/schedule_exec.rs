@@ -1,12 +1,17 @@
-//! Schedules run by the CPU executor over `SlicedMachine` must reproduce `CpuForward`, token
-//! after token, in random interleavings; and every dependency a schedule declares must be
-//! needed: without it the validator objects and an adversarial interleaving computes garbage.
+//! Schedules run by the CPU executor over `SlicedMachine`, by the GPU's rule (an instruction
+//! runs once every element it reads carries the step's tag), must give bit for bit what the
+//! same sliced instructions give run one after the other in the global order, token after
+//! token, in any interleaving, and match `CpuForward`. And every read an instruction declares
+//! must be what it needs: run as early as its declared inputs allow it computes the right
+//! result, and run without waiting for any one of its producers it computes garbage.
 
 use megainfer::model::random::random_weights;
 use megainfer::model::{Config, Llama3RopeScaling, Weights};
 use megainfer::reference::sliced::{shape_of, SlicedMachine};
 use megainfer::reference::CpuForward;
-use scheduler::{build, validate, CostModel, Executor, GpuShape, Interleaving, Options, Schedule};
+use scheduler::{
+    build, dependencies, CostModel, Executor, GpuShape, Interleaving, Machine, Options, Schedule,
+};
 
 const MAX_SEQ: usize = 16;
 /// Sliced and whole-matrix sums differ only by f32 reassociation (~1e-7), but the K/V cache
@@ -119,8 +124,24 @@ fn auto(cfg: &Config, gpu: &GpuShape) -> Options {
     Options::auto(&shape_of(cfg), gpu, &CostModel::default())
 }
 
-/// Runs every token of `c` teacher-forced through `s` and checks logits and `token_out`.
-fn run_case(c: &Case, s: &Schedule, seed: u64) {
+/// The logits of every token of `c`, the sliced instructions run one after the other in the
+/// global order (no executor): what every interleaving must reproduce bit for bit.
+fn in_global_order(c: &Case, s: &Schedule) -> Vec<Vec<u32>> {
+    let mut m = SlicedMachine::new(&c.cfg, &c.w, s, MAX_SEQ).unwrap();
+    let mut out = Vec::new();
+    for (pos, &t) in c.tokens.iter().enumerate() {
+        m.begin_token(t, pos).unwrap();
+        for op in &s.instrs {
+            m.exec(op);
+        }
+        out.push(m.logits().iter().map(|x| x.to_bits()).collect());
+    }
+    out
+}
+
+/// Runs every token of `c` teacher-forced through `s` in the executor, and checks the logits
+/// bit for bit against `exact` and within `TOLERANCE` of the reference, and `token_out`.
+fn run_case(c: &Case, s: &Schedule, exact: &[Vec<u32>], seed: u64) {
     let mut m = SlicedMachine::new(&c.cfg, &c.w, s, MAX_SEQ).unwrap();
     let mut ex = Executor::new(s).unwrap();
     for (pos, (&t, want)) in c.tokens.iter().zip(&c.want).enumerate() {
@@ -129,6 +150,13 @@ fn run_case(c: &Case, s: &Schedule, seed: u64) {
             seed: seed * 1000 + pos as u64,
         };
         ex.run_token(&mut m, how).unwrap();
+        let bits: Vec<u32> = m.logits().iter().map(|x| x.to_bits()).collect();
+        assert!(
+            bits == exact[pos],
+            "pos {pos}, {} SMs, seed {seed}, {:?}: logits differ from the global order's",
+            s.gpu.sm_count,
+            s.options
+        );
         let err = rel_l2(m.logits(), want);
         assert!(
             err <= TOLERANCE,
@@ -142,10 +170,7 @@ fn run_case(c: &Case, s: &Schedule, seed: u64) {
             "pos {pos}"
         );
     }
-    // Counters grew by one full token's signals per launch, never reset.
-    let n = c.tokens.len() as u32;
-    let want: Vec<u32> = s.signallers().iter().map(|k| k * n).collect();
-    assert_eq!(ex.counters(), &want[..]);
+    assert_eq!(ex.epoch() as usize, c.tokens.len());
 }
 
 #[test]
@@ -156,8 +181,9 @@ fn random_models_match_reference_over_tokens() {
             let gpu = GpuShape::with_sms(sms);
             for opts in [fine(&c.cfg), auto(&c.cfg, &gpu)] {
                 let s = build(&shape_of(&c.cfg), &gpu, &opts).unwrap();
+                let exact = in_global_order(&c, &s);
                 for seed in 0..8 {
-                    run_case(&c, &s, seed);
+                    run_case(&c, &s, &exact, seed);
                 }
             }
         }
@@ -174,16 +200,16 @@ fn attention_partitions_match_reference() {
             ..fine(&c.cfg)
         };
         let s = build(&shape_of(&c.cfg), &GpuShape::with_sms(5), &opts).unwrap();
-        run_case(&c, &s, parts as u64);
+        run_case(&c, &s, &in_global_order(&c, &s), parts as u64);
     }
 }
 
-/// For every wait of small multi-SM schedules (split-KV attention or not): removing it makes
-/// the validator report a race, and running first only what the waiter still waits for, then
-/// the waiter, gives NaN or a wrong token. The unmutated schedule under the same interleaving
-/// stays exact, so the failure is the missing edge's.
+/// For every instruction of small multi-SM schedules (split-KV attention or not): run as soon
+/// as what it declares it reads is written, it is right (it reads nothing undeclared); run
+/// without waiting for any one producer it does not otherwise depend on, the result is NaN or
+/// a wrong token (the declared read is needed).
 #[test]
-fn every_dependency_edge_is_needed() {
+fn every_declared_dependency_is_needed_and_enough() {
     let c = case(tiny(40, 56, 4, 2, 16, false), 11, 4);
     for (parts, sms) in [(2, 5), (1, 3)] {
         let opts = Options {
@@ -198,21 +224,20 @@ fn every_dependency_edge_is_needed() {
             context: MAX_SEQ,
         };
         let s = build(&shape_of(&c.cfg), &GpuShape::with_sms(sms), &opts).unwrap();
-        let edges = check_every_edge(&c, &s);
-        let kinds: std::collections::BTreeSet<_> = s
-            .instrs
-            .iter()
-            .filter(|i| !i.waits.is_empty())
-            .map(|i| i.op.kind())
-            .collect();
-        // Every kind but the reduction, which exists only with parts > 1, has a needed wait.
+        let (edges, kinds) = check_every_edge(&c, &s);
+        // Every kind has an edge that is needed (QKV through layer 1, whose input is layer 0's
+        // output); the reduction exists only with parts > 1.
         assert_eq!(kinds.len(), 6 + parts.min(2), "{kinds:?}");
         assert!(edges >= 30, "only {edges} edges");
     }
 }
 
-/// Removes each wait of `s` in turn; returns how many there were.
-fn check_every_edge(c: &Case, s: &Schedule) -> usize {
+/// Withholds each producer of each instruction in turn; returns how many edges were needed
+/// and the kinds of the instructions that had one.
+fn check_every_edge(
+    c: &Case,
+    s: &Schedule,
+) -> (usize, std::collections::BTreeSet<scheduler::StageKind>) {
     // Fill the cache for the first positions so that at the last one every attention part
     // has positions to read.
     let last = c.tokens.len() - 1;
@@ -224,39 +249,44 @@ fn check_every_edge(c: &Case, s: &Schedule) -> usize {
             .unwrap();
     }
     let want = &c.want[last];
-    let run = |sched: &Schedule, target: usize| {
+    let run = |target: usize, withhold: Option<u32>| {
         let mut m = prefix.clone();
         m.begin_token(c.tokens[last], last).unwrap();
         let how = Interleaving::Eager {
             target: target as u32,
             seed: target as u64,
+            withhold,
         };
-        Executor::new(sched)
-            .unwrap()
-            .run_token(&mut m, how)
-            .unwrap();
+        let mut ex = Executor::new(s).unwrap();
+        // The executor's tags must be at this step too: run the earlier steps blind.
+        for _ in 0..last {
+            ex.run_token(&mut scheduler::Blind, Interleaving::Random { seed: 0 })
+                .unwrap();
+        }
+        ex.run_token(&mut m, how).unwrap();
         rel_l2(m.logits(), want) <= TOLERANCE && m.token_out() == (first_max(want), last as u32 + 1)
     };
+    let deps = dependencies(s).unwrap();
+    let probe = Executor::new(s).unwrap();
     let mut edges = 0;
-    for x in 0..s.instrs.len() {
-        assert!(run(s, x), "control run for {} is wrong", s.describe(x));
-        for k in 0..s.instrs[x].waits.len() {
-            let mut broken = s.clone();
-            let gone = broken.instrs[x].waits.remove(k);
-            let what = format!(
-                "{} without its wait on {}",
-                s.describe(x),
-                s.counters.name(gone.counter)
-            );
-            match validate(&broken) {
-                Err(scheduler::ScheduleError::Race { .. }) => {}
-                other => panic!("{what}: validator says {other:?}"),
+    let mut kinds = std::collections::BTreeSet::new();
+    for (x, producers) in deps.iter().enumerate() {
+        assert!(run(x, None), "control run for {} is wrong", s.describe(x));
+        for &w in producers {
+            if probe.depends_otherwise(x as u32, w).unwrap() {
+                continue;
             }
-            assert!(!run(&broken, x), "{what}: adversarial run still right");
+            assert!(
+                !run(x, Some(w)),
+                "{} run without waiting for {}: still right",
+                s.describe(x),
+                s.describe(w as usize)
+            );
             edges += 1;
+            kinds.insert(s.instrs[x].kind());
         }
     }
-    edges
+    (edges, kinds)
 }
 
 /// SmolLM2-135M-Instruct (Q4_1 GGUF, the default model) against the reference.

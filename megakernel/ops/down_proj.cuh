@@ -1,4 +1,4 @@
-// DownProjResidual(layer, row_start, rows, chunk, col_start, cols): rows of the down
+// DownProjPartial(layer, row_start, rows, chunk, col_start, cols): rows of the down
 // projection over one chunk of act[l]'s columns; the partial sums go to mlp_part[l][chunk],
 // which the next layer's readers add to the residual (see resid_in).
 

@@ -1,8 +1,9 @@
 //! Readable summary, time estimate and JSON export of a schedule.
 //!
 //! The estimate walks the global order with each SM streaming at `bandwidth / sm_count`. An
-//! instruction starts when its SM is free and its waits are met and takes
-//! `latency + bytes / per-SM bandwidth`, except that while an SM idles on a wait its loader
+//! instruction starts when its SM is free and every instruction whose output it reads has
+//! ended, and takes
+//! `latency + bytes / per-SM bandwidth`, except that while an SM idles on its inputs its loader
 //! already fetches the instruction's weights (weights never depend on activations), up to
 //! the shared memory it has. The critical path is when the last instruction ends. It ignores
 //! L2 traffic and bandwidth left over by idle SMs, so it is a model, not a measurement.
@@ -11,7 +12,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{CostModel, CounterLayout, GpuShape, ModelShape, Op, Options, Schedule, StageKind};
+use crate::deps::{dependencies, Writers};
+use crate::{CostModel, GpuShape, ModelShape, Op, Options, Schedule, StageKind};
 
 /// Per-SM HBM bytes of one kind of stage, over all its layers and SMs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -48,8 +50,6 @@ pub struct Summary {
     /// Instructions per SM: min, mean, max.
     pub per_sm: (usize, f64, usize),
     pub stages: Vec<StageStats>,
-    pub counters: u32,
-    pub max_epochs: u64,
     pub estimate: Estimate,
 }
 
@@ -68,17 +68,17 @@ pub fn summarize(s: &Schedule, cost: &CostModel) -> Summary {
         // One stage per layer (or one for the LM head and the argmax).
         let mut bytes: Vec<Vec<u64>> = Vec::new();
         let mut n = 0;
-        for (i, instr) in s
+        for (i, op) in s
             .instrs
             .iter()
             .enumerate()
-            .filter(|(_, i)| i.op.kind() == kind)
+            .filter(|(_, op)| op.kind() == kind)
         {
-            let layer = instr.op.layer().unwrap_or(0) as usize;
+            let layer = op.layer().unwrap_or(0) as usize;
             if bytes.len() <= layer {
                 bytes.resize(layer + 1, vec![0; sms]);
             }
-            bytes[layer][sm_of[i]] += instr.op.hbm_bytes(&s.model, cost.context);
+            bytes[layer][sm_of[i]] += op.hbm_bytes(&s.model, cost.context);
             n += 1;
         }
         if n == 0 {
@@ -106,8 +106,6 @@ pub fn summarize(s: &Schedule, cost: &CostModel) -> Summary {
             lens.iter().copied().max().unwrap_or(0),
         ),
         stages,
-        counters: s.counters.count(),
-        max_epochs: s.max_epochs(),
         estimate: estimate(s, cost),
     }
 }
@@ -117,7 +115,11 @@ pub fn estimate(s: &Schedule, cost: &CostModel) -> Estimate {
     let bw = cost.sm_bytes_per_us(&s.gpu);
     let capacity = s.gpu.smem_bytes() as f64;
     let mut sm_free = vec![0f64; s.gpu.sm_count];
-    let mut counter_done = vec![0f64; s.counters.count() as usize];
+    // A schedule that validated has one writer per element; one that does not is estimated
+    // with program order alone. The producers are looked up per instruction, not stored: a
+    // fine schedule on many SMs has tens of millions of edges.
+    let writers = Writers::new(s).ok();
+    let mut end = vec![0f64; s.instrs.len()];
     let mut sm_of = vec![0usize; s.instrs.len()];
     for (sm, stream) in s.streams.iter().enumerate() {
         for &i in stream {
@@ -125,23 +127,24 @@ pub fn estimate(s: &Schedule, cost: &CostModel) -> Estimate {
         }
     }
     let mut end_all = 0f64;
-    for (i, instr) in s.instrs.iter().enumerate() {
+    for (i, op) in s.instrs.iter().enumerate() {
         let sm = sm_of[i];
-        let deps = instr
-            .waits
-            .iter()
-            .map(|w| counter_done[w.counter as usize])
-            .fold(0f64, f64::max);
-        let bytes = instr.op.hbm_bytes(&s.model, cost.context) as f64;
-        let idle = (deps - sm_free[sm]).max(0.0);
-        let prefetched = bytes.min(capacity).min(idle * bw);
-        let end = sm_free[sm].max(deps) + cost.latency_us + (bytes - prefetched) / bw;
-        sm_free[sm] = end;
-        if let Some(c) = instr.signal {
-            let d = &mut counter_done[c as usize];
-            *d = d.max(end);
+        let mut inputs = 0f64;
+        if let Some(writers) = &writers {
+            for r in s.access(op).reads {
+                writers.cover(r.buffer, &r.elements, |_, w| {
+                    if let Some(w) = w {
+                        inputs = inputs.max(end[w]);
+                    }
+                });
+            }
         }
-        end_all = end_all.max(end);
+        let bytes = op.hbm_bytes(&s.model, cost.context) as f64;
+        let idle = (inputs - sm_free[sm]).max(0.0);
+        let prefetched = bytes.min(capacity).min(idle * bw);
+        end[i] = sm_free[sm].max(inputs) + cost.latency_us + (bytes - prefetched) / bw;
+        sm_free[sm] = end[i];
+        end_all = end_all.max(end[i]);
     }
     let weight_bytes = s.model.weight_bytes();
     let kv_bytes = s.model.kv_bytes(cost.context);
@@ -222,11 +225,6 @@ impl fmt::Display for Summary {
                 ratio
             )?;
         }
-        writeln!(
-            f,
-            "\ncounters: {} u32; wraps after {} launches (then zero them and restart epochs)",
-            self.counters, self.max_epochs
-        )?;
         let e = &self.estimate;
         writeln!(
             f,
@@ -259,19 +257,11 @@ pub struct JsonSchedule {
     pub gpu: GpuShape,
     pub options: Options,
     pub words_per_instr: usize,
-    pub counters: JsonCounters,
     pub instructions: usize,
+    /// The tagged activations: `(part, first offset)` in arena order, and the total.
+    pub arena: Vec<(String, usize)>,
+    pub arena_len: usize,
     pub sms: Vec<JsonSm>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JsonCounters {
-    pub count: u32,
-    pub layout: CounterLayout,
-    pub per_layer: u32,
-    pub max_epochs: u64,
-    /// Name of every counter, by index.
-    pub names: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -284,42 +274,42 @@ pub struct JsonSm {
 pub struct JsonInstr {
     /// Position in the global order.
     pub index: u32,
+    /// Position in the encoded order (what the megakernel's errors and profile call it).
+    pub position: usize,
     pub op: Op,
     pub hbm_bytes: u64,
-    pub waits: Vec<JsonCounterRef>,
-    pub signal: Option<JsonCounterRef>,
+    /// What it reads and writes, as `buffer[start..end]` (e.g. `q[3][64..96]`: elements
+    /// 64..96 of layer 3's `q`; see the rustdoc of `scheduler::instruction`).
+    pub reads: Vec<String>,
+    pub writes: Vec<String>,
+    /// Global indices of the instructions whose output it reads.
+    pub after: Vec<u32>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JsonCounterRef {
-    pub counter: u32,
-    pub name: String,
-    /// For waits: the base target (the counter's signallers per token).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub base: Option<u32>,
+fn span_name(span: &crate::Span) -> String {
+    format!(
+        "{}[{}..{}]",
+        span.buffer, span.elements.start, span.elements.end
+    )
 }
 
 pub fn to_json(s: &Schedule) -> JsonSchedule {
-    let c = &s.counters;
-    let named = |counter: u32, base: Option<u32>| JsonCounterRef {
-        counter,
-        name: c.name(counter),
-        base,
-    };
+    let deps = dependencies(s).unwrap_or_else(|_| vec![Vec::new(); s.instrs.len()]);
+    let arena = s.arena();
+    let mut position = 0;
     JsonSchedule {
-        format: 1,
+        format: 2,
         model: s.model,
         gpu: s.gpu,
         options: s.options,
         words_per_instr: crate::WORDS_PER_INSTR,
-        counters: JsonCounters {
-            count: c.count(),
-            layout: *c,
-            per_layer: c.per_layer(),
-            max_epochs: s.max_epochs(),
-            names: (0..c.count()).map(|i| c.name(i)).collect(),
-        },
         instructions: s.instrs.len(),
+        arena: arena
+            .parts()
+            .iter()
+            .map(|&(n, o)| (n.to_string(), o))
+            .collect(),
+        arena_len: arena.len(),
         sms: s
             .streams
             .iter()
@@ -329,17 +319,17 @@ pub fn to_json(s: &Schedule) -> JsonSchedule {
                 instructions: stream
                     .iter()
                     .map(|&i| {
-                        let instr = &s.instrs[i as usize];
+                        let op = s.instrs[i as usize];
+                        let a = s.access(&op);
+                        position += 1;
                         JsonInstr {
                             index: i,
-                            op: instr.op,
-                            hbm_bytes: instr.op.hbm_bytes(&s.model, s.options.context),
-                            waits: instr
-                                .waits
-                                .iter()
-                                .map(|w| named(w.counter, Some(w.base)))
-                                .collect(),
-                            signal: instr.signal.map(|sig| named(sig, None)),
+                            position: position - 1,
+                            op,
+                            hbm_bytes: op.hbm_bytes(&s.model, s.options.context),
+                            reads: a.reads.iter().map(span_name).collect(),
+                            writes: a.writes.iter().map(span_name).collect(),
+                            after: deps[i as usize].clone(),
                         }
                     })
                     .collect(),

@@ -14,50 +14,39 @@ pub enum ScheduleError {
     Options(String),
     #[error("streams: {0}")]
     Streams(String),
-    #[error("counters: {0}")]
-    Counters(String),
     #[error(
-        "unreachable target: {instr} waits for {counter} to reach {base} per token, \
-         but {signallers} instructions signal it"
-    )]
-    Unreachable {
-        instr: String,
-        counter: String,
-        base: u32,
-        signallers: u32,
-    },
-    #[error(
-        "possible deadlock: {instr} waits for {counter}, which {signaller} signals later in \
-         the global order"
+        "possible deadlock: {instr} reads {buffer}[{element}], which {writer} writes later \
+         in the global order"
     )]
     Deadlock {
         instr: String,
-        counter: String,
-        signaller: String,
+        buffer: Buffer,
+        element: u32,
+        writer: String,
     },
-    #[error("{buffer:?}[{element}] is written twice per token: by {first} and by {second}")]
+    #[error("{buffer}[{element}] is written twice per token: by {first} and by {second}")]
     DoubleWrite {
         buffer: Buffer,
         element: u32,
         first: String,
         second: String,
     },
-    #[error("{instr} writes {buffer:?}, an input of the launch")]
+    #[error("{instr} writes {buffer}, an input of the launch")]
     WriteToInput { instr: String, buffer: Buffer },
-    #[error("{instr} reads {buffer:?}[{element}], which no instruction writes")]
+    #[error("{instr} reads {buffer}[{element}], which no instruction writes")]
     Unwritten {
         instr: String,
         buffer: Buffer,
         element: u32,
     },
-    #[error(
-        "race: {reader} reads {buffer:?}[{element}] written by {writer}, which does not \
-         happen before it"
-    )]
-    Race {
-        reader: String,
-        writer: String,
+    #[error("{instr} touches {buffer}[{start}..{end}], outside the buffer ({len} elements)")]
+    OutOfBounds {
+        instr: String,
         buffer: Buffer,
-        element: u32,
+        start: u32,
+        end: u32,
+        len: usize,
     },
+    #[error("cost model: {0}")]
+    Cost(String),
 }

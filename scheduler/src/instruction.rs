@@ -17,7 +17,7 @@
 //! | `attn_out[l]` | `H·d` | `Attention` (parts = 1) or `AttnReduce` |
 //! | `resid_attn[l]` | hidden | `OProjResidual`: layer input + O projection |
 //! | `act[l]` | intermediate | `RmsUpGateSilu`: silu(gate)·up |
-//! | `mlp_part[l][c]` | hidden | `DownProjResidual` of k-chunk `c` (partial dot products) |
+//! | `mlp_part[l][c]` | hidden | `DownProjPartial` of k-chunk `c` (partial dot products) |
 //! | `logits` | vocab | `RmsLmHead` |
 //! | `lm_best` | `[blocks, 2]`: (max logit as f32 bits, its row) | `RmsLmHead` |
 //!
@@ -35,6 +35,14 @@
 //! The KV cache keeps earlier positions across launches; the validator only tracks row `pos`,
 //! the one written this token. Past rows were written by earlier launches, which the kernel
 //! boundary orders.
+//!
+//! # Dependencies
+//!
+//! [`access`] is the one statement of what an instruction reads and writes, element by
+//! element. It is the whole dependency model: on the GPU an instruction proceeds once every
+//! element it reads carries the step's tag (the buffers above but `token_in`, `token_out` and
+//! `logits` are tagged activations, see [`crate::arena`]), and the scheduler derives its edges
+//! ([`crate::deps`]), its validation and its CPU executor ([`crate::exec`]) from it.
 
 use std::ops::Range;
 
@@ -89,7 +97,7 @@ pub enum Op {
         row_count: u32,
     },
     /// `mlp_part[l][chunk][r] = W_down[r, cols]·act[l][cols]`, `cols = col_start..+col_count`.
-    DownProjResidual {
+    DownProjPartial {
         layer: u32,
         row_start: u32,
         row_count: u32,
@@ -142,7 +150,7 @@ impl StageKind {
             StageKind::AttnReduce => "AttnReduce",
             StageKind::OProj => "OProjResidual",
             StageKind::UpGate => "RmsUpGateSilu",
-            StageKind::Down => "DownProjResidual",
+            StageKind::Down => "DownProjPartial",
             StageKind::LmHead => "RmsLmHead",
             StageKind::Argmax => "Argmax",
         }
@@ -157,7 +165,7 @@ impl Op {
             Op::AttnReduce { .. } => StageKind::AttnReduce,
             Op::OProjResidual { .. } => StageKind::OProj,
             Op::RmsUpGateSilu { .. } => StageKind::UpGate,
-            Op::DownProjResidual { .. } => StageKind::Down,
+            Op::DownProjPartial { .. } => StageKind::Down,
             Op::RmsLmHead { .. } => StageKind::LmHead,
             Op::Argmax { .. } => StageKind::Argmax,
         }
@@ -171,7 +179,7 @@ impl Op {
             | Op::AttnReduce { layer, .. }
             | Op::OProjResidual { layer, .. }
             | Op::RmsUpGateSilu { layer, .. }
-            | Op::DownProjResidual { layer, .. } => Some(layer),
+            | Op::DownProjPartial { layer, .. } => Some(layer),
             Op::RmsLmHead { .. } | Op::Argmax { .. } => None,
         }
     }
@@ -190,7 +198,7 @@ impl Op {
             Op::AttnReduce { .. } | Op::Argmax { .. } => 0,
             Op::OProjResidual { row_count, .. } => 2 * row_count as u64 * m.q_dim() as u64,
             Op::RmsUpGateSilu { row_count, .. } => 2 * 2 * row_count as u64 * h,
-            Op::DownProjResidual {
+            Op::DownProjPartial {
                 row_count,
                 col_count,
                 ..
@@ -198,22 +206,6 @@ impl Op {
             Op::RmsLmHead { row_count, .. } => 2 * row_count as u64 * h,
         }
     }
-}
-
-/// A wait: block until `counters[counter] >= base * (epoch + 1)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Wait {
-    pub counter: u32,
-    /// The number of instructions signalling `counter` in one token.
-    pub base: u32,
-}
-
-/// An instruction as an SM runs it: wait, compute, then add 1 to `signal` (release).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Instr {
-    pub op: Op,
-    pub waits: Vec<Wait>,
-    pub signal: Option<u32>,
 }
 
 /// A buffer of the table in the module documentation.
@@ -238,6 +230,62 @@ impl Buffer {
     /// Inputs of a launch: read, never written by an instruction.
     pub fn is_input(self) -> bool {
         self == Buffer::TokenIn
+    }
+
+    /// Whether the megakernel hands this buffer between instructions as tagged activations
+    /// (see [`crate::arena`]). The others are the launch's input (`token_in`) and outputs
+    /// only the host reads (`token_out`, `logits`).
+    pub fn is_tagged(self) -> bool {
+        !matches!(self, Buffer::TokenIn | Buffer::TokenOut | Buffer::Logits)
+    }
+}
+
+impl Buffer {
+    /// Elements of this buffer in a schedule of `model` with `opts` and `lm_blocks` LM-head
+    /// blocks (for the KV cache: of one row); `None` for a layer or chunk the model does not
+    /// have.
+    pub fn len(self, model: &ModelShape, opts: &Options, lm_blocks: usize) -> Option<usize> {
+        let layer_ok = |l: u32| (l as usize) < model.layers;
+        let slots = model.heads * opts.attn_parts;
+        let (ok, n) = match self {
+            Buffer::TokenIn | Buffer::TokenOut => (true, 2),
+            Buffer::Q { layer } | Buffer::AttnOut { layer } => (layer_ok(layer), model.q_dim()),
+            Buffer::KCache { layer } | Buffer::VCache { layer } => {
+                (layer_ok(layer), model.kv_dim())
+            }
+            Buffer::AttnPart { layer } => (layer_ok(layer), slots * model.head_dim),
+            Buffer::AttnStats { layer } => (layer_ok(layer), slots * 2),
+            Buffer::ResidAttn { layer } => (layer_ok(layer), model.hidden),
+            Buffer::Act { layer } => (layer_ok(layer), model.intermediate),
+            Buffer::MlpPart { layer, chunk } => (
+                layer_ok(layer) && (chunk as usize) < opts.down_chunks,
+                model.hidden,
+            ),
+            Buffer::Logits => (true, model.vocab),
+            Buffer::LmBest => (true, 2 * lm_blocks),
+        };
+        ok.then_some(n)
+    }
+}
+
+/// The name of the table above: `q[l]`, `mlp_part[l][c]`, `token_in`, ….
+impl std::fmt::Display for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Buffer::TokenIn => write!(f, "token_in"),
+            Buffer::TokenOut => write!(f, "token_out"),
+            Buffer::Q { layer } => write!(f, "q[{layer}]"),
+            Buffer::KCache { layer } => write!(f, "k_cache[{layer}]"),
+            Buffer::VCache { layer } => write!(f, "v_cache[{layer}]"),
+            Buffer::AttnPart { layer } => write!(f, "attn_part[{layer}]"),
+            Buffer::AttnStats { layer } => write!(f, "attn_stats[{layer}]"),
+            Buffer::AttnOut { layer } => write!(f, "attn_out[{layer}]"),
+            Buffer::ResidAttn { layer } => write!(f, "resid_attn[{layer}]"),
+            Buffer::Act { layer } => write!(f, "act[{layer}]"),
+            Buffer::MlpPart { layer, chunk } => write!(f, "mlp_part[{layer}][{chunk}]"),
+            Buffer::Logits => write!(f, "logits"),
+            Buffer::LmBest => write!(f, "lm_best"),
+        }
     }
 }
 
@@ -390,7 +438,7 @@ pub fn access(op: &Op, model: &ModelShape, opts: &Options) -> Access {
             a.writes
                 .push(span(Buffer::Act { layer }, row_start, row_count));
         }
-        Op::DownProjResidual {
+        Op::DownProjPartial {
             layer,
             row_start,
             row_count,

@@ -1,38 +1,43 @@
 //! Compiles one decode step of a Llama-family model into per-SM instruction streams for the
 //! megakernel, checks them, encodes them to u32 words and runs them on the CPU.
 //!
-//! - [`build`] makes the DAG of one forward pass ([`instruction`] documents the instructions
-//!   and buffers, [`counters`] the counter array), orders it stage by stage, balances each stage
-//!   over the SMs by the [`options`] cost model, drops waits already implied by others and
-//!   [`validate`]s the result.
+//! - [`plan`] (or [`build`] with explicit [`options`]) makes the instructions of one forward
+//!   pass ([`instruction`] documents them, the buffers and what each reads and writes), orders
+//!   them stage by stage, balances each stage over the SMs by the cost model and
+//!   validates the result ([`validate()`]).
+//! - Dependencies are what the GPU enforces and nothing more: an instruction runs once every
+//!   element it reads carries this step's tag ([`arena`] says where the tagged activations
+//!   live and how an element is named); [`deps`] derives the edges from [`access`].
 //! - [`Schedule::encode`] gives the words the GPU interprets ([`encode`] documents the layout).
 //! - [`dump`] prints a summary, estimates the time per token and exports JSON.
-//! - [`exec`] runs a schedule on the CPU in seeded random interleavings over any [`Machine`].
+//! - [`exec`] runs a schedule on the CPU by the GPU's rule in seeded random interleavings over
+//!   any [`Machine`], and predicts what the GPU reports when an instruction is removed.
 //!
 //! No CUDA and no pointers here: buffers are named, the runtime maps them to device memory.
 
+pub mod arena;
 mod assign;
 mod build;
-pub mod counters;
+pub mod deps;
 pub mod dump;
 pub mod encode;
 mod error;
 pub mod exec;
-mod hb;
 pub mod instruction;
 pub mod options;
 mod rng;
 mod schedule;
-mod shape;
+pub mod shape;
 pub mod validate;
 
+pub use arena::ArenaLayout;
 pub use build::build;
-pub use counters::{Counter, CounterLayout};
-pub use encode::{DecodeError, Encoded, MAX_WAITS, WORDS_PER_INSTR};
+pub use deps::dependencies;
+pub use encode::{DecodeError, Encoded, WORDS_PER_INSTR};
 pub use error::ScheduleError;
-pub use exec::{ExecError, Executor, Interleaving, Machine};
-pub use instruction::{access, Access, Buffer, Instr, Op, Span, StageKind, Wait};
-pub use options::{CostModel, Options};
+pub use exec::{unwritten_if_dropped, Blind, ExecError, Executor, Interleaving, Machine};
+pub use instruction::{access, Access, Buffer, Op, Span, StageKind};
+pub use options::{plan, CostModel, Options, Overrides};
 pub use schedule::Schedule;
 pub use shape::{GpuShape, ModelShape, PRESETS};
 pub use validate::validate;

@@ -7,9 +7,11 @@
 //! loaded SM of its stage carries as little as possible: `rounds × (rows × bytes_per_row +
 //! fixed)`, `rounds = ceil(instructions / sm_count)`.
 
+use std::ops::RangeInclusive;
+
 use serde::{Deserialize, Serialize};
 
-use crate::{GpuShape, ModelShape, ScheduleError};
+use crate::{build, GpuShape, ModelShape, Schedule, ScheduleError};
 
 /// Matrix-vector instructions cover whole 4-row steps (the megakernel's mat-vec loop takes
 /// four rows at a time), except where the dimension itself is smaller. A coarser step left
@@ -28,18 +30,59 @@ pub struct CostModel {
     pub context: usize,
 }
 
+/// The values a [`CostModel`] may take; anything outside is refused by [`CostModel::check`].
+pub const BANDWIDTH_GBPS: RangeInclusive<f64> = 1.0..=100_000.0;
+pub const LATENCY_US: RangeInclusive<f64> = 0.001..=1000.0;
+pub const CONTEXT: RangeInclusive<usize> = 1..=1 << 24;
+
 impl Default for CostModel {
-    /// H100 SXM as measured (docs/gpu-machine.md), a 0.5 µs instruction overhead, a 1024-token context.
+    /// The megakernel's model at a 1024-token context (see [`CostModel::megakernel`]).
     fn default() -> Self {
-        CostModel {
-            bandwidth_gbps: 3110.0,
-            latency_us: 0.5,
-            context: 1024,
-        }
+        CostModel::megakernel(1024)
     }
 }
 
 impl CostModel {
+    /// What the megakernel's schedules are built with: an H100 SXM's measured streaming
+    /// bandwidth (3110 GB/s) and 2 µs per instruction beyond its bytes (a hop between SMs,
+    /// preparing, storing, as measured; a higher fixed cost also keeps short contexts from
+    /// paying an extra split-KV reduction hop), attention costed at `context` positions.
+    pub fn megakernel(context: usize) -> CostModel {
+        CostModel {
+            bandwidth_gbps: 3110.0,
+            latency_us: 2.0,
+            context,
+        }
+    }
+
+    /// Refuses values no GPU or sequence has (zero, negative, NaN, absurdly large), naming
+    /// the field and its allowed range.
+    pub fn check(&self) -> Result<(), ScheduleError> {
+        let bad = |what: &str, v: String, range: String| {
+            Err(ScheduleError::Cost(format!(
+                "{what} = {v} is outside {range}"
+            )))
+        };
+        if !BANDWIDTH_GBPS.contains(&self.bandwidth_gbps) {
+            return bad(
+                "bandwidth_gbps",
+                self.bandwidth_gbps.to_string(),
+                format!("{BANDWIDTH_GBPS:?}"),
+            );
+        }
+        if !LATENCY_US.contains(&self.latency_us) {
+            return bad(
+                "latency_us",
+                self.latency_us.to_string(),
+                format!("{LATENCY_US:?}"),
+            );
+        }
+        if !CONTEXT.contains(&self.context) {
+            return bad("context", self.context.to_string(), format!("{CONTEXT:?}"));
+        }
+        Ok(())
+    }
+
     /// Bytes one SM streams per µs when all SMs stream at once.
     pub fn sm_bytes_per_us(&self, gpu: &GpuShape) -> f64 {
         self.bandwidth_gbps * 1e3 / gpu.sm_count as f64
@@ -186,4 +229,50 @@ fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, context: usize) -> usi
         parts *= 2;
     }
     best.1
+}
+
+/// Granularity chosen by hand instead of by the cost model, field by field.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub qkv_pairs: Option<usize>,
+    pub oproj_rows: Option<usize>,
+    pub upgate_rows: Option<usize>,
+    pub down_rows: Option<usize>,
+    pub down_chunks: Option<usize>,
+    pub attn_parts: Option<usize>,
+    pub lmhead_rows: Option<usize>,
+}
+
+impl Overrides {
+    pub fn apply(&self, auto: Options) -> Options {
+        Options {
+            qkv_pairs: self.qkv_pairs.unwrap_or(auto.qkv_pairs),
+            oproj_rows: self.oproj_rows.unwrap_or(auto.oproj_rows),
+            upgate_rows: self.upgate_rows.unwrap_or(auto.upgate_rows),
+            down_rows: self.down_rows.unwrap_or(auto.down_rows),
+            down_chunks: self.down_chunks.unwrap_or(auto.down_chunks),
+            attn_parts: self.attn_parts.unwrap_or(auto.attn_parts),
+            lmhead_rows: self.lmhead_rows.unwrap_or(auto.lmhead_rows),
+            ..auto
+        }
+    }
+}
+
+/// The schedule of `model` on `gpu`: the cost model's granularity with `overrides` applied,
+/// built and validated. The one way the megakernel's schedules are made, so that what
+/// `megainfer schedule` prints is what `run` and `bench` execute for the same inputs.
+pub fn plan(
+    model: &ModelShape,
+    gpu: &GpuShape,
+    cost: &CostModel,
+    overrides: &Overrides,
+) -> Result<Schedule, ScheduleError> {
+    cost.check()?;
+    model.check()?;
+    gpu.check(model)?;
+    build(
+        model,
+        gpu,
+        &overrides.apply(Options::auto(model, gpu, cost)),
+    )
 }

@@ -1,29 +1,22 @@
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    access, Access, CounterLayout, GpuShape, Instr, ModelShape, Op, Options, ScheduleError,
-};
+use crate::{access, Access, ArenaLayout, GpuShape, ModelShape, Op, Options, ScheduleError};
 
 /// One decode step as per-SM instruction streams.
 ///
-/// `instrs` is the global order (stage by stage, a topological order of the DAG); every
-/// stream is a strictly increasing list of indices into it and every instruction is in exactly
-/// one stream. Streams never change between tokens.
+/// `instrs` is the global order (stage by stage; every element an instruction reads is
+/// written by an earlier one, see [`crate::validate()`]); every stream is a strictly increasing
+/// list of indices into it and every instruction is in exactly one stream. Streams never
+/// change between tokens. Nothing else orders the instructions: an instruction runs once
+/// every element it reads ([`crate::access`]) carries this step's tag.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Schedule {
     pub model: ModelShape,
     pub gpu: GpuShape,
     pub options: Options,
-    pub counters: CounterLayout,
-    pub instrs: Vec<Instr>,
+    pub instrs: Vec<Op>,
     /// Per SM, indices into `instrs` in execution order.
     pub streams: Vec<Vec<u32>>,
-}
-
-/// Where each instruction runs: SM and position in that SM's stream.
-pub(crate) struct Placement {
-    pub sm: Vec<u32>,
-    pub pos: Vec<u32>,
 }
 
 impl Schedule {
@@ -35,39 +28,37 @@ impl Schedule {
     pub fn lm_blocks(&self) -> usize {
         self.instrs
             .iter()
-            .filter(|i| matches!(i.op, Op::RmsLmHead { .. }))
+            .filter(|op| matches!(op, Op::RmsLmHead { .. }))
             .count()
     }
 
-    /// How many instructions signal each counter in one token.
-    pub fn signallers(&self) -> Vec<u32> {
-        let mut n = vec![0u32; self.counters.count() as usize];
-        for s in self.instrs.iter().filter_map(|i| i.signal) {
-            if let Some(c) = n.get_mut(s as usize) {
-                *c += 1;
-            }
-        }
-        n
+    /// Where the megakernel keeps this schedule's tagged activations.
+    pub fn arena(&self) -> ArenaLayout {
+        ArenaLayout::new(
+            &self.model,
+            self.options.down_chunks,
+            self.options.attn_parts,
+            self.lm_blocks(),
+        )
     }
 
-    /// Launches (epochs 0..max_epochs) that can run before a counter value would overflow
-    /// u32; the host must zero the counters and restart at epoch 0 before that.
-    pub fn max_epochs(&self) -> u64 {
-        let most = self.signallers().into_iter().max().unwrap_or(1).max(1);
-        u32::MAX as u64 / most as u64
+    /// The instructions in encoded order (SM 0's stream, then SM 1's, …): entry `p` is the
+    /// global index of the instruction the GPU calls `instruction p`.
+    pub fn encoded_order(&self) -> Vec<u32> {
+        self.streams.iter().flatten().copied().collect()
     }
 
     /// "#index Op{..}", for messages.
     pub fn describe(&self, index: usize) -> String {
         match self.instrs.get(index) {
-            Some(i) => format!("#{index} {:?}", i.op),
+            Some(op) => format!("#{index} {op:?}"),
             None => format!("#{index} (out of range)"),
         }
     }
 
-    /// SM and stream position of every instruction; fails unless the streams partition the
-    /// instructions into strictly increasing (global order) subsequences.
-    pub(crate) fn placement(&self) -> Result<Placement, ScheduleError> {
+    /// Fails unless the streams partition the instructions into strictly increasing (global
+    /// order) subsequences, one per SM.
+    pub(crate) fn check_streams(&self) -> Result<(), ScheduleError> {
         let n = self.instrs.len();
         if self.streams.len() != self.gpu.sm_count {
             return Err(ScheduleError::Streams(format!(
@@ -77,7 +68,6 @@ impl Schedule {
             )));
         }
         let mut sm = vec![u32::MAX; n];
-        let mut pos = vec![0; n];
         for (s, stream) in self.streams.iter().enumerate() {
             for (p, &i) in stream.iter().enumerate() {
                 let i = i as usize;
@@ -101,7 +91,6 @@ impl Schedule {
                     )));
                 }
                 sm[i] = s as u32;
-                pos[i] = p as u32;
             }
         }
         if let Some(i) = sm.iter().position(|&s| s == u32::MAX) {
@@ -110,6 +99,6 @@ impl Schedule {
                 self.describe(i)
             )));
         }
-        Ok(Placement { sm, pos })
+        Ok(())
     }
 }

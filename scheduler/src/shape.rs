@@ -1,5 +1,7 @@
 //! The two shapes a schedule is built for: the model's dimensions and the GPU's.
 
+use std::ops::RangeInclusive;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ScheduleError;
@@ -105,6 +107,13 @@ impl ModelShape {
     }
 }
 
+/// SMs a [`GpuShape`] may have: a schedule has a stream per SM, and no GPU has more than a few
+/// hundred.
+pub const SMS: RangeInclusive<usize> = 1..=4096;
+/// Shared-memory pages per SM and bytes per page (a CTA has at most a few hundred KiB).
+pub const SMEM_PAGES: RangeInclusive<usize> = 1..=256;
+pub const PAGE_BYTES: RangeInclusive<usize> = 1024..=1 << 20;
+
 /// What the scheduler needs to know of the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuShape {
@@ -116,7 +125,8 @@ pub struct GpuShape {
 }
 
 impl GpuShape {
-    /// H100 SXM: 132 SMs, 13 pages of 16 KiB (208 KiB of the 227 KiB a CTA may use).
+    /// H100 SXM: 132 SMs, 12 weight pages of 16 KiB (what the megakernel leaves of the 227
+    /// KiB a CTA may use, beside its other shared memory, for Llama-3.2-1B).
     pub fn h100() -> GpuShape {
         GpuShape::with_sms(132)
     }
@@ -125,7 +135,7 @@ impl GpuShape {
     pub fn with_sms(sm_count: usize) -> GpuShape {
         GpuShape {
             sm_count,
-            smem_pages: 13,
+            smem_pages: 12,
             page_bytes: 16 << 10,
         }
     }
@@ -135,14 +145,17 @@ impl GpuShape {
     }
 
     pub(crate) fn check(&self, model: &ModelShape) -> Result<(), ScheduleError> {
-        if self.sm_count == 0 || self.sm_count > 1 << 16 {
-            return Err(ScheduleError::Gpu(format!(
-                "sm_count = {} is outside 1..=65536",
-                self.sm_count
-            )));
-        }
-        if self.smem_pages == 0 || self.page_bytes == 0 {
-            return Err(ScheduleError::Gpu("shared memory has no pages".into()));
+        let fields = [
+            ("sm_count", self.sm_count, &SMS),
+            ("smem_pages", self.smem_pages, &SMEM_PAGES),
+            ("page_bytes", self.page_bytes, &PAGE_BYTES),
+        ];
+        for (name, v, range) in fields {
+            if !range.contains(&v) {
+                return Err(ScheduleError::Gpu(format!(
+                    "{name} = {v} is outside {range:?}"
+                )));
+            }
         }
         // Normalising instructions keep the whole f32 input vector in shared memory.
         let vector = 4 * model.hidden.max(model.q_dim());

@@ -1,14 +1,18 @@
-//! `megainfer schedule`: build the megakernel's schedule for a model shape, print its summary
-//! and time estimate, optionally export it as JSON (docs/schedule-json.md).
+//! `megainfer schedule`: the megakernel's schedule for a model, exactly as `run` and `bench`
+//! build it (same function, same cost model), with its summary and time estimate; optionally
+//! the whole schedule as JSON (docs/schedule-json.md).
 
 use std::io::Write;
+use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
-use scheduler::{build, dump, CostModel, GpuShape, ModelShape, Options};
+use anyhow::{bail, Context, Result};
+use scheduler::{dump, options, shape, CostModel, GpuShape, Overrides};
 
-use crate::model::{self, presets};
-use crate::reference::sliced::shape_of;
+use crate::gpu::megakernel::{
+    megakernel_gpu_shape, megakernel_schedule, H100_SMEM_PER_BLOCK, H100_SMS,
+};
+use crate::model::{self, presets, Config};
 
 #[derive(clap::Args, Debug)]
 pub struct ScheduleArgs {
@@ -19,23 +23,26 @@ pub struct ScheduleArgs {
     /// A known shape instead of a model: llama-3.2-1b, llama-3.2-3b, smollm2-135m.
     #[arg(long)]
     pub preset: Option<String>,
-    /// Streaming multiprocessors, one instruction stream each.
-    #[arg(long, default_value_t = 132)]
-    pub sms: usize,
-    /// Shared-memory pages per SM.
-    #[arg(long, default_value_t = 13)]
-    pub smem_pages: usize,
-    #[arg(long, default_value_t = 16384)]
-    pub page_bytes: usize,
-    /// Memory bandwidth for the cost model and the estimate, GB/s.
-    #[arg(long, default_value_t = 3110.0)]
-    pub bandwidth: f64,
-    /// Per-instruction overhead for the cost model and the estimate, µs.
-    #[arg(long, default_value_t = 0.5)]
-    pub latency_us: f64,
-    /// Sequence length attention is costed at.
+    /// Sequence length attention is costed at (`run` and `bench` use the prompt plus the new
+    /// tokens).
     #[arg(long, default_value_t = 1024)]
     pub context: usize,
+    /// Streaming multiprocessors, one instruction stream each (default: the GPU's, or an
+    /// H100's 132 where no GPU is present).
+    #[arg(long)]
+    pub sms: Option<usize>,
+    /// Shared-memory weight pages per SM, for the estimate (default: what the megakernel
+    /// leaves on the GPU, or on an H100 where no GPU is present).
+    #[arg(long)]
+    pub pages: Option<usize>,
+    /// What-if: memory bandwidth for the cost model and the estimate, GB/s (default: the
+    /// megakernel's).
+    #[arg(long)]
+    pub bandwidth: Option<f64>,
+    /// What-if: per-instruction overhead for the cost model and the estimate, µs (default:
+    /// the megakernel's).
+    #[arg(long)]
+    pub latency_us: Option<f64>,
     /// Write the whole schedule as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -57,45 +64,105 @@ pub struct ScheduleArgs {
     pub lmhead_rows: Option<usize>,
 }
 
-fn model_shape(args: &ScheduleArgs) -> Result<ModelShape> {
+fn config(args: &ScheduleArgs) -> Result<Config> {
     if let Some(name) = &args.preset {
-        return Ok(shape_of(&presets::by_name(name)?));
+        return presets::by_name(name);
     }
     let path = super::run::resolve_model_path(&args.model)?;
     let model = model::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    Ok(shape_of(&model.config))
+    Ok(model.config)
 }
 
-fn options(args: &ScheduleArgs, model: &ModelShape, gpu: &GpuShape, cost: &CostModel) -> Options {
-    let auto = Options::auto(model, gpu, cost);
-    Options {
-        qkv_pairs: args.qkv_pairs.unwrap_or(auto.qkv_pairs),
-        oproj_rows: args.oproj_rows.unwrap_or(auto.oproj_rows),
-        upgate_rows: args.upgate_rows.unwrap_or(auto.upgate_rows),
-        down_rows: args.down_rows.unwrap_or(auto.down_rows),
-        down_chunks: args.down_chunks.unwrap_or(auto.down_chunks),
-        attn_parts: args.attn_parts.unwrap_or(auto.attn_parts),
-        lmhead_rows: args.lmhead_rows.unwrap_or(auto.lmhead_rows),
-        ..auto
+/// Fails unless `value` of option `name` lies in `range` (NaN never does).
+fn in_range<T: PartialOrd + std::fmt::Debug>(
+    name: &str,
+    value: T,
+    range: &RangeInclusive<T>,
+) -> Result<()> {
+    if !range.contains(&value) {
+        bail!("{name} {value:?} is outside the allowed range {range:?}");
     }
+    Ok(())
+}
+
+/// The GPU to schedule for and a line saying where its figures came from.
+fn gpu_shape(args: &ScheduleArgs, cfg: &Config) -> Result<(GpuShape, String)> {
+    let device = if crate::gpu::available() {
+        match crate::gpu::device::Gpu::new(0) {
+            Ok(g) => Some((g.name.clone(), g.sm_count, g.max_smem_per_block)),
+            Err(e) => {
+                eprintln!("GPU 0 could not be opened ({e}); assuming an H100");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let (mut shape, mut source) = match device {
+        Some((name, sms, smem)) => (
+            megakernel_gpu_shape(cfg, sms, smem),
+            format!("GPU: {name}"),
+        ),
+        None => (
+            megakernel_gpu_shape(cfg, H100_SMS, H100_SMEM_PER_BLOCK),
+            format!(
+                "GPU: none found; assuming an H100 ({H100_SMS} SMs, {} KiB of shared memory per block)",
+                H100_SMEM_PER_BLOCK >> 10
+            ),
+        ),
+    };
+    if let Some(sms) = args.sms {
+        shape.sm_count = sms;
+        source += &format!("; --sms {sms}");
+    }
+    if let Some(pages) = args.pages {
+        shape.smem_pages = pages;
+        source += &format!("; --pages {pages}");
+    }
+    Ok((shape, source))
+}
+
+/// The cost model `run` uses at this context, with the what-if options applied; checks every
+/// numeric option first.
+fn cost_model(args: &ScheduleArgs) -> Result<CostModel> {
+    if let Some(sms) = args.sms {
+        in_range("--sms", sms, &shape::SMS)?;
+    }
+    if let Some(pages) = args.pages {
+        in_range("--pages", pages, &shape::SMEM_PAGES)?;
+    }
+    in_range("--context", args.context, &options::CONTEXT)?;
+    let mut cost = CostModel::megakernel(args.context);
+    if let Some(b) = args.bandwidth {
+        in_range("--bandwidth", b, &options::BANDWIDTH_GBPS)?;
+        cost.bandwidth_gbps = b;
+    }
+    if let Some(l) = args.latency_us {
+        in_range("--latency-us", l, &options::LATENCY_US)?;
+        cost.latency_us = l;
+    }
+    Ok(cost)
 }
 
 pub fn run(args: &ScheduleArgs) -> Result<()> {
-    let model = model_shape(args)?;
-    let gpu = GpuShape {
-        sm_count: args.sms,
-        smem_pages: args.smem_pages,
-        page_bytes: args.page_bytes,
+    // Options first: a bad one is reported before any model is fetched or loaded.
+    let cost = cost_model(args)?;
+    let cfg = config(args)?;
+    let (gpu, source) = gpu_shape(args, &cfg)?;
+    let overrides = Overrides {
+        qkv_pairs: args.qkv_pairs,
+        oproj_rows: args.oproj_rows,
+        upgate_rows: args.upgate_rows,
+        down_rows: args.down_rows,
+        down_chunks: args.down_chunks,
+        attn_parts: args.attn_parts,
+        lmhead_rows: args.lmhead_rows,
     };
-    let cost = CostModel {
-        bandwidth_gbps: args.bandwidth,
-        latency_us: args.latency_us,
-        context: args.context,
-    };
-    let opts = options(args, &model, &gpu, &cost);
-    let schedule = build(&model, &gpu, &opts).context("building the schedule")?;
+    let schedule =
+        megakernel_schedule(&cfg, &gpu, &cost, &overrides).context("building the schedule")?;
     // Written, not printed, so that a closed pipe (`| head`) is an error rather than a panic.
     let mut out = std::io::stdout().lock();
+    writeln!(out, "{source}")?;
     write!(out, "{}", dump::summarize(&schedule, &cost))?;
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&dump::to_json(&schedule))?;

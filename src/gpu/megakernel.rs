@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use cudarc::driver::{CudaModule, CudaSlice};
-use scheduler::{Op, Schedule};
+use scheduler::{ArenaLayout, Op, Schedule};
 
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
@@ -27,7 +27,7 @@ pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
 pub use launch::MAX_EPOCH;
-use layout::{attention_scratch, xs_floats, Arena, SmemLayout};
+use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
 
 /// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
@@ -49,9 +49,9 @@ pub struct MegakernelPath<'g> {
     meta: CudaSlice<u32>,
     history: CudaSlice<u32>,
     logits: CudaSlice<f32>,
-    /// Every tagged activation buffer, one after the other (see `Arena`).
+    /// Every tagged activation buffer, one after the other (see `scheduler::arena`).
     arena: CudaSlice<u64>,
-    arena_layout: Arena,
+    arena_layout: ArenaLayout,
     _layers: CudaSlice<LayerW>,
     _kv: KvCache,
     seq: Sequence,
@@ -88,16 +88,16 @@ impl<'g> MegakernelPath<'g> {
         let mut kinds = Vec::new();
         let mut max_cols = c.hidden_size.max(c.q_dim());
         for &k in schedule.streams.iter().flatten() {
-            let i = &schedule.instrs[k as usize];
+            let op = &schedule.instrs[k as usize];
             descs.push(schedule.describe(k as usize));
-            kinds.push(i.op.kind().name());
-            let rows = match i.op {
+            kinds.push(op.kind().name());
+            let rows = match *op {
                 Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
                 Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
                 Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
                     row_count as usize
                 }
-                Op::DownProjResidual {
+                Op::DownProjPartial {
                     row_count,
                     col_count,
                     ..
@@ -108,15 +108,14 @@ impl<'g> MegakernelPath<'g> {
                 _ => 0,
             };
             // O-proj keeps its residual rows in the second half of the row buffer.
-            let limit = if matches!(i.op, Op::OProjResidual { .. }) {
+            let limit = if matches!(op, Op::OProjResidual { .. }) {
                 RES_MAX / 2
             } else {
                 RES_MAX
             };
             if rows > limit {
                 bail!(
-                    "schedule: {:?} computes {rows} rows; the megakernel holds at most {limit}",
-                    i.op
+                    "schedule: {op:?} computes {rows} rows; the megakernel holds at most {limit}"
                 );
             }
         }
@@ -124,11 +123,7 @@ impl<'g> MegakernelPath<'g> {
             bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
         }
         let (words, offsets) = (enc.words, enc.sm_offsets);
-        let (n_lm, parts, chunks) = (
-            enc.lm_blocks as usize,
-            enc.attn_parts as usize,
-            enc.down_chunks as usize,
-        );
+        let (n_lm, chunks) = (enc.lm_blocks as usize, enc.down_chunks as usize);
         let instructions = words.len() / WORDS;
         let xs_floats = xs_floats(max_cols, attention_scratch);
         let (module, kernel) = compile::load(gpu, c)?;
@@ -148,19 +143,11 @@ impl<'g> MegakernelPath<'g> {
         }
 
         let s = &gpu.stream;
-        let (l, h, qd) = (c.num_layers, c.hidden_size, c.q_dim());
-        // resid_attn first: the kernel reports a stuck element by its offset from there.
-        let arena = Arena::new(&[
-            ("resid_attn", l * h),
-            ("mlp_part", l * chunks * h),
-            ("q", l * qd),
-            ("kv_new", l * 2 * c.kv_dim()),
-            ("attn_out", l * qd),
-            ("attn_part", l * c.num_heads * parts * (c.head_dim + 2)),
-            ("act", l * c.intermediate_size),
-            ("lm_best", 2 * n_lm.max(1)),
-        ]);
-        let arena_d = gpu.alloc_zeros::<u64>(arena.len, "tagged activations")?;
+        let (l, h) = (c.num_layers, c.hidden_size);
+        // The layout the scheduler names elements by (resid_attn first: the kernel reports a
+        // stuck element by its offset from there).
+        let arena = schedule.arena();
+        let arena_d = gpu.alloc_zeros::<u64>(arena.len(), "tagged activations")?;
         let base = ptr(&arena_d, s);
         let at = |name: &str| base + 8 * arena.offset(name) as u64;
         let logits = gpu.alloc_zeros::<f32>(c.vocab_size, "logits")?;
@@ -329,26 +316,76 @@ impl Steps for MegakernelPath<'_> {
     }
 }
 
-/// The schedule the megakernel runs for `config` on `gpu`: granularity from the cost model,
-/// attention costed at `context` positions, `attn_parts` overriding the split-KV partitions.
+// ---- the schedule the megakernel runs (shared with `megainfer schedule`) ----
+
+/// Opt-in shared memory per block of an H100 (227 KiB) and its SMs: what `megainfer schedule`
+/// assumes where no GPU is present.
+pub const H100_SMS: usize = 132;
+const MK_STATIC_SMEM_ESTIMATE: usize = 16;
+pub const H100_SMEM_PER_BLOCK: usize = 227 << 10;
+
+/// The GPU as the megakernel uses it for `config`: `sm_count` streams and the weight pages it
+/// leaves beside its other shared memory on a GPU with `max_smem_per_block` bytes per block.
+/// The page count feeds the schedule's time estimate only; it is taken with the widest input
+/// vector an auto-granularity schedule can have (a down-projection chunk is at most a page of
+/// f32), so it is at most the kernel's own count (equal for the Llama-3.2-1B and SmolLM2
+/// shapes on an H100: 12).
+pub fn megakernel_gpu_shape(
+    config: &crate::model::Config,
+    sm_count: usize,
+    max_smem_per_block: usize,
+) -> scheduler::GpuShape {
+    let scratch = attention_scratch(config.num_heads / config.num_kv_heads, config.head_dim);
+    let xs = config
+        .hidden_size
+        .max(config.q_dim())
+        .max(PAGE_BYTES / 4)
+        .max(scratch)
+        .next_multiple_of(4);
+    scheduler::GpuShape {
+        sm_count,
+        // The kernel's static shared memory (two flags, a few bytes) is not known before its
+        // compile; MK_STATIC_SMEM_ESTIMATE stands for it.
+        smem_pages: SmemLayout::plan(
+            max_smem_per_block,
+            MK_STATIC_SMEM_ESTIMATE,
+            xs,
+            config.num_layers,
+        )
+        .map(|l| l.pages)
+        .unwrap_or(0),
+        page_bytes: PAGE_BYTES,
+    }
+}
+
+/// The schedule the megakernel runs for `config` on a GPU of shape `gpu` with `cost` (for
+/// `run` and `bench`: `CostModel::megakernel(context)`), granularity overridden by
+/// `overrides`. `run`, `bench` (through [`schedule_for`]) and `megainfer schedule` all build
+/// their schedules here.
+pub fn megakernel_schedule(
+    config: &crate::model::Config,
+    gpu: &scheduler::GpuShape,
+    cost: &scheduler::CostModel,
+    overrides: &scheduler::Overrides,
+) -> Result<Schedule> {
+    let shape = crate::reference::sliced::shape_of(config);
+    scheduler::plan(&shape, gpu, cost, overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+}
+
+/// The schedule the megakernel runs for `config` on `gpu`, attention costed at `context`
+/// positions (the prompt plus the new tokens), `attn_parts` overriding the split-KV
+/// partitions.
 pub fn schedule_for(
     config: &crate::model::Config,
     gpu: &Gpu,
     context: usize,
     attn_parts: Option<usize>,
 ) -> Result<Schedule> {
-    let shape = crate::reference::sliced::shape_of(config);
-    let gs = scheduler::GpuShape::with_sms(gpu.sm_count);
-    // Measured hops (wait, prepare, compute, signal) cost microseconds, not the default 0.5:
-    // a higher fixed cost keeps short contexts from paying an extra split-KV reduction hop.
-    let cost = scheduler::CostModel {
-        context,
-        latency_us: 2.0,
+    let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
+    let overrides = scheduler::Overrides {
+        attn_parts,
         ..Default::default()
     };
-    let mut opts = scheduler::Options::auto(&shape, &gs, &cost);
-    if let Some(p) = attn_parts {
-        opts.attn_parts = p;
-    }
-    scheduler::build(&shape, &gs, &opts).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+    let cost = scheduler::CostModel::megakernel(context);
+    megakernel_schedule(config, &shape, &cost, &overrides)
 }

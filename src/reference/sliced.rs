@@ -403,7 +403,7 @@ impl Machine for SlicedMachine<'_> {
                 row_start,
                 row_count,
             } => self.up_gate(u(layer), rows(row_start, row_count)),
-            Op::DownProjResidual {
+            Op::DownProjPartial {
                 layer,
                 row_start,
                 row_count,

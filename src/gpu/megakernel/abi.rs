@@ -77,7 +77,7 @@ const OPCODES: [(&str, u32); 9] = [
     ("OP_ATTN_REDUCE", opcode::ATTN_REDUCE),
     ("OP_OPROJ", opcode::O_PROJ_RESIDUAL),
     ("OP_UPGATE", opcode::RMS_UP_GATE_SILU),
-    ("OP_DOWN", opcode::DOWN_PROJ_RESIDUAL),
+    ("OP_DOWN", opcode::DOWN_PROJ_PARTIAL),
     ("OP_LMHEAD", opcode::RMS_LM_HEAD),
     ("OP_ARGMAX", opcode::ARGMAX),
 ];

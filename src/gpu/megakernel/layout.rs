@@ -135,43 +135,6 @@ pub fn xs_floats(max_cols: usize, attention_scratch: usize) -> usize {
     max_cols.max(attention_scratch).next_multiple_of(4)
 }
 
-/// Offsets (in 64-bit words) of the tagged buffers in one allocation, so that the kernel can
-/// name a stuck element by its offset and one memset clears them all.
-pub struct Arena {
-    parts: Vec<(&'static str, usize)>,
-    pub len: usize,
-}
-
-impl Arena {
-    pub fn new(sizes: &[(&'static str, usize)]) -> Self {
-        let mut len = 0;
-        let parts = sizes
-            .iter()
-            .map(|&(name, n)| {
-                let start = len;
-                len += n;
-                (name, start)
-            })
-            .collect();
-        Arena { parts, len }
-    }
-
-    pub fn offset(&self, name: &str) -> usize {
-        self.parts
-            .iter()
-            .find(|p| p.0 == name)
-            .map(|p| p.1)
-            .expect("arena part")
-    }
-
-    /// `buffer[element]` for an offset.
-    pub fn element(&self, offset: usize) -> String {
-        match self.parts.iter().rev().find(|p| p.1 <= offset) {
-            Some((name, start)) => format!("{name}[{}]", offset - start),
-            None => format!("arena[{offset}]"),
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -242,13 +205,4 @@ mod tests {
         assert_eq!(xs_floats(4097, 10), 4100);
     }
 
-    #[test]
-    fn arena_names_elements() {
-        let a = Arena::new(&[("resid_attn", 10), ("q", 5), ("act", 3)]);
-        assert_eq!(a.len, 18);
-        assert_eq!(a.offset("q"), 10);
-        assert_eq!(a.element(12), "q[2]");
-        assert_eq!(a.element(17), "act[2]");
-        assert_eq!(a.element(0), "resid_attn[0]");
-    }
 }

@@ -1,0 +1,138 @@
+//! `megainfer schedule` prints and exports exactly the schedule `run` and `bench` execute, and
+//! refuses impossible options with the option's name and range.
+
+use std::process::Command;
+
+use megainfer::gpu::megakernel::{
+    megakernel_gpu_shape, megakernel_schedule, schedule_for, H100_SMEM_PER_BLOCK, H100_SMS,
+};
+use megainfer::model::presets;
+use scheduler::dump::{summarize, to_json, JsonSchedule};
+use scheduler::{CostModel, GpuShape, Overrides, Schedule};
+
+fn schedule_cmd(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_megainfer"))
+        .arg("schedule")
+        .args(args)
+        .output()
+        .expect("run megainfer")
+}
+
+/// Runs `schedule` with `args` and `--json`; returns stdout and the parsed JSON.
+fn printed(args: &[&str]) -> (String, JsonSchedule) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("s.json");
+    let mut all = args.to_vec();
+    all.extend(["--json", json.to_str().unwrap()]);
+    let out = schedule_cmd(&all);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&json).unwrap();
+    (stdout, serde_json::from_str(&text).unwrap())
+}
+
+fn check_same(args: &[&str], want: &Schedule, cost: &CostModel) {
+    let (stdout, json) = printed(args);
+    assert_eq!(json, to_json(want), "{args:?}: JSON differs");
+    let summary = summarize(want, cost).to_string();
+    assert!(
+        stdout.contains(&summary),
+        "{args:?}: printed\n{stdout}\nwanted\n{summary}"
+    );
+    assert!(!stdout.contains("counter"), "{stdout}");
+}
+
+#[test]
+fn explicit_gpu_shape_prints_the_megakernels_schedule() {
+    let cfg = presets::by_name("smollm2-135m").unwrap();
+    let gpu = GpuShape {
+        sm_count: 7,
+        smem_pages: 12,
+        page_bytes: 16384,
+    };
+    let cost = CostModel::megakernel(100);
+    let want = megakernel_schedule(&cfg, &gpu, &cost, &Overrides::default()).unwrap();
+    let args = [
+        "--preset",
+        "smollm2-135m",
+        "--sms",
+        "7",
+        "--pages",
+        "12",
+        "--context",
+        "100",
+    ];
+    check_same(&args, &want, &cost);
+    // A granularity override goes through the same function.
+    let parts = Overrides {
+        attn_parts: Some(3),
+        ..Default::default()
+    };
+    let want = megakernel_schedule(&cfg, &gpu, &cost, &parts).unwrap();
+    let mut with_parts = args.to_vec();
+    with_parts.extend(["--attn-parts", "3"]);
+    check_same(&with_parts, &want, &cost);
+}
+
+/// With no GPU options: the GPU's own figures, i.e. what `schedule_for` gives `run` and
+/// `bench`; without a GPU, an H100's, said in the output.
+#[test]
+fn defaults_are_the_gpus_or_an_h100s() {
+    let cfg = presets::by_name("llama-3.2-1b").unwrap();
+    let cost = CostModel::megakernel(1024);
+    let args = ["--preset", "llama-3.2-1b"];
+    if megainfer::gpu::available() {
+        let gpu = megainfer::gpu::device::Gpu::new(0).unwrap();
+        let want = schedule_for(&cfg, &gpu, 1024, None).unwrap();
+        check_same(&args, &want, &cost);
+        let (stdout, _) = printed(&args);
+        assert!(stdout.contains(&gpu.name), "{stdout}");
+    } else {
+        let shape = megakernel_gpu_shape(&cfg, H100_SMS, H100_SMEM_PER_BLOCK);
+        let want = megakernel_schedule(&cfg, &shape, &cost, &Overrides::default()).unwrap();
+        check_same(&args, &want, &cost);
+        let (stdout, _) = printed(&args);
+        assert!(stdout.contains("assuming an H100"), "{stdout}");
+        // The page count the megakernel leaves on an H100 for this model.
+        assert_eq!(shape.smem_pages, 12);
+    }
+}
+
+#[test]
+fn impossible_options_are_refused_by_name() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--sms", "65536"], "--sms 65536"),
+        (&["--sms", "0"], "--sms 0"),
+        (&["--pages", "0"], "--pages 0"),
+        (&["--pages", "100000"], "--pages 100000"),
+        (&["--context", "0"], "--context 0"),
+        (&["--context", "99999999999"], "--context 99999999999"),
+        (&["--latency-us", "0"], "--latency-us 0"),
+        (&["--latency-us=-1"], "--latency-us -1"),
+        (&["--latency-us", "nan"], "--latency-us NaN"),
+        (&["--latency-us", "1e9"], "--latency-us 1"),
+        (&["--bandwidth", "inf"], "--bandwidth inf"),
+        (&["--bandwidth", "0"], "--bandwidth 0"),
+    ];
+    for (extra, named) in cases {
+        let mut args = vec!["--preset", "smollm2-135m"];
+        args.extend_from_slice(extra);
+        let start = std::time::Instant::now();
+        let out = schedule_cmd(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} accepted");
+        assert!(
+            err.contains(named) && err.contains("outside the allowed range"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            start.elapsed().as_secs() < 30,
+            "{args:?}: {:?}",
+            start.elapsed()
+        );
+    }
+}
