@@ -31,6 +31,25 @@ fn baseline_kernels_compile_for_sm90a() {
 }
 
 #[test]
+fn sampling_kernels_compile_for_sm90a() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let cubin = compile::compile_cubin(
+        "sampling",
+        &megainfer::sampling::device::source(),
+        "sm_90a",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        &cubin[..4],
+        b"\x7fELF",
+        "NVRTC output is not a CUBIN (ELF) image"
+    );
+}
+
+#[test]
 fn megakernel_compiles_for_sm90a() {
     if !nvrtc_or_skip() {
         return;
