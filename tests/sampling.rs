@@ -11,69 +11,9 @@ mod stats;
 use megainfer::generate::generate;
 use megainfer::reference::CpuForward;
 use megainfer::sampling::{probabilities, sample_at, Sampler, SamplingParams, K_MAX};
-use stats::{chi2_test, reference_probs, test_logits};
+use stats::{cases, chi2_test, params, reference_probs, test_logits};
 
 const DRAWS: u64 = 20_000;
-
-fn params(temperature: f32) -> SamplingParams {
-    SamplingParams {
-        temperature,
-        ..SamplingParams::greedy()
-    }
-}
-
-/// Every option combination the sampler has, each with its context (for the penalty).
-pub fn cases() -> Vec<(&'static str, SamplingParams, Vec<u32>)> {
-    let hot: Vec<u32> = vec![0, 1, 37, 38, 74, 5, 500, 0, 1];
-    vec![
-        ("temperature 0.8", params(0.8), vec![]),
-        (
-            "top-k 40",
-            SamplingParams {
-                top_k: 40,
-                ..params(1.0)
-            },
-            vec![],
-        ),
-        (
-            "top-p 0.9",
-            SamplingParams {
-                top_p: 0.9,
-                ..params(0.7)
-            },
-            vec![],
-        ),
-        (
-            "min-p 0.05",
-            SamplingParams {
-                min_p: 0.05,
-                ..params(1.2)
-            },
-            vec![],
-        ),
-        (
-            "repeat penalty 1.5 over 6",
-            SamplingParams {
-                repeat_penalty: 1.5,
-                repeat_last_n: 6,
-                ..params(1.0)
-            },
-            hot.clone(),
-        ),
-        (
-            "llama.cpp defaults",
-            SamplingParams {
-                top_k: 40,
-                top_p: 0.95,
-                min_p: 0.05,
-                repeat_penalty: 1.1,
-                repeat_last_n: 64,
-                ..params(0.8)
-            },
-            hot,
-        ),
-    ]
-}
 
 #[test]
 fn host_draws_follow_the_reference_distribution() {

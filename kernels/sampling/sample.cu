@@ -58,3 +58,10 @@ extern "C" __global__ void __launch_bounds__(SMP_FINAL_THREADS)
         meta->pos = m.pos + 1;
     }
 }
+
+// Philox4x32-10 of counters ctr[i] under key (key_lo, key_hi), for the test that the device
+// draws the host's bits.
+extern "C" __global__ void smp_philox_words(const uint4* ctr, smp_u32 key_lo, smp_u32 key_hi, uint4* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = smp_philox4x32_10(ctr[i], key_lo, key_hi);
+}

@@ -30,6 +30,12 @@ pub fn source() -> String {
     [PHILOX, SELECT, SAMPLE].join("\n")
 }
 
+/// The device functions alone (Philox and the two parts of the rule), for a compilation unit
+/// that calls them from kernels of its own (the megakernel's megakernel/ops/sample.cuh).
+pub fn device_functions() -> String {
+    [PHILOX, SELECT].join("\n")
+}
+
 /// `SmpParams` as the kernels read it.
 pub fn param_words(p: &SamplingParams) -> [u32; 8] {
     let last_n = if p.penalises() {
@@ -50,6 +56,7 @@ pub fn param_words(p: &SamplingParams) -> [u32; 8] {
 }
 
 pub struct DeviceSampler {
+    philox_k: Kernel,
     blocks_k: Kernel,
     final_k: Kernel,
     _module: Arc<CudaModule>,
@@ -71,6 +78,7 @@ impl DeviceSampler {
             .context("loading the sampling CUBIN")?;
         let n_blocks = vocab.div_ceil(CHUNK);
         Ok(Self {
+            philox_k: Kernel::load(&module, "smp_philox_words")?,
             blocks_k: Kernel::load(&module, "smp_blocks")?,
             final_k: Kernel::load(&module, "smp_final")?,
             _module: module,
@@ -82,6 +90,34 @@ impl DeviceSampler {
             vocab,
             n_blocks,
         })
+    }
+
+    /// Philox4x32-10 of each counter under `key`, computed on the device (for tests).
+    pub fn philox_on_device(
+        &self,
+        gpu: &Gpu,
+        counters: &[[u32; 4]],
+        key: [u32; 2],
+    ) -> Result<Vec<[u32; 4]>> {
+        let flat: Vec<u32> = counters.iter().flatten().copied().collect();
+        let ctr = gpu.upload(&flat, "philox counters")?;
+        let out = gpu.alloc_zeros::<u32>(flat.len(), "philox outputs")?;
+        let s = &gpu.stream;
+        let (cp, op, n) = (ptr(&ctr, s), ptr(&out, s), counters.len() as i32);
+        let grid = (counters.len() as u32).div_ceil(256);
+        self.philox_k.launch(
+            s,
+            grid,
+            256,
+            0,
+            false,
+            &mut kargs![&cp, &key[0], &key[1], &op, &n],
+        )?;
+        let words = s.clone_dtoh(&out)?;
+        Ok(words
+            .chunks_exact(4)
+            .map(|c| [c[0], c[1], c[2], c[3]])
+            .collect())
     }
 
     /// Makes `p` the parameters of the steps enqueued after this call (stream-ordered).

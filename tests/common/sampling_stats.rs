@@ -186,3 +186,63 @@ pub fn test_logits(vocab: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+pub fn params(temperature: f32) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        ..SamplingParams::greedy()
+    }
+}
+
+/// Every option combination the sampler has, each with its context (for the penalty).
+pub fn cases() -> Vec<(&'static str, SamplingParams, Vec<u32>)> {
+    let hot: Vec<u32> = vec![0, 1, 37, 38, 74, 5, 500, 0, 1];
+    vec![
+        ("temperature 0.8", params(0.8), vec![]),
+        (
+            "top-k 40",
+            SamplingParams {
+                top_k: 40,
+                ..params(1.0)
+            },
+            vec![],
+        ),
+        (
+            "top-p 0.9",
+            SamplingParams {
+                top_p: 0.9,
+                ..params(0.7)
+            },
+            vec![],
+        ),
+        (
+            "min-p 0.05",
+            SamplingParams {
+                min_p: 0.05,
+                ..params(1.2)
+            },
+            vec![],
+        ),
+        (
+            "repeat penalty 1.5 over 6",
+            SamplingParams {
+                repeat_penalty: 1.5,
+                repeat_last_n: 6,
+                ..params(1.0)
+            },
+            hot.clone(),
+        ),
+        (
+            "llama.cpp defaults",
+            SamplingParams {
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                repeat_penalty: 1.1,
+                repeat_last_n: 64,
+                ..params(0.8)
+            },
+            hot,
+        ),
+    ]
+}
