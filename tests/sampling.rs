@@ -114,3 +114,32 @@ fn same_seed_same_tokens_and_another_seed_other_tokens() {
     let distinct: std::collections::HashSet<_> = a.iter().collect();
     assert!(distinct.len() >= 3, "sampling at T=1 barely varied: {a:?}");
 }
+
+#[test]
+fn the_chi2_test_rejects_a_wrong_distribution() {
+    // Draws at T = 0.8 against the distribution at T = 0.9, and top-k 40 draws against
+    // top-k 45: a check that the tests above can fail.
+    let logits = test_logits(1000);
+    let pairs = [
+        (params(0.8), params(0.9)),
+        (
+            SamplingParams {
+                top_k: 40,
+                ..params(1.0)
+            },
+            SamplingParams {
+                top_k: 45,
+                ..params(1.0)
+            },
+        ),
+    ];
+    for (drawn, claimed) in pairs {
+        let mut counts = vec![0u64; logits.len()];
+        for pos in 0..DRAWS {
+            counts[sample_at(&drawn, &logits, pos, &[]) as usize] += 1;
+        }
+        let (stat, df, pv) = chi2_test(&counts, &reference_probs(&claimed, &logits, &[]));
+        println!("{drawn:?} vs {claimed:?}: χ² {stat:.1} on {df} df, p = {pv:.2e}");
+        assert!(pv < 0.001, "p = {pv}");
+    }
+}
