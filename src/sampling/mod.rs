@@ -7,6 +7,7 @@ pub mod device;
 pub mod philox;
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 /// Most candidates a truncating sampler (top-k, top-p, min-p) keeps: the candidates are the
 /// `K_MAX` largest logits, and top-k, top-p and min-p cut that list further. Per-block top
@@ -241,22 +242,32 @@ pub fn sample_at(p: &SamplingParams, logits: &[f32], pos: u64, context: &[u32]) 
     if p.temperature == 0.0 {
         return argmax(&l);
     }
-    let mut best = (f64::NEG_INFINITY, u32::MAX);
-    let mut consider = |i: u32| {
-        let x = l[i as usize];
-        if x == f32::NEG_INFINITY {
-            return;
-        }
-        let s = score(p, pos, i, x);
-        if s > best.0 || (s == best.0 && i < best.1) {
-            best = (s, i);
+    let better = |a: (f64, u32), b: (f64, u32)| {
+        if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) {
+            b
+        } else {
+            a
         }
     };
-    if p.truncates() {
-        candidates(p, &l).into_iter().for_each(&mut consider);
+    let scored = |i: u32| {
+        let x = l[i as usize];
+        if x == f32::NEG_INFINITY {
+            (f64::NEG_INFINITY, u32::MAX)
+        } else {
+            (score(p, pos, i, x), i)
+        }
+    };
+    let none = (f64::NEG_INFINITY, u32::MAX);
+    let best = if p.truncates() {
+        candidates(p, &l).into_iter().map(scored).fold(none, better)
     } else {
-        (0..l.len() as u32).for_each(&mut consider);
-    }
+        // Every token is a candidate: one Philox draw and two logarithms each, spread over
+        // the threads (the reduction is a total order, so the result does not depend on it).
+        (0..l.len() as u32)
+            .into_par_iter()
+            .map(scored)
+            .reduce(|| none, better)
+    };
     if best.1 == u32::MAX {
         // Every logit is −∞ or NaN: nothing to draw from, so fall back to the argmax.
         return argmax(&l);
