@@ -17,6 +17,13 @@ pub trait Backend {
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(argmax(&self.feed(&[token])?))
     }
+
+    /// Feeds one token and returns the next one `sampler` draws; the sampler's context already
+    /// ends with `token`. GPU paths with a device sampler override this so the logits never
+    /// leave the device.
+    fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
+        Ok(sampler.sample(&self.feed(&[token])?))
+    }
 }
 
 impl Backend for CpuForward<'_> {
@@ -53,7 +60,6 @@ pub fn generate(
     max_tokens: usize,
     eos: &[u32],
     sampler: &mut Sampler,
-    greedy: bool,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
     let start = Instant::now();
@@ -67,6 +73,9 @@ pub fn generate(
     if max_tokens == 0 {
         return Ok(stats);
     }
+    let greedy = sampler.params().is_greedy();
+    sampler.reset();
+    sampler.accept(prompt);
     let logits = backend.feed(prompt)?;
     let mut token = sampler.sample(&logits);
     stats.time_to_first_token = start.elapsed();
@@ -81,10 +90,11 @@ pub fn generate(
         if stats.generated == max_tokens {
             break;
         }
+        sampler.accept(&[token]);
         token = if greedy {
             backend.feed_greedy(token)?
         } else {
-            sampler.sample(&backend.feed(&[token])?)
+            backend.feed_sampled(token, sampler)?
         };
     }
     stats.decode_time = decode_start.elapsed();

@@ -12,7 +12,7 @@ use crate::gpu::device::Gpu;
 use crate::gpu::model::DeviceModel;
 use crate::gpu::paths::{GpuPath, PathKind};
 use crate::model::{self, presets, random::random_weights};
-use crate::sampling::argmax;
+use crate::sampling::{argmax, Sampler, SamplingArgs, SamplingParams};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -44,9 +44,39 @@ pub struct BenchArgs {
     /// chrome://tracing): a track per SM, a slice per instruction with its phases.
     #[arg(long, requires = "profile")]
     pub trace: Option<PathBuf>,
-    /// Seed of the random weights and the prompt.
+    /// Seed of the random weights, the prompt and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Sampled decoding instead of greedy (--temperature > 0 or a repetition penalty).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// The first token from the prompt's logits and the remaining `gen - 1` chained on the
+/// device: greedy, or drawn by `params` (on the device where the path has a device sampler).
+fn decode(
+    path: &mut GpuPath,
+    prompt: &[u32],
+    gen: usize,
+    params: &SamplingParams,
+) -> Result<(u32, std::time::Duration, Vec<u32>)> {
+    let t0 = Instant::now();
+    let logits = path.feed(prompt)?;
+    let mut sampler = Sampler::new(*params);
+    sampler.accept(prompt);
+    let first = if params.is_greedy() {
+        argmax(&logits)
+    } else {
+        sampler.sample(&logits)
+    };
+    let ttft = t0.elapsed();
+    let rest = if params.is_greedy() {
+        path.decode_greedy(first, gen - 1)?
+    } else {
+        sampler.accept(&[first]);
+        path.decode_sampled(&sampler, first, gen - 1)?
+    };
+    Ok((first, ttft, rest))
 }
 
 #[derive(Serialize)]
@@ -69,6 +99,8 @@ struct Report {
     prompt_len: usize,
     gen: usize,
     reps: usize,
+    /// "greedy", or the sampling parameters.
+    sampling: String,
     weight_bytes_per_token: usize,
     read_bandwidth_gbps: f64,
     commit: String,
@@ -85,6 +117,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         bail!("--gen must be >= 2, --prompt-len and --reps >= 1");
     }
     let paths = PathKind::parse_list(&args.paths)?;
+    let params = args.sampling.params(args.seed)?;
+    let sampling = if params.is_greedy() {
+        "greedy".to_string()
+    } else {
+        format!("{params:?}")
+    };
     let gpu = Gpu::new(0)?;
     let (config, weights, model_name) = match (&args.model, &args.preset) {
         (_, Some(p)) => {
@@ -134,18 +172,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
         // Warm-up: compilation, module load, first-touch of every buffer.
-        let first = argmax(&path.feed(&prompt)?);
-        path.decode_greedy(first, args.gen - 1)?;
+        decode(&mut path, &prompt, args.gen, &params)?;
         let (mut tpot, mut ttft) = (Vec::new(), Vec::new());
         let mut tokens = Vec::new();
         for _ in 0..args.reps {
             path.reset();
             let t0 = Instant::now();
-            let first = argmax(&path.feed(&prompt)?);
-            ttft.push(t0.elapsed().as_secs_f64() * 1e3);
-            let t1 = Instant::now();
-            let rest = path.decode_greedy(first, args.gen - 1)?;
-            tpot.push(t1.elapsed().as_secs_f64() * 1e3 / (args.gen - 1) as f64);
+            let (first, first_time, rest) = decode(&mut path, &prompt, args.gen, &params)?;
+            let total = t0.elapsed();
+            ttft.push(first_time.as_secs_f64() * 1e3);
+            tpot.push((total - first_time).as_secs_f64() * 1e3 / (args.gen - 1) as f64);
             tokens = std::iter::once(first).chain(rest).collect();
         }
         if args.profile {
@@ -176,7 +212,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
 
     println!(
-        "device: {} | commit {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | read bandwidth {bw:.0} GB/s (measured)",
+        "device: {} | commit {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | read bandwidth {bw:.0} GB/s (measured) | {sampling}",
         gpu.describe(),
         env!("MEGAINFER_COMMIT"),
         args.prompt_len,
@@ -208,9 +244,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .take_while(|(a, b)| a == b)
                 .count();
             println!(
-                "megakernel vs {}: {:.2}x faster; greedy tokens identical for {agree}/{}",
+                "megakernel vs {}: {:.2}x faster; {} tokens identical for {agree}/{}",
                 r.path,
                 r.tpot_ms_median / base.tpot_ms_median,
+                if params.is_greedy() {
+                    "greedy"
+                } else {
+                    "sampled"
+                },
                 base.tokens.len()
             );
         }
@@ -228,7 +269,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
-    println!("TPOT: wall time of {} back-to-back greedy steps / {}, host launch overhead included; TTFT: prompt fed one token per step (simple prefill).", args.gen - 1, args.gen - 1);
+    println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: prompt fed one token per step (simple prefill).", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1);
+    if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
+        println!("The megakernel draws sampled tokens on the host from copied logits (its device sampler is not wired in yet); graph-pdl, graph and eager draw on the device.");
+    }
     if let Some(path) = &args.json {
         let report = Report {
             device: gpu.describe(),
@@ -236,6 +280,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             prompt_len: args.prompt_len,
             gen: args.gen,
             reps: args.reps,
+            sampling,
             weight_bytes_per_token: dm.bytes_per_token,
             read_bandwidth_gbps: bw,
             commit: env!("MEGAINFER_COMMIT").to_string(),

@@ -11,7 +11,7 @@ use crate::gpu::model::{DeviceModel, KvCache};
 use crate::gpu::paths::{GpuPath, PathKind};
 use crate::model::{self, Model};
 use crate::reference::CpuForward;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingArgs, SamplingParams};
 use crate::tokenizer::chat::{self, ChatMessage};
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,15 +33,9 @@ pub struct RunArgs {
     /// Maximum number of new tokens.
     #[arg(short = 'n', long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Seed of the sampler's random draws.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Wrap the prompt in the model's chat template as a user message.
@@ -105,13 +99,7 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    };
-    params.validate()?;
+    let params = args.sampling.params(args.seed)?;
     let path = resolve_model_path(&args.model)?;
     let model = model::load(&path)?;
     let ids = render_prompt(&model, &args.prompt, args.chat)?;
@@ -202,7 +190,6 @@ fn finish(
         max_tokens,
         &tok.eos_token_ids,
         &mut sampler,
-        params.is_greedy(),
         &mut |t| {
             generated.push(t);
             Ok(())
@@ -243,33 +230,25 @@ pub fn stream(
     let (mut prefix, mut printed) = (0usize, 0usize);
     let mut stdout = std::io::stdout().lock();
     let eos = &tok.eos_token_ids;
-    let stats = generate(
-        backend,
-        ids,
-        max_tokens,
-        eos,
-        &mut sampler,
-        params.is_greedy(),
-        &mut |t| {
-            if eos.contains(&t) {
-                return Ok(());
-            }
-            out_ids.push(t);
-            let before = tok.decode(&out_ids[prefix..printed])?;
-            let text = tok.decode(&out_ids[prefix..])?;
-            // A token may end inside a multi-byte character: wait for the rest of it.
-            if !text.ends_with('\u{FFFD}')
-                && text.len() > before.len()
-                && text.is_char_boundary(before.len())
-            {
-                stdout.write_all(&text.as_bytes()[before.len()..])?;
-                stdout.flush()?;
-                prefix = printed;
-                printed = out_ids.len();
-            }
-            Ok(())
-        },
-    )?;
+    let stats = generate(backend, ids, max_tokens, eos, &mut sampler, &mut |t| {
+        if eos.contains(&t) {
+            return Ok(());
+        }
+        out_ids.push(t);
+        let before = tok.decode(&out_ids[prefix..printed])?;
+        let text = tok.decode(&out_ids[prefix..])?;
+        // A token may end inside a multi-byte character: wait for the rest of it.
+        if !text.ends_with('\u{FFFD}')
+            && text.len() > before.len()
+            && text.is_char_boundary(before.len())
+        {
+            stdout.write_all(&text.as_bytes()[before.len()..])?;
+            stdout.flush()?;
+            prefix = printed;
+            printed = out_ids.len();
+        }
+        Ok(())
+    })?;
     writeln!(stdout)?;
     eprintln!(
         "prompt tokens: {} | time to first token: {:.1} ms | generated: {} | decode: {:.1} tok/s{}",

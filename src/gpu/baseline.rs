@@ -15,6 +15,8 @@ use super::model::{DeviceModel, KvCache};
 use super::sources;
 use super::stepping::{self, Sequence, Steps};
 use crate::kargs;
+use crate::sampling::device::DeviceSampler;
+use crate::sampling::SamplingParams;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -66,6 +68,10 @@ pub struct BaselinePath<'g> {
     /// history[p + 1] = greedy token chosen after position p.
     history: CudaSlice<u32>,
     graph: Option<CudaGraph>,
+    /// Made on the first sampled step: the sampler's kernels and, for the graph modes, a
+    /// second graph that ends in them instead of the argmax.
+    sampler: Option<DeviceSampler>,
+    sampled_graph: Option<CudaGraph>,
     seq: Sequence,
 }
 
@@ -101,6 +107,8 @@ impl<'g> BaselinePath<'g> {
             meta: gpu.alloc_zeros(4, "token meta")?,
             history: gpu.alloc_zeros(max_seq + 1, "token history")?,
             graph: None,
+            sampler: None,
+            sampled_graph: None,
             gpu,
             model,
             mode,
@@ -145,8 +153,9 @@ impl<'g> BaselinePath<'g> {
         self.mode == Mode::GraphPdl
     }
 
-    /// Enqueues one decode step for the token and position in `meta`.
-    fn enqueue_step(&self) -> Result<()> {
+    /// Enqueues one decode step for the token and position in `meta`, its token chosen by the
+    /// greedy argmax or, when `sampled`, by the device sampler.
+    fn enqueue_step(&self, sampled: bool) -> Result<()> {
         let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
         let pdl = self.pdl();
         let (x, xn, qkv, attn, gu, act, logits, meta, history) = (
@@ -300,6 +309,10 @@ impl<'g> BaselinePath<'g> {
             c.hidden_size,
             false,
         )?;
+        if sampled {
+            let sampler = self.sampler.as_ref().context("device sampler not made")?;
+            return sampler.enqueue(s, logits, meta, history, pdl);
+        }
         let vocab = c.vocab_size as i32;
         // SAFETY: the arguments are the values bl_argmax declares, in order (see
         // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
@@ -317,16 +330,20 @@ impl<'g> BaselinePath<'g> {
     }
 
     fn capture(&mut self) -> Result<()> {
+        self.graph = Some(self.capture_step(false)?);
+        Ok(())
+    }
+
+    fn capture_step(&self, sampled: bool) -> Result<CudaGraph> {
         let s = &self.gpu.stream;
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning CUDA graph capture")?;
-        let enqueued = self.enqueue_step();
+        let enqueued = self.enqueue_step(sampled);
         let graph = s
             .end_capture(CUgraphInstantiate_flags(0))
             .context("ending CUDA graph capture")?;
         enqueued?;
-        self.graph = Some(graph.context("CUDA graph capture produced no graph")?);
-        Ok(())
+        graph.context("CUDA graph capture produced no graph")
     }
 
     /// Starts a new sequence (the KV cache is simply overwritten).
@@ -337,6 +354,16 @@ impl<'g> BaselinePath<'g> {
     /// `n` greedy steps back to back (see [`stepping::decode_greedy`]).
     pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
         stepping::decode_greedy(self, token, n)
+    }
+
+    /// `n` sampled steps back to back (see [`stepping::decode_sampled`]).
+    pub fn decode_sampled(
+        &mut self,
+        sampler: &crate::sampling::Sampler,
+        token: u32,
+        n: usize,
+    ) -> Result<Vec<u32>> {
+        stepping::decode_sampled(self, sampler, token, n)
     }
 }
 
@@ -362,8 +389,31 @@ impl Steps for BaselinePath<'_> {
     fn launch_step(&mut self) -> Result<()> {
         match &self.graph {
             Some(g) => g.launch().context("launching the decode graph"),
-            None => self.enqueue_step(),
+            None => self.enqueue_step(false),
         }
+    }
+
+    fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
+        if self.sampler.is_none() {
+            self.sampler = Some(DeviceSampler::new(self.gpu, self.model.config.vocab_size)?);
+        }
+        if self.mode != Mode::Eager && self.sampled_graph.is_none() {
+            self.sampled_graph = Some(self.capture_step(true)?);
+        }
+        let stream = self.gpu.stream.clone();
+        self.sampler.as_mut().unwrap().set_params(&stream, p)?;
+        Ok(true)
+    }
+
+    fn launch_sampled_step(&mut self) -> Result<()> {
+        match &self.sampled_graph {
+            Some(g) => g.launch().context("launching the sampled decode graph"),
+            None => self.enqueue_step(true),
+        }
+    }
+
+    fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {
+        Some(&mut self.history)
     }
 
     fn check(&self) -> Result<()> {

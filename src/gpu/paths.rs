@@ -7,6 +7,7 @@ use super::device::Gpu;
 use super::megakernel::{schedule_for, MegakernelPath};
 use super::model::DeviceModel;
 use crate::generate::Backend;
+use crate::sampling::Sampler;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PathKind {
@@ -99,6 +100,15 @@ impl<'g> GpuPath<'g> {
             Self::Baseline(p) => p.decode_greedy(token, n),
         }
     }
+
+    /// `n` sampled steps from `token` (the last of `sampler`'s context); on the device where
+    /// the path has a device sampler, else drawn on the host from copied logits.
+    pub fn decode_sampled(&mut self, sampler: &Sampler, token: u32, n: usize) -> Result<Vec<u32>> {
+        match self {
+            Self::Megakernel(p) => super::stepping::decode_sampled(p.as_mut(), sampler, token, n),
+            Self::Baseline(p) => p.decode_sampled(sampler, token, n),
+        }
+    }
 }
 
 impl Backend for GpuPath<'_> {
@@ -111,5 +121,9 @@ impl Backend for GpuPath<'_> {
 
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(self.decode_greedy(token, 1)?[0])
+    }
+
+    fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
+        Ok(self.decode_sampled(sampler, token, 1)?[0])
     }
 }

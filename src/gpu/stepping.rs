@@ -6,6 +6,7 @@ use cudarc::driver::CudaSlice;
 
 use super::device::Gpu;
 use crate::generate::Backend;
+use crate::sampling::{Sampler, SamplingParams};
 
 /// Position bookkeeping of one sequence.
 pub struct Sequence {
@@ -15,6 +16,10 @@ pub struct Sequence {
     /// Set when the device's token meta already holds (this token, `pos`), as the argmax of
     /// the last greedy step left it: then the host writes nothing before the next step.
     pub meta_current: Option<u32>,
+    /// Whether the device history holds the true token at every position before `pos` (as
+    /// the device sampler's repetition penalty reads it): false after host-fed steps, whose
+    /// greedy argmax overwrote it.
+    pub history_synced: bool,
 }
 
 impl Sequence {
@@ -23,6 +28,7 @@ impl Sequence {
             pos: 0,
             max_seq,
             meta_current: None,
+            history_synced: false,
         }
     }
 
@@ -30,6 +36,7 @@ impl Sequence {
     pub fn reset(&mut self) {
         self.pos = 0;
         self.meta_current = None;
+        self.history_synced = false;
     }
 
     fn check_room(&self, n: usize) -> Result<()> {
@@ -57,6 +64,17 @@ pub trait Steps {
     /// `history[p + 1]` = the greedy token chosen after position `p`.
     fn history(&self) -> &CudaSlice<u32>;
     fn logits(&self) -> &CudaSlice<f32>;
+    /// Readies the device sampler for `p`; false when the path has none (the host samples).
+    fn prepare_sampling(&mut self, _p: &SamplingParams) -> Result<bool> {
+        Ok(false)
+    }
+    /// One step whose token is drawn on the device (after `prepare_sampling` returned true).
+    fn launch_sampled_step(&mut self) -> Result<()> {
+        bail!("this path has no device sampler")
+    }
+    fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {
+        None
+    }
 }
 
 /// Every id must index the embedding table: a GPU step reads its row without a bounds check,
@@ -79,6 +97,7 @@ pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
         s.seq().pos += 1;
     }
     s.seq().meta_current = None;
+    s.seq().history_synced = false;
     s.check()?;
     Ok(s.gpu().stream.clone_dtoh(s.logits())?)
 }
@@ -110,6 +129,70 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
     Ok(out)
 }
 
+/// `n` sampled steps from `token` launched back to back, each drawn on the device from the
+/// step's logits and fed to the next; `sampler`'s context ends with `token`. Paths without a
+/// device sampler draw on the host from copied logits instead.
+pub fn decode_sampled<S: Steps>(
+    s: &mut S,
+    sampler: &Sampler,
+    token: u32,
+    n: usize,
+) -> Result<Vec<u32>> {
+    let ctx = sampler.context();
+    let start = s.seq().pos;
+    if ctx.last() != Some(&token) || ctx.len() != start + 1 {
+        bail!(
+            "sampler context ({} tokens) does not end with the token fed at position {start}",
+            ctx.len()
+        );
+    }
+    if !s.prepare_sampling(sampler.params())? {
+        let mut host = Sampler::new(*sampler.params());
+        host.accept(ctx);
+        let mut t = token;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            t = host.sample(&feed(s, &[t])?);
+            host.accept(&[t]);
+            out.push(t);
+        }
+        return Ok(out);
+    }
+    s.seq().check_room(n)?;
+    if s.seq().meta_current != Some(token) || !s.seq().history_synced {
+        // The host fed these positions (the prompt): the penalty's window, the tokens before
+        // `start`, is not in the device history yet.
+        let p = sampler.params();
+        if p.penalises() {
+            let from = start.saturating_sub(p.repeat_last_n.saturating_sub(1));
+            let window = ctx[from..start].to_vec();
+            if !window.is_empty() {
+                let stream = s.gpu().stream.clone();
+                let hist = s.history_mut().expect("a device sampler keeps a history");
+                let mut view = hist.slice_mut(from..start);
+                stream.memcpy_htod(&window, &mut view)?;
+            }
+        }
+        s.write_meta(token, start)?;
+    }
+    for _ in 0..n {
+        s.launch_sampled_step()?;
+    }
+    s.seq().pos += n;
+    s.check()?;
+    let out = s
+        .gpu()
+        .stream
+        .clone_dtoh(&s.history().slice(start + 1..start + 1 + n))?;
+    let vocab = s.vocab();
+    if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
+        bail!("GPU sampler produced token {bad} outside the vocabulary (NaN logits?)");
+    }
+    s.seq().meta_current = out.last().copied();
+    s.seq().history_synced = true;
+    Ok(out)
+}
+
 impl<S: Steps> Backend for S {
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         feed(self, tokens)
@@ -117,6 +200,10 @@ impl<S: Steps> Backend for S {
 
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(decode_greedy(self, token, 1)?[0])
+    }
+
+    fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
+        Ok(decode_sampled(self, sampler, token, 1)?[0])
     }
 }
 

@@ -135,7 +135,6 @@ pub fn xs_floats(max_cols: usize, attention_scratch: usize) -> usize {
     max_cols.max(attention_scratch).next_multiple_of(4)
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,5 +203,4 @@ mod tests {
         assert_eq!(xs_floats(2048, 3740), 3740);
         assert_eq!(xs_floats(4097, 10), 4100);
     }
-
 }

@@ -1,0 +1,393 @@
+// The sampler's device functions, shared by the graph path's kernels (sample.cu) and the
+// megakernel (megakernel/ops/sample.cuh). The rule is src/sampling/mod.rs's `sample_at`; see
+// docs/sampling.md. Every function is run by `nthreads` threads (a multiple of 32, warp
+// aligned) numbered `tid`, which `sync` makes wait for each other: __syncthreads in a kernel
+// of its own, the consumers' named barrier in the megakernel.
+//
+// Two parts:
+// - smp_block_part: over one block of consecutive vocabulary rows, the penalised logits'
+//   maximum, their softmax denominator relative to it, the block's best Gumbel-perturbed
+//   score, and (when truncating) the block's top SMP_KMAX rows.
+// - smp_final_part: over all blocks, the drawn token: the argmax of the blocks' best scores,
+//   or, when truncating, the global top SMP_KMAX (exact: it is contained in the union of the
+//   per-block top lists) cut by top-k, top-p and min-p, then the Gumbel-max among them.
+
+#define SMP_KMAX 128            // K_MAX in src/sampling/mod.rs
+#define SMP_NONE 0xffffffffu    // index of an empty candidate slot
+#define SMP_MAX_ROWS 4096       // rows one smp_block_part call may cover (its penalty bitmap)
+
+typedef unsigned int smp_u32;
+typedef unsigned long long smp_u64;
+
+// As written by DeviceSampler::set_params (src/sampling/device.rs).
+struct SmpParams {
+    float temperature;  // 0: argmax of the penalised logits
+    float top_p;        // 1: off
+    float min_p;        // 0: off
+    float penalty;      // repetition penalty; 1: off
+    smp_u32 top_k;      // 0: off
+    smp_u32 last_n;     // tokens the penalty looks back over (0: off)
+    smp_u32 seed_lo, seed_hi;
+};
+
+// One block's summary.
+struct SmpBlock {
+    double sumexp;      // sum of exp(l - max) over the block (temperature 1, for top-p)
+    double best;        // largest perturbed score l/T + g (or l when T = 0)
+    float max;          // largest penalised logit
+    smp_u32 best_idx;   // its token (the lower on a tie); SMP_NONE when every logit is -inf
+    smp_u32 pad[2];
+};
+
+// Shared-memory scratch of either part.
+struct SmpShared {
+    smp_u32 hist[256];
+    smp_u32 sh[4];
+    smp_u64 wt[32];
+    double redd[32];
+    smp_u32 redi[32];
+    float redf[32];
+    smp_u32 bitmap[SMP_MAX_ROWS / 32];
+    float cv[SMP_KMAX];
+    smp_u32 ci[SMP_KMAX];
+    float sv[SMP_KMAX];
+    smp_u32 si[SMP_KMAX];
+    smp_u32 count;
+};
+
+__device__ __forceinline__ bool smp_truncates(const SmpParams& s) {
+    return s.top_k > 0 || s.top_p < 1.f || s.min_p > 0.f;
+}
+__device__ __forceinline__ bool smp_penalises(const SmpParams& s) { return s.penalty != 1.f && s.last_n > 0; }
+
+// NaN reads as -inf: it can never be drawn (the host does the same).
+__device__ __forceinline__ float smp_clean(float x) {
+    return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? __int_as_float(0xff800000u) : x;
+}
+
+// llama.cpp's repetition penalty; the division correctly rounded despite fast math.
+__device__ __forceinline__ float smp_penalise(float x, float r) { return x <= 0.f ? x * r : __fdiv_rn(x, r); }
+
+// Unsigned key ordered like the float (no NaN): a larger logit has a larger key, and every
+// real logit's key is above 0, the key of an empty slot.
+__device__ __forceinline__ smp_u32 smp_key(float f) {
+    const smp_u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Larger score wins; on a tie the lower index (as on the host).
+__device__ __forceinline__ void smp_best_merge(double& v, smp_u32& i, double v2, smp_u32 i2) {
+    if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
+}
+
+// ---- block-wide reductions and scans (result in every thread) ----
+
+template <typename Sync>
+__device__ float smp_block_max(float v, SmpShared& sm, int tid, int nthreads, Sync sync) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((tid & 31) == 0) sm.redf[tid >> 5] = v;
+    sync();
+    v = sm.redf[0];
+    for (int w = 1; w < (nthreads >> 5); w++) v = fmaxf(v, sm.redf[w]);
+    sync();
+    return v;
+}
+
+template <typename Sync>
+__device__ double smp_block_sum(double v, SmpShared& sm, int tid, int nthreads, Sync sync) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((tid & 31) == 0) sm.redd[tid >> 5] = v;
+    sync();
+    v = 0.0;
+    for (int w = 0; w < (nthreads >> 5); w++) v += sm.redd[w];
+    sync();
+    return v;
+}
+
+template <typename Sync>
+__device__ void smp_block_best(double& v, smp_u32& idx, SmpShared& sm, int tid, int nthreads, Sync sync) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const double v2 = __shfl_xor_sync(0xffffffffu, v, o);
+        const smp_u32 i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        smp_best_merge(v, idx, v2, i2);
+    }
+    if ((tid & 31) == 0) { sm.redd[tid >> 5] = v; sm.redi[tid >> 5] = idx; }
+    sync();
+    v = sm.redd[0]; idx = sm.redi[0];
+    for (int w = 1; w < (nthreads >> 5); w++) smp_best_merge(v, idx, sm.redd[w], sm.redi[w]);
+    sync();
+}
+
+// Exclusive prefix sum of v over the threads in tid order.
+template <typename Sync>
+__device__ smp_u64 smp_block_scan(smp_u64 v, SmpShared& sm, int tid, int nthreads, Sync sync) {
+    const int lane = tid & 31, w = tid >> 5;
+    smp_u64 x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const smp_u64 y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) sm.wt[w] = x;
+    sync();
+    smp_u64 base = 0;
+    for (int k = 0; k < w; k++) base += sm.wt[k];
+    sync();
+    return base + x - v;
+}
+
+// The k-th largest of n keys (1 <= k <= n), by four 8-bit radix passes; `take_eq` is how many
+// keys equal to it belong to the top k (the others of the top k are strictly larger).
+template <typename KeyAt, typename Sync>
+__device__ void smp_radix_select(KeyAt key_at, int n, smp_u32 k, SmpShared& sm, int tid, int nthreads, Sync sync,
+                                 smp_u32& kth, smp_u32& take_eq) {
+    smp_u32 prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += nthreads) sm.hist[i] = 0;
+        sync();
+        for (int i = tid; i < n; i += nthreads) {
+            const smp_u32 key = key_at(i);
+            if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
+        }
+        sync();
+        if (tid < 32) {
+            // Lane l owns bins 255 - 8l down to 248 - 8l: lanes in order walk the keys downwards.
+            const int lane = tid;
+            smp_u32 c[8], s = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { c[j] = sm.hist[255 - 8 * lane - j]; s += c[j]; }
+            smp_u32 incl = s;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            smp_u32 above = incl - s;
+            if (above < k && k <= incl) {
+                for (int j = 0; j < 8; j++) {
+                    if (k <= above + c[j]) {
+                        sm.sh[0] = 255 - 8 * lane - j;
+                        sm.sh[1] = k - above;
+                        break;
+                    }
+                    above += c[j];
+                }
+            }
+        }
+        sync();
+        prefix |= sm.sh[0] << shift;
+        mask |= 0xffu << shift;
+        k = sm.sh[1];
+    }
+    kth = prefix;
+    take_eq = k;
+}
+
+// Emits the top k of n keys (as found by smp_radix_select) in index order: emit(slot, i) for
+// slots 0..k-1. Equal keys at the boundary are taken lowest index first. Each thread takes a
+// contiguous run of the keys, so one scan gives every thread its first slot.
+template <typename KeyAt, typename Emit, typename Sync>
+__device__ void smp_compact_top(KeyAt key_at, int n, smp_u32 kth, smp_u32 take_eq, Emit emit, SmpShared& sm, int tid,
+                                int nthreads, Sync sync) {
+    const int per = (n + nthreads - 1) / nthreads, lo = min(n, tid * per), hi = min(n, lo + per);
+    smp_u32 gt = 0, eq = 0;
+    for (int i = lo; i < hi; i++) {
+        const smp_u32 key = key_at(i);
+        gt += key > kth;
+        eq += key == kth;
+    }
+    const smp_u64 pre = smp_block_scan(((smp_u64)eq << 32) | gt, sm, tid, nthreads, sync);
+    smp_u32 eq_seen = (smp_u32)(pre >> 32);
+    smp_u32 slot = (smp_u32)pre + min(eq_seen, take_eq);
+    for (int i = lo; i < hi; i++) {
+        const smp_u32 key = key_at(i);
+        if (key > kth) {
+            emit(slot++, i);
+        } else if (key == kth) {
+            if (eq_seen < take_eq) emit(slot++, i);
+            eq_seen++;
+        }
+    }
+}
+
+// ---- the per-block part ----
+// Rows base .. base + rows - 1 (rows <= SMP_MAX_ROWS) with raw logits raw_at(j), j < rows.
+// The step fed `token` at `pos`; history[q] is the token at position q < pos. Writes the
+// block's summary through put_block (called by thread 0) and, when truncating at T > 0, its
+// top min(rows, SMP_KMAX) rows through put_cand(slot, value, index) for every slot < SMP_KMAX
+// (empty slots get index SMP_NONE).
+template <typename RawAt, typename PutBlock, typename PutCand, typename Sync>
+__device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpParams& s, smp_u32 pos, smp_u32 token,
+                               const smp_u32* history, PutBlock put_block, PutCand put_cand, SmpShared& sm, int tid,
+                               int nthreads, Sync sync) {
+    const bool pen = smp_penalises(s);
+    if (pen) {
+        for (int w = tid; w < (rows + 31) / 32; w += nthreads) sm.bitmap[w] = 0;
+        sync();
+        const smp_u32 first = pos + 1 > s.last_n ? pos + 1 - s.last_n : 0;
+        for (smp_u32 q = first + tid; q <= pos; q += nthreads) {
+            const smp_u32 j = (q == pos ? token : history[q]) - base;
+            if (j < (smp_u32)rows) atomicOr(&sm.bitmap[j >> 5], 1u << (j & 31));
+        }
+        sync();
+    }
+    auto val = [&](int j) {
+        const float x = smp_clean(raw_at(j));
+        return pen && (sm.bitmap[j >> 5] >> (j & 31)) & 1u ? smp_penalise(x, s.penalty) : x;
+    };
+    const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
+    float mx = __int_as_float(0xff800000u);
+    double best = -__longlong_as_double(0x7ff0000000000000ll);
+    smp_u32 best_idx = SMP_NONE;
+    for (int j = tid; j < rows; j += nthreads) {
+        const float x = val(j);
+        mx = fmaxf(mx, x);
+        if (draw_all && x != __int_as_float(0xff800000u)) {
+            const double sc = s.temperature == 0.f
+                                  ? (double)x
+                                  : (double)x / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, base + j);
+            smp_best_merge(best, best_idx, sc, base + j);
+        }
+    }
+    mx = smp_block_max(mx, sm, tid, nthreads, sync);
+    if (draw_all) smp_block_best(best, best_idx, sm, tid, nthreads, sync);
+    double z = 0.0;
+    if (!draw_all && s.top_p < 1.f && s.top_k == 0) {
+        for (int j = tid; j < rows; j += nthreads) z += exp((double)val(j) - (double)mx);
+        z = smp_block_sum(z, sm, tid, nthreads, sync);
+    }
+    if (tid == 0) {
+        SmpBlock b;
+        b.sumexp = z; b.best = best; b.max = mx; b.best_idx = best_idx; b.pad[0] = b.pad[1] = 0;
+        put_block(b);
+    }
+    if (draw_all) return;
+    const smp_u32 k = min(rows, SMP_KMAX);
+    auto key_at = [&](int j) { return smp_key(val(j)); };
+    smp_u32 kth, take_eq;
+    smp_radix_select(key_at, rows, k, sm, tid, nthreads, sync, kth, take_eq);
+    smp_compact_top(key_at, rows, kth, take_eq, [&](smp_u32 slot, int j) { put_cand(slot, val(j), base + j); }, sm, tid,
+                    nthreads, sync);
+    for (int slot = k + tid; slot < SMP_KMAX; slot += nthreads) put_cand(slot, __uint_as_float(0xffffffffu), SMP_NONE);
+}
+
+// ---- the final part ----
+// Over nb blocks: block b's summary get_block(b); when truncating, candidate i (of
+// nb * SMP_KMAX, block after block) as cand_val(i), cand_idx(i). Returns the drawn token in
+// thread 0 (SMP_NONE when there is nothing to draw from: every logit -inf or NaN).
+template <typename GetBlock, typename CandVal, typename CandIdx, typename Sync>
+__device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, CandIdx cand_idx, const SmpParams& s,
+                                  smp_u32 pos, SmpShared& sm, int tid, int nthreads, Sync sync) {
+    const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
+    if (draw_all) {
+        double best = -__longlong_as_double(0x7ff0000000000000ll);
+        smp_u32 idx = SMP_NONE;
+        for (int b = tid; b < nb; b += nthreads) {
+            const SmpBlock blk = get_block(b);
+            if (blk.best_idx != SMP_NONE) smp_best_merge(best, idx, blk.best, blk.best_idx);
+        }
+        smp_block_best(best, idx, sm, tid, nthreads, sync);
+        return idx;
+    }
+    // The softmax denominator over the whole vocabulary, for top-p without top-k.
+    const bool need_z = s.top_p < 1.f && s.top_k == 0;
+    float gmax = __int_as_float(0xff800000u);
+    for (int b = tid; b < nb; b += nthreads) gmax = fmaxf(gmax, get_block(b).max);
+    gmax = smp_block_max(gmax, sm, tid, nthreads, sync);
+    double z_all = 0.0;
+    if (need_z) {
+        for (int b = tid; b < nb; b += nthreads) {
+            const SmpBlock blk = get_block(b);
+            if (blk.max != __int_as_float(0xff800000u)) z_all += blk.sumexp * exp((double)blk.max - (double)gmax);
+        }
+        z_all = smp_block_sum(z_all, sm, tid, nthreads, sync);
+    }
+    // The global top SMP_KMAX among the blocks' lists, in index order, then sorted.
+    const int n = nb * SMP_KMAX;
+    const smp_u32 k = min(n, SMP_KMAX);
+    auto key_at = [&](int i) { return cand_idx(i) == SMP_NONE ? 0u : smp_key(cand_val(i)); };
+    smp_u32 kth, take_eq;
+    smp_radix_select(key_at, n, k, sm, tid, nthreads, sync, kth, take_eq);
+    if (tid == 0) sm.count = 0;
+    smp_compact_top(key_at, n, kth, take_eq, [&](smp_u32 slot, int i) { sm.cv[slot] = cand_val(i); sm.ci[slot] = cand_idx(i); },
+                    sm, tid, nthreads, sync);
+    sync();
+    for (int j = tid; j < (int)k; j += nthreads) {
+        if (sm.ci[j] == SMP_NONE) continue;
+        const float v = sm.cv[j];
+        const smp_u32 i = sm.ci[j];
+        int rank = 0;
+        for (int m = 0; m < (int)k; m++)
+            if (sm.ci[m] != SMP_NONE && (sm.cv[m] > v || (sm.cv[m] == v && sm.ci[m] < i))) rank++;
+        sm.sv[rank] = v;
+        sm.si[rank] = i;
+        atomicAdd(&sm.count, 1u);
+    }
+    sync();
+    smp_u32 token = SMP_NONE;
+    if (tid < 32) {
+        // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3.
+        const int lane = tid;
+        const int count = sm.count;
+        int keep = count;
+        if (s.top_k > 0) keep = min(keep, (int)s.top_k);
+        const double top = count > 0 ? (double)sm.sv[0] : 0.0;
+        if (s.top_p < 1.f && count > 0) {
+            double w[SMP_KMAX / 32], local = 0.0;
+#pragma unroll
+            for (int q = 0; q < SMP_KMAX / 32; q++) {
+                const int j = lane * (SMP_KMAX / 32) + q;
+                w[q] = j < keep ? exp((double)sm.sv[j] - top) : 0.0;
+                local += w[q];
+            }
+            double incl = local;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const double y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const double z = s.top_k > 0 ? __shfl_sync(0xffffffffu, incl, 31) : z_all;
+            double acc = incl - local;
+            int cut = SMP_KMAX + 1;
+#pragma unroll
+            for (int q = 0; q < SMP_KMAX / 32; q++) {
+                const int j = lane * (SMP_KMAX / 32) + q;
+                acc += w[q];
+                if (j < keep && cut > SMP_KMAX && acc / z >= (double)s.top_p) cut = j + 1;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) cut = min(cut, __shfl_xor_sync(0xffffffffu, cut, o));
+            keep = min(keep, cut);
+        }
+        if (s.min_p > 0.f && count > 0) {
+            const double floor = top + log((double)s.min_p);
+            int below = SMP_KMAX + 1;
+#pragma unroll
+            for (int q = 0; q < SMP_KMAX / 32; q++) {
+                const int j = lane * (SMP_KMAX / 32) + q;
+                if (j < keep && (double)sm.sv[j] < floor) below = min(below, j);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) below = min(below, __shfl_xor_sync(0xffffffffu, below, o));
+            keep = max(1, min(keep, below));
+        }
+        double best = -__longlong_as_double(0x7ff0000000000000ll);
+        smp_u32 idx = SMP_NONE;
+        for (int j = lane; j < keep; j += 32) {
+            const smp_u32 i = sm.si[j];
+            smp_best_merge(best, idx, (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i), i);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const double v2 = __shfl_xor_sync(0xffffffffu, best, o);
+            const smp_u32 i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+            smp_best_merge(best, idx, v2, i2);
+        }
+        token = idx;
+    }
+    sync();
+    return token;
+}

@@ -1,0 +1,176 @@
+//! The sampler on the GPU for the one-kernel-per-operation paths: kernels/sampling/ compiled on
+//! its own, its parameters in a device buffer (so a captured graph serves any parameters), and
+//! its per-block results.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use cudarc::driver::{CudaModule, CudaSlice, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::SamplingParams;
+use crate::gpu::compile::compile_cubin;
+use crate::gpu::device::{ptr, Gpu};
+use crate::gpu::launch::Kernel;
+use crate::kargs;
+
+const PHILOX: &str = include_str!("../../kernels/sampling/philox.cuh");
+const SELECT: &str = include_str!("../../kernels/sampling/select.cuh");
+const SAMPLE: &str = include_str!("../../kernels/sampling/sample.cu");
+
+/// Logits per `smp_blocks` CTA, and the CTAs' sizes (as in sample.cu).
+const CHUNK: usize = 4096;
+const BLOCK_THREADS: u32 = 512;
+const FINAL_THREADS: u32 = 1024;
+/// `SmpBlock` is 32 bytes.
+const BLOCK_WORDS: usize = 4;
+
+/// The sampler's compilation unit.
+pub fn source() -> String {
+    [PHILOX, SELECT, SAMPLE].join("\n")
+}
+
+/// The device functions alone (Philox and the two parts of the rule), for a compilation unit
+/// that calls them from kernels of its own (the megakernel's megakernel/ops/sample.cuh).
+pub fn device_functions() -> String {
+    [PHILOX, SELECT].join("\n")
+}
+
+/// `SmpParams` as the kernels read it.
+pub fn param_words(p: &SamplingParams) -> [u32; 8] {
+    let last_n = if p.penalises() {
+        p.repeat_last_n.min(u32::MAX as usize) as u32
+    } else {
+        0
+    };
+    [
+        p.temperature.to_bits(),
+        p.top_p.to_bits(),
+        p.min_p.to_bits(),
+        p.repeat_penalty.to_bits(),
+        p.top_k as u32,
+        last_n,
+        p.seed as u32,
+        (p.seed >> 32) as u32,
+    ]
+}
+
+pub struct DeviceSampler {
+    philox_k: Kernel,
+    blocks_k: Kernel,
+    final_k: Kernel,
+    _module: Arc<CudaModule>,
+    params: CudaSlice<u32>,
+    current: Option<SamplingParams>,
+    blocks: CudaSlice<u64>,
+    cand_v: CudaSlice<f32>,
+    cand_i: CudaSlice<u32>,
+    vocab: usize,
+    n_blocks: usize,
+}
+
+impl DeviceSampler {
+    pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        let cubin = compile_cubin("sampling", &source(), &gpu.arch(), &[])?;
+        let module = gpu
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .context("loading the sampling CUBIN")?;
+        let n_blocks = vocab.div_ceil(CHUNK);
+        Ok(Self {
+            philox_k: Kernel::load(&module, "smp_philox_words")?,
+            blocks_k: Kernel::load(&module, "smp_blocks")?,
+            final_k: Kernel::load(&module, "smp_final")?,
+            _module: module,
+            params: gpu.alloc_zeros(8, "sampling parameters")?,
+            current: None,
+            blocks: gpu.alloc_zeros(n_blocks * BLOCK_WORDS, "sampling block results")?,
+            cand_v: gpu.alloc_zeros(n_blocks * super::K_MAX, "sampling candidate logits")?,
+            cand_i: gpu.alloc_zeros(n_blocks * super::K_MAX, "sampling candidate tokens")?,
+            vocab,
+            n_blocks,
+        })
+    }
+
+    /// Philox4x32-10 of each counter under `key`, computed on the device (for tests).
+    pub fn philox_on_device(
+        &self,
+        gpu: &Gpu,
+        counters: &[[u32; 4]],
+        key: [u32; 2],
+    ) -> Result<Vec<[u32; 4]>> {
+        let flat: Vec<u32> = counters.iter().flatten().copied().collect();
+        let ctr = gpu.upload(&flat, "philox counters")?;
+        let out = gpu.alloc_zeros::<u32>(flat.len(), "philox outputs")?;
+        let s = &gpu.stream;
+        let (cp, op, n) = (ptr(&ctr, s), ptr(&out, s), counters.len() as i32);
+        let grid = (counters.len() as u32).div_ceil(256);
+        // SAFETY: (counters ptr, key0, key1, outputs ptr, n) as sample.cu's philox kernel
+        // declares them; both buffers hold 4·n words and live until the copy below.
+        unsafe {
+            self.philox_k.launch(
+                s,
+                grid,
+                256,
+                0,
+                false,
+                &mut kargs![&cp, &key[0], &key[1], &op, &n],
+            )
+        }?;
+        let words = s.clone_dtoh(&out)?;
+        Ok(words
+            .chunks_exact(4)
+            .map(|c| [c[0], c[1], c[2], c[3]])
+            .collect())
+    }
+
+    /// Makes `p` the parameters of the steps enqueued after this call (stream-ordered).
+    pub fn set_params(&mut self, stream: &Arc<CudaStream>, p: &SamplingParams) -> Result<()> {
+        if self.current.as_ref() != Some(p) {
+            stream.memcpy_htod(&param_words(p), &mut self.params)?;
+            self.current = Some(*p);
+        }
+        Ok(())
+    }
+
+    /// Enqueues the draw from `logits` (f32 [vocab]) for the step described by the
+    /// TokenMeta at `meta`: the token goes to meta and `history[pos + 1]`.
+    pub fn enqueue(
+        &self,
+        stream: &Arc<CudaStream>,
+        logits: u64,
+        meta: u64,
+        history: u64,
+        pdl: bool,
+    ) -> Result<()> {
+        let (params, blocks, cand_v, cand_i) = (
+            ptr(&self.params, stream),
+            ptr(&self.blocks, stream),
+            ptr(&self.cand_v, stream),
+            ptr(&self.cand_i, stream),
+        );
+        let (vocab, nb) = (self.vocab as i32, self.n_blocks as i32);
+        // SAFETY: the arguments match smp_blocks' and smp_final's parameters in sample.cu, in
+        // order; params, blocks and candidates are this sampler's buffers (sized for `vocab`
+        // and `n_blocks` at construction), and logits, meta and history are the caller's live
+        // buffers of the same vocabulary.
+        unsafe {
+            self.blocks_k.launch(
+                stream,
+                self.n_blocks as u32,
+                BLOCK_THREADS,
+                0,
+                pdl,
+                &mut kargs![&logits, &vocab, &meta, &history, &params, &blocks, &cand_v, &cand_i],
+            )?;
+            self.final_k.launch(
+                stream,
+                1,
+                FINAL_THREADS,
+                0,
+                pdl,
+                &mut kargs![&blocks, &nb, &cand_v, &cand_i, &params, &meta, &history],
+            )
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! The device sampler against the host's rule: the same Philox bits, the same tokens for the
+//! same logits and position, draws that follow the reference distribution (χ²), and sampled
+//! decoding on the graph paths that reproduces itself and matches the host's draws from the
+//! same logits. Needs a GPU (scripts/gpu-check.sh runs these with --include-ignored).
+
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod gpu_common;
+#[path = "common/sampling_stats.rs"]
+#[allow(dead_code)]
+mod stats;
+
+use gpu_common::{gpu_or_skip, tiny};
+use megainfer::generate::Backend;
+use megainfer::gpu::baseline::{BaselinePath, Mode};
+use megainfer::gpu::device::ptr;
+use megainfer::gpu::model::DeviceModel;
+use megainfer::sampling::device::DeviceSampler;
+use megainfer::sampling::{philox, sample_at, Sampler, SamplingParams};
+use stats::{cases, chi2_test, reference_probs, test_logits};
+
+const DRAWS: usize = 10_000;
+
+#[test]
+#[ignore = "needs a GPU"]
+fn device_philox_is_bit_identical_to_the_host() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let sampler = DeviceSampler::new(&gpu, 1000).unwrap();
+    let counters: Vec<[u32; 4]> = (0..4096u32)
+        .map(|i| [i.wrapping_mul(2_654_435_761), i, !i, i.rotate_left(7)])
+        .chain([[0; 4], [u32::MAX; 4]])
+        .collect();
+    for key in [[0, 0], [u32::MAX, u32::MAX], [0xa409_3822, 0x299f_31d0]] {
+        let got = sampler.philox_on_device(&gpu, &counters, key).unwrap();
+        let bad = counters
+            .iter()
+            .zip(&got)
+            .filter(|(c, g)| philox::philox4x32_10(**c, key) != **g)
+            .count();
+        println!("key {key:08x?}: {bad} of {} words differ", counters.len());
+        assert_eq!(bad, 0);
+    }
+}
+
+/// The device's draws for every option combination, one per position, against the host's
+/// draw at the same position and the reference distribution.
+#[test]
+#[ignore = "needs a GPU"]
+fn device_draws_match_the_host_and_the_distribution() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = &gpu.stream;
+    // One block, and three with a last block shorter than the candidate lists.
+    for vocab in [1000usize, 2 * 4096 + 50] {
+        let logits = test_logits(vocab);
+        let d_logits = gpu.upload(&logits, "logits").unwrap();
+        let mut meta = gpu.alloc_zeros::<u32>(4, "meta").unwrap();
+        let first = 100usize;
+        let mut sampler = DeviceSampler::new(&gpu, vocab).unwrap();
+        for (name, p, ctx) in cases() {
+            // The penalty looks at the set of tokens in the window: a history repeating the
+            // window's tokens with its period gives every position the host's window.
+            let window: Vec<u32> = if p.penalises() && !ctx.is_empty() {
+                ctx[ctx.len().saturating_sub(p.repeat_last_n)..].to_vec()
+            } else {
+                vec![0]
+            };
+            let hist: Vec<u32> = (0..first + DRAWS + 2)
+                .map(|q| window[q % window.len()])
+                .collect();
+            let history = gpu.upload(&hist, "history").unwrap();
+            sampler.set_params(s, &p).unwrap();
+            let (lp, mp, hp) = (ptr(&d_logits, s), ptr(&meta, s), ptr(&history, s));
+            let mut counts = vec![0u64; vocab];
+            let mut differ = 0;
+            for pos in first..first + DRAWS {
+                let m = [window[pos % window.len()], pos as u32, 0, 0];
+                s.memcpy_htod(&m, &mut meta).unwrap();
+                sampler.enqueue(s, lp, mp, hp, false).unwrap();
+                let out = s.clone_dtoh(&meta).unwrap();
+                assert_eq!(out[1], pos as u32 + 1, "{name}: position not advanced");
+                let t = out[2];
+                assert!((t as usize) < vocab, "{name}: token {t} out of range");
+                counts[t as usize] += 1;
+                if t != sample_at(&p, &logits, pos as u64, &ctx) {
+                    differ += 1;
+                }
+            }
+            let want = reference_probs(&p, &logits, &ctx);
+            let (stat, df, pv) = chi2_test(&counts, &want);
+            println!(
+                "vocab {vocab}, {name}: χ² {stat:.1} on {df} df, p = {pv:.4}; {differ} of {DRAWS} tokens differ from the host's"
+            );
+            assert!(pv >= 0.001, "vocab {vocab}, {name}: p = {pv}");
+            // Only rounding (the f64 log, the softmax sums' order) can separate the two.
+            assert!(
+                differ <= DRAWS / 1000,
+                "vocab {vocab}, {name}: {differ} draws differ from the host's"
+            );
+        }
+    }
+}
+
+/// Sampled decoding on eager, graph and graph + PDL: tokens chained on the device reproduce
+/// themselves with the same seed, and each is the token the host draws from the same path's
+/// logits (teacher-forced), the repetition penalty's window kept on the device included.
+#[test]
+#[ignore = "needs a GPU"]
+fn sampled_decoding_on_the_graph_paths_matches_host_draws() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mut cfg = tiny(192, 3, 3, 64, 520);
+    cfg.vocab_size = 9000;
+    let w = megainfer::model::random::random_weights(&cfg, 21);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let prompt = [5u32, 17, 400, 17, 8000, 5];
+    let n = 40;
+    let variants = [
+        SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.3,
+            repeat_last_n: 8,
+            seed: 3,
+        },
+        SamplingParams {
+            temperature: 1.5,
+            top_p: 0.9,
+            repeat_penalty: 1.5,
+            repeat_last_n: 64,
+            seed: 11,
+            ..SamplingParams::greedy()
+        },
+    ];
+    for mode in [Mode::Eager, Mode::Graph, Mode::GraphPdl] {
+        let mut path = BaselinePath::new(&gpu, &dm, mode, 64).unwrap();
+        for p in variants {
+            let run = |path: &mut BaselinePath| {
+                path.reset();
+                let mut sampler = Sampler::new(p);
+                sampler.accept(&prompt);
+                let first = sampler.sample(&path.feed(&prompt).unwrap());
+                sampler.accept(&[first]);
+                let rest = path.decode_sampled(&sampler, first, n).unwrap();
+                std::iter::once(first).chain(rest).collect::<Vec<u32>>()
+            };
+            let a = run(&mut path);
+            let b = run(&mut path);
+            assert_eq!(a, b, "{}: the same seed drew different tokens", mode.name());
+            path.reset();
+            let mut host = Sampler::new(p);
+            host.accept(&prompt);
+            let mut logits = path.feed(&prompt).unwrap();
+            let mut differ = 0;
+            for &t in &a {
+                if host.sample(&logits) != t {
+                    differ += 1;
+                }
+                host.accept(&[t]);
+                logits = path.feed(&[t]).unwrap();
+            }
+            let distinct: std::collections::HashSet<_> = a.iter().collect();
+            println!(
+                "{} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws",
+                mode.name(),
+                a.len(),
+                distinct.len()
+            );
+            assert!(differ <= 1, "{}: {differ} tokens differ", mode.name());
+        }
+    }
+}
