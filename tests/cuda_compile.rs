@@ -28,9 +28,7 @@ fn baseline_kernels_compile_for_sm90a() {
 
 #[test]
 fn sampling_kernels_compile_for_sm90a() {
-    if !nvrtc_or_skip() {
-        return;
-    }
+    require_nvrtc();
     let cubin = compile::compile_cubin(
         "sampling",
         &megainfer::sampling::device::source(),
@@ -50,9 +48,7 @@ fn sampling_kernels_compile_for_sm90a() {
 /// instantiated and type-checked against the interpreter's runtime.
 #[test]
 fn megakernel_sampling_header_compiles_for_sm90a() {
-    if !nvrtc_or_skip() {
-        return;
-    }
+    require_nvrtc();
     let cfg = presets::by_name("smollm2-135m").unwrap();
     let defines = sources::megakernel_defines(&cfg);
     let harness = r#"
@@ -117,9 +113,7 @@ fn nvrtc_errors_carry_the_compiler_log() {
 /// naming what differs.
 #[test]
 fn abi_mismatches_are_compile_errors() {
-    if !nvrtc_or_skip() {
-        return;
-    }
+    require_nvrtc();
     let cfg = presets::by_name("smollm2-135m").unwrap();
     let defines = sources::megakernel_defines(&cfg);
     let src = sources::megakernel();

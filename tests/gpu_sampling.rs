@@ -10,7 +10,7 @@ mod gpu_common;
 #[allow(dead_code)]
 mod stats;
 
-use gpu_common::{gpu_or_skip, tiny};
+use gpu_common::{gpu, tiny};
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::ptr;
@@ -24,7 +24,7 @@ const DRAWS: usize = 10_000;
 #[test]
 #[ignore = "needs a GPU"]
 fn device_philox_is_bit_identical_to_the_host() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let sampler = DeviceSampler::new(&gpu, 1000).unwrap();
     let counters: Vec<[u32; 4]> = (0..4096u32)
         .map(|i| [i.wrapping_mul(2_654_435_761), i, !i, i.rotate_left(7)])
@@ -47,7 +47,7 @@ fn device_philox_is_bit_identical_to_the_host() {
 #[test]
 #[ignore = "needs a GPU"]
 fn device_draws_match_the_host_and_the_distribution() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let s = &gpu.stream;
     // One block, and three with a last block shorter than the candidate lists.
     for vocab in [1000usize, 2 * 4096 + 50] {
@@ -106,7 +106,7 @@ fn device_draws_match_the_host_and_the_distribution() {
 #[test]
 #[ignore = "needs a GPU"]
 fn sampled_decoding_on_the_graph_paths_matches_host_draws() {
-    let Some(gpu) = gpu_or_skip() else { return };
+    let gpu = gpu();
     let mut cfg = tiny(192, 3, 3, 64, 520);
     cfg.vocab_size = 9000;
     let w = megainfer::model::random::random_weights(&cfg, 21);
