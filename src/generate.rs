@@ -20,8 +20,13 @@ pub trait Backend {
 }
 
 impl Backend for CpuForward<'_> {
+    /// A prompt goes through batched prefill; one token at a time, the plain forward.
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.forward(tokens)
+        if tokens.len() > 1 {
+            self.prefill(tokens, crate::reference::prefill::DEFAULT_CHUNK)
+        } else {
+            self.forward(tokens)
+        }
     }
 }
 
