@@ -70,3 +70,17 @@ fn nvrtc_errors_carry_the_compiler_log() {
     assert!(err.contains("NVRTC failed to compile broken"), "{err}");
     assert!(err.contains("expected an expression"), "{err}");
 }
+
+#[test]
+fn prefill_kernels_compile_for_sm90a() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let cubin =
+        compile::compile_cubin("prefill", megainfer::gpu::prefill::SOURCE, "sm_90a", &[]).unwrap();
+    assert_eq!(
+        &cubin[..4],
+        b"\x7fELF",
+        "NVRTC output is not a CUBIN (ELF) image"
+    );
+}

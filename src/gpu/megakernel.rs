@@ -634,6 +634,14 @@ impl Steps for MegakernelPath<'_> {
     fn logits(&self) -> &CudaSlice<f32> {
         &self.logits
     }
+
+    fn model(&self) -> &DeviceModel {
+        self.model
+    }
+
+    fn kv_target(&self) -> super::prefill::KvTarget {
+        super::prefill::KvTarget::head_major(self.gpu, &self._kv, &self.model.config)
+    }
 }
 
 /// The schedule the megakernel runs for `config` on `gpu`: granularity from the cost model,
