@@ -73,13 +73,14 @@ fn check(cfg: &Config, w: &Weights, n: usize, chunk: usize, label: &str) -> f64 
         "{label} n={n}: next greedy token"
     );
 
-    // `prefill` (last logits only) gives the same last row as `prefill_all`.
+    // `prefill` (last logits only) gives the last row of `prefill_all` (the LM head of one
+    // row sums in another order than that of a tile of four: f32 rounding only).
     let mut last_only = CpuForward::new(cfg, w, n + 1);
     let last = last_only.prefill(input, chunk).unwrap();
-    assert_eq!(
-        &last,
-        got.last().unwrap(),
-        "{label} n={n}: prefill vs prefill_all"
+    let e_last = rel_l2(&last, got.last().unwrap());
+    assert!(
+        e_last <= 1e-5,
+        "{label} n={n}: prefill vs prefill_all rel L2 {e_last:.2e}"
     );
     worst = worst.max(e);
     println!("{label} n={n} chunk={chunk}: worst rel L2 {worst:.2e} (next step {e:.2e})");
