@@ -5,6 +5,12 @@ Modes: `eager` (model.generate with the default dynamic cache; TPOT = (t_gen - t
 (gen - 1)) and `compile` (static KV cache, the decode step under
 torch.compile(mode="reduce-overhead"), greedy in a plain loop; TPOT = loop time / (gen - 1)).
 Both are driven from the host: times are host wall clock around torch.cuda.synchronize().
+
+With `--prefill-lens 1,32,1024,8192,32768`, time to first token alone for each prompt length:
+one forward of the prompt (SDPA attention, a fresh dynamic KV cache filled as the engine fills
+its own, only the last position's logits computed) plus the argmax read back to the host;
+`sdpa` runs it eagerly, `compile` under torch.compile (one compilation per length, in the
+warm-up). Median of --reps after warm-up.
 """
 import argparse
 import json
@@ -111,6 +117,41 @@ def run_eager(model, ids, gen, reps):
     return ttft, tpot
 
 
+def prefill_ttft(model, vocab, lens, modes, reps):
+    """Time to first token per prompt length and mode (ms), see the module docstring."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sdpa")
+    else:
+        model.config._attn_implementation = "sdpa"
+    from transformers import DynamicCache
+
+    def once(fwd, ids):
+        out = fwd(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax().item())
+
+    rows = []
+    for n in lens:
+        ids = torch.randint(0, vocab, (1, n), device="cuda")
+        row = dict(prompt_len=n)
+        for mode in modes:
+            try:
+                fwd = model.forward if mode == "sdpa" else torch.compile(model.forward, dynamic=False)
+                for _ in range(3):  # warm-up (and compilation)
+                    once(fwd, ids)
+                times = [timed(lambda: once(fwd, ids)) * 1e3 for _ in range(reps)]
+                row[mode] = statistics.median(times)
+            except Exception as e:  # one mode failing (e.g. out of memory) must not hide the others
+                row[mode] = None
+                row[mode + "_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            torch.cuda.empty_cache()
+        rows.append(row)
+        cells = " | ".join(
+            f"{row[m]:.2f} ms ({n / row[m] * 1e3:.0f} tok/s)" if row[m] is not None else row[m + "_error"]
+            for m in modes)
+        print(f"| {n} | {cells} |", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -122,6 +163,8 @@ def main():
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--bandwidth-gbps", type=float)
     ap.add_argument("--json")
+    ap.add_argument("--prefill-lens", help="comma-separated prompt lengths: time to first token only")
+    ap.add_argument("--prefill-modes", default="sdpa,compile")
     a = ap.parse_args()
 
     torch.manual_seed(0)
@@ -136,6 +179,21 @@ def main():
     if not model.config.tie_word_embeddings:
         weight_bytes -= model.model.embed_tokens.weight.numel() * 2
     bw = a.bandwidth_gbps or read_bandwidth_gbps()
+    if a.prefill_lens:
+        lens = [int(x) for x in a.prefill_lens.split(",")]
+        modes = a.prefill_modes.split(",")
+        print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers"
+              f" {transformers.__version__} | model: {a.preset or a.model} | reps {a.reps} | host wall clock,"
+              f" forward of the prompt + argmax to the host")
+        print("| prompt | " + " | ".join(f"torch {m} TTFT" for m in modes) + " |")
+        print("| ---: | " + " | ".join("---:" for _ in modes) + " |")
+        with torch.inference_mode():
+            rows = prefill_ttft(model, model.config.vocab_size, lens, modes, a.reps)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(prefill=rows), f, indent=1)
+        print("peers: done")
+        return
     ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_len), device="cuda")
 
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}"

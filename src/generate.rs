@@ -27,8 +27,13 @@ pub trait Backend {
 }
 
 impl Backend for CpuForward<'_> {
+    /// A prompt goes through batched prefill; one token at a time, the plain forward.
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.forward(tokens)
+        if tokens.len() > 1 {
+            self.prefill(tokens, crate::reference::prefill::DEFAULT_CHUNK)
+        } else {
+            self.forward(tokens)
+        }
     }
 }
 
@@ -43,6 +48,15 @@ pub struct GenerationStats {
 }
 
 impl GenerationStats {
+    /// Prompt tokens per second of the time to first token (prefill, LM head and the first
+    /// sample).
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        if self.time_to_first_token.is_zero() {
+            return 0.0;
+        }
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
+    }
+
     pub fn decode_tokens_per_s(&self) -> f64 {
         let steps = self.generated.saturating_sub(1);
         if steps == 0 || self.decode_time.is_zero() {

@@ -146,3 +146,15 @@ fn abi_mismatches_are_compile_errors() {
         .to_string();
     assert!(err.contains("attention scratch"), "{err}");
 }
+
+#[test]
+fn prefill_kernels_compile_for_sm90a() {
+    require_nvrtc();
+    let cubin =
+        compile::compile_cubin("prefill", megainfer::gpu::prefill::SOURCE, "sm_90a", &[]).unwrap();
+    assert_eq!(
+        &cubin[..4],
+        b"\x7fELF",
+        "NVRTC output is not a CUBIN (ELF) image"
+    );
+}

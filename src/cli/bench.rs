@@ -89,6 +89,8 @@ struct PathResult {
     gb_per_s: f64,
     percent_of_bandwidth: f64,
     ttft_ms_median: f64,
+    ttft_ms_min: f64,
+    prefill_tokens_per_s: f64,
     tokens: Vec<u32>,
 }
 
@@ -197,6 +199,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             tpot.iter().cloned().fold(0.0, f64::max),
         );
         let med = median(&mut tpot);
+        let ttft_min = ttft.iter().cloned().fold(f64::INFINITY, f64::min);
+        let ttft_med = median(&mut ttft);
         let gbps = dm.bytes_per_token as f64 / (med * 1e-3) / 1e9;
         results.push(PathResult {
             path: kind.name().into(),
@@ -206,7 +210,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             tokens_per_s: 1e3 / med,
             gb_per_s: gbps,
             percent_of_bandwidth: 100.0 * gbps / bw,
-            ttft_ms_median: median(&mut ttft),
+            ttft_ms_median: ttft_med,
+            ttft_ms_min: ttft_min,
+            prefill_tokens_per_s: args.prompt_len as f64 / (ttft_med * 1e-3),
             tokens,
         });
     }
@@ -220,11 +226,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         args.reps,
         dm.bytes_per_token as f64 / 1e9
     );
-    println!("| path | TPOT median ms | TPOT min–max ms | tok/s | GB/s | % of BW | TTFT ms |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| path | TPOT median ms | TPOT min–max ms | tok/s | GB/s | % of BW | TTFT median (min) ms | prefill tok/s |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &results {
         println!(
-            "| {} | {:.4} | {:.4}–{:.4} | {:.1} | {:.0} | {:.1}% | {:.2} |",
+            "| {} | {:.4} | {:.4}–{:.4} | {:.1} | {:.0} | {:.1}% | {:.2} ({:.2}) | {:.0} |",
             r.path,
             r.tpot_ms_median,
             r.tpot_ms_min,
@@ -232,7 +238,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             r.tokens_per_s,
             r.gb_per_s,
             r.percent_of_bandwidth,
-            r.ttft_ms_median
+            r.ttft_ms_median,
+            r.ttft_ms_min,
+            r.prefill_tokens_per_s
         );
     }
     if let Some(base) = results.iter().find(|r| r.path == "megakernel") {
@@ -269,7 +277,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
-    println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: prompt fed one token per step (simple prefill).", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1);
+    println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, crate::gpu::prefill::DEFAULT_CHUNK);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
         println!("The megakernel draws sampled tokens on the host from copied logits (its device sampler is not wired in yet); graph-pdl, graph and eager draw on the device.");
     }

@@ -143,8 +143,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     if let Some(gpu) = gpu {
         eprintln!(
-            "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB \
-             (prompt fed one token per step: simple prefill)",
+            "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),
             args.path.name(),
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
@@ -251,9 +250,10 @@ pub fn stream(
     })?;
     writeln!(stdout)?;
     eprintln!(
-        "prompt tokens: {} | time to first token: {:.1} ms | generated: {} | decode: {:.1} tok/s{}",
+        "prompt tokens: {} | time to first token: {:.1} ms (prefill {:.0} tok/s) | generated: {} | decode: {:.1} tok/s{}",
         stats.prompt_tokens,
         stats.time_to_first_token.as_secs_f64() * 1e3,
+        stats.prefill_tokens_per_s(),
         stats.generated,
         stats.decode_tokens_per_s(),
         if stats.stopped_on_eos {

@@ -427,6 +427,14 @@ impl Steps for BaselinePath<'_> {
     fn logits(&self) -> &CudaSlice<f32> {
         &self.logits
     }
+
+    fn model(&self) -> &DeviceModel {
+        self.model
+    }
+
+    fn kv_target(&self) -> super::prefill::KvTarget {
+        super::prefill::KvTarget::position_major(self.gpu, &self.kv, &self.model.config)
+    }
 }
 
 /// Streaming read bandwidth of the device in GB/s (1e9 B/s): a 4 GiB buffer of non-zero

@@ -314,6 +314,14 @@ impl Steps for MegakernelPath<'_> {
     fn logits(&self) -> &CudaSlice<f32> {
         &self.logits
     }
+
+    fn model(&self) -> &DeviceModel {
+        self.model
+    }
+
+    fn kv_target(&self) -> super::prefill::KvTarget {
+        super::prefill::KvTarget::head_major(self.gpu, &self._kv, &self.model.config)
+    }
 }
 
 // ---- the schedule the megakernel runs (shared with `megainfer schedule`) ----

@@ -35,5 +35,6 @@ pub mod launch;
 pub mod megakernel;
 pub mod model;
 pub mod paths;
+pub mod prefill;
 pub mod sources;
 pub mod stepping;

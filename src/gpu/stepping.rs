@@ -1,10 +1,13 @@
-//! What every GPU decode path shares: the sequence position, feeding tokens one step each, and
-//! greedy decoding back to back with the chosen tokens left on the device.
+//! What every GPU decode path shares: the sequence position, feeding a prompt (batched
+//! prefill, or one step per token), and greedy decoding back to back with the chosen tokens
+//! left on the device.
 
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 
 use super::device::Gpu;
+use super::model::DeviceModel;
+use super::prefill::{KvTarget, Logits, Prefill, DEFAULT_CHUNK};
 use crate::generate::Backend;
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -20,6 +23,13 @@ pub struct Sequence {
     /// the device sampler's repetition penalty reads it): false after host-fed steps, whose
     /// greedy argmax overwrote it.
     pub history_synced: bool,
+    /// The batched-prefill engine, made for the first prompt that uses it.
+    pub prefill: Option<Prefill>,
+    /// Tokens per prefill chunk.
+    pub prefill_chunk: usize,
+    /// Feeds of at least this many tokens go through batched prefill; shorter ones (a
+    /// sampled token) are decode steps. `usize::MAX` feeds every prompt one step per token.
+    pub prefill_min: usize,
 }
 
 impl Sequence {
@@ -29,6 +39,9 @@ impl Sequence {
             max_seq,
             meta_current: None,
             history_synced: false,
+            prefill: None,
+            prefill_chunk: DEFAULT_CHUNK,
+            prefill_min: 2,
         }
     }
 
@@ -75,6 +88,10 @@ pub trait Steps {
     fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {
         None
     }
+    /// The weights the steps read.
+    fn model(&self) -> &DeviceModel;
+    /// The path's KV cache and its layout, which prefill writes into.
+    fn kv_target(&self) -> KvTarget;
 }
 
 /// Every id must index the embedding table: a GPU step reads its row without a bounds check,
@@ -86,8 +103,39 @@ pub fn check_tokens(tokens: &[u32], vocab: u32) -> Result<()> {
     Ok(())
 }
 
-/// Feeds `tokens` one step each; the f32 logits after the last.
+/// Feeds `tokens`, as batched prefill when there are at least `prefill_min` of them, else one
+/// step each; the f32 logits after the last.
 pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
+    if tokens.len() >= s.seq().prefill_min {
+        prefill(s, tokens, Logits::Last)
+    } else {
+        feed_steps(s, tokens)
+    }
+}
+
+/// Feeds `tokens` through batched prefill at the next positions, in chunks of
+/// `seq().prefill_chunk` tokens; K/V land in the path's cache, and the next decode step
+/// continues from there (its meta is written afresh).
+pub fn prefill<S: Steps>(s: &mut S, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+    check_tokens(tokens, s.vocab())?;
+    s.seq().check_room(tokens.len())?;
+    let (start, chunk) = (s.seq().pos, s.seq().prefill_chunk);
+    let mut engine = match s.seq().prefill.take() {
+        Some(p) => p,
+        None => Prefill::new(s.gpu(), &s.model().config)?,
+    };
+    let kv = s.kv_target();
+    let result = engine.run(s.gpu(), s.model(), &kv, tokens, start, chunk, which);
+    let seq = s.seq();
+    seq.prefill = Some(engine);
+    let logits = result?;
+    seq.pos += tokens.len();
+    seq.meta_current = None;
+    Ok(logits)
+}
+
+/// Feeds `tokens` one decode step each; the f32 logits after the last.
+pub fn feed_steps<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
     check_tokens(tokens, s.vocab())?;
     s.seq().check_room(tokens.len())?;
     for &t in tokens {

@@ -10,13 +10,13 @@ use crate::model::{Config, Weights};
 /// transformers in bf16): on SmolLM2 an f32 cache alone moves the logits by 1.7% (relative
 /// L2), more than the 1e-2 the GPU paths are held to, so the reference models the format.
 pub struct CpuForward<'a> {
-    cfg: &'a Config,
-    w: &'a Weights,
-    inv_freq: Vec<f32>,
-    max_context: usize,
+    pub(super) cfg: &'a Config,
+    pub(super) w: &'a Weights,
+    pub(super) inv_freq: Vec<f32>,
+    pub(super) max_context: usize,
     /// Per layer `[positions, kv_dim]`, grown as tokens arrive.
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    pub(super) k_cache: Vec<Vec<f32>>,
+    pub(super) v_cache: Vec<Vec<f32>>,
 }
 
 impl<'a> CpuForward<'a> {

@@ -3,6 +3,7 @@
 
 pub mod forward;
 pub mod ops;
+pub mod prefill;
 pub mod sliced;
 
 pub use forward::CpuForward;

@@ -1,0 +1,485 @@
+//! Batched prefill on the GPU, shared by every decode path: the prompt goes through the layers a
+//! chunk of tokens at a time (memory bounded for any prompt length), every linear layer one
+//! cuBLAS product on tensor cores (bf16 operands, f32 accumulation and output; the O and down
+//! products add into the f32 residual stream directly with beta = 1), causal flash attention
+//! over the chunk and the cache of earlier chunks (kernels/prefill/prefill.cu), RoPE and the
+//! K/V rows written into the decode path's own cache layout. The last token's hidden state
+//! goes through the final norm and the LM head; decoding then continues on the path unchanged.
+//!
+//! cuBLAS, not our own kernels, does the products: these are large plain GEMMs, where cuBLAS
+//! is close to the tensor cores' peak on every shape, and the engine's own work is in what
+//! surrounds them (attention, RoPE into the cache).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::cublas::sys as cb;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaModule, CudaSlice};
+use cudarc::nvrtc::Ptx;
+
+use super::compile::compile_cubin;
+use super::device::{ptr, Gpu};
+use super::launch::Kernel;
+use super::model::{DeviceModel, KvCache};
+use crate::kargs;
+use crate::model::Config;
+
+/// The CUDA source of the prefill kernels.
+pub const SOURCE: &str = include_str!("../../kernels/prefill/prefill.cu");
+
+/// Tokens per chunk by default: large enough that every product runs near the tensor cores'
+/// peak, small enough that a chunk's activations stay a few hundred MB for 1B-class models.
+pub const DEFAULT_CHUNK: usize = 2048;
+
+// Mirrors kernels/prefill/prefill.cu.
+const BQ: usize = 64;
+const ATT_THREADS: u32 = 128;
+const NORM_THREADS: u32 = 256;
+/// Rows of the LM head computed at once when every position's logits are wanted.
+const LOGIT_ROWS: usize = 256;
+
+/// Where a decode path keeps K and V: element `d` of the row of KV head `h` at position `p`
+/// in layer `l` sits at `l * layer_stride + h * head_stride + p * pos_stride + d` (bf16
+/// elements) from `k` (and `v`).
+#[derive(Clone, Copy, Debug)]
+pub struct KvTarget {
+    pub k: u64,
+    pub v: u64,
+    pub max_seq: usize,
+    pub layer_stride: usize,
+    pub head_stride: usize,
+    pub pos_stride: usize,
+}
+
+impl KvTarget {
+    /// `[max_seq, kv_heads, head_dim]` per layer: the baseline kernels' layout.
+    pub fn position_major(gpu: &Gpu, kv: &KvCache, cfg: &Config) -> Self {
+        Self {
+            k: ptr(&kv.k, &gpu.stream),
+            v: ptr(&kv.v, &gpu.stream),
+            max_seq: kv.max_seq,
+            layer_stride: kv.layer_stride,
+            head_stride: cfg.head_dim,
+            pos_stride: cfg.kv_dim(),
+        }
+    }
+
+    /// `[kv_heads, max_seq, head_dim]` per layer: the megakernel's layout.
+    pub fn head_major(gpu: &Gpu, kv: &KvCache, cfg: &Config) -> Self {
+        Self {
+            k: ptr(&kv.k, &gpu.stream),
+            v: ptr(&kv.v, &gpu.stream),
+            max_seq: kv.max_seq,
+            layer_stride: kv.layer_stride,
+            head_stride: kv.max_seq * cfg.head_dim,
+            pos_stride: cfg.head_dim,
+        }
+    }
+}
+
+/// Which logits a prefill returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// After the last token only (`vocab` floats).
+    Last,
+    /// After every token (`tokens * vocab` floats, position-major): for checking.
+    All,
+}
+
+struct Kernels {
+    embed: Kernel,
+    rmsnorm: Kernel,
+    rope_kv: Kernel,
+    silu_mul: Kernel,
+    attention: Kernel,
+}
+
+/// A chunk's activations, `cap` tokens wide.
+struct Buffers {
+    cap: usize,
+    tokens: CudaSlice<u32>,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<u16>,
+    attn: CudaSlice<u16>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+}
+
+impl Buffers {
+    fn new(gpu: &Gpu, c: &Config, cap: usize) -> Result<Self> {
+        let what = |name: &str| format!("prefill {name} for a chunk of {cap} tokens");
+        Ok(Self {
+            cap,
+            tokens: gpu.alloc_zeros(cap, &what("token ids"))?,
+            x: gpu.alloc_zeros(cap * c.hidden_size, &what("hidden states"))?,
+            xn: gpu.alloc_zeros(
+                cap.max(LOGIT_ROWS) * c.hidden_size,
+                &what("normed hidden states"),
+            )?,
+            qkv: gpu.alloc_zeros(cap * (c.q_dim() + 2 * c.kv_dim()), &what("q/k/v"))?,
+            q: gpu.alloc_zeros(cap * c.q_dim(), &what("rotated queries"))?,
+            attn: gpu.alloc_zeros(cap * c.q_dim(), &what("attention output"))?,
+            gu: gpu.alloc_zeros(cap * 2 * c.intermediate_size, &what("gate/up"))?,
+            act: gpu.alloc_zeros(cap * c.intermediate_size, &what("MLP activation"))?,
+            logits: gpu.alloc_zeros(c.vocab_size, "prefill logits")?,
+        })
+    }
+}
+
+/// The prefill engine of one sequence: cuBLAS handle, kernels and chunk buffers (allocated on
+/// first use, for the chunk size asked for).
+pub struct Prefill {
+    blas: CudaBlas,
+    k: Kernels,
+    _module: Arc<CudaModule>,
+    attn_smem: u32,
+    bufs: Option<Buffers>,
+}
+
+/// Whether libcublas can be loaded (cudarc panics on first use when it cannot).
+pub fn cublas_present() -> bool {
+    // SAFETY: only probes for the shared library.
+    unsafe { cb::is_culib_present() }
+}
+
+impl Prefill {
+    pub fn new(gpu: &Gpu, c: &Config) -> Result<Self> {
+        if c.head_dim != 64 && c.head_dim != 128 {
+            bail!("prefill supports head_dim 64 or 128, not {}", c.head_dim);
+        }
+        if !cublas_present() {
+            bail!(
+                "prefill needs cuBLAS: libcublas.so (CUDA 13: libcublas.so.13 and libcublasLt.so.13) \
+                 could not be loaded; add the CUDA library directory (e.g. /usr/local/cuda/lib64) \
+                 to LD_LIBRARY_PATH"
+            );
+        }
+        let blas = CudaBlas::new(gpu.stream.clone())
+            .map_err(|e| anyhow!("creating a cuBLAS handle failed: {e:?}"))?;
+        let cubin = compile_cubin("prefill", SOURCE, &gpu.arch(), &[])?;
+        let module = gpu
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .context("loading the prefill CUBIN")?;
+        let attention = if c.head_dim == 64 {
+            Kernel::load(&module, "pf_attention_64")?
+        } else {
+            Kernel::load(&module, "pf_attention_128")?
+        };
+        let attn_smem = attention_smem(c.head_dim) as u32;
+        attention.allow_smem(attn_smem as usize)?;
+        Ok(Self {
+            blas,
+            k: Kernels {
+                embed: Kernel::load(&module, "pf_embed")?,
+                rmsnorm: Kernel::load(&module, "pf_rmsnorm")?,
+                rope_kv: Kernel::load(&module, "pf_rope_kv")?,
+                silu_mul: Kernel::load(&module, "pf_silu_mul")?,
+                attention,
+            },
+            _module: module,
+            attn_smem,
+            bufs: None,
+        })
+    }
+
+    /// Runs `tokens` at positions `start..` through the model in chunks of at most `chunk`
+    /// tokens, writing their K/V into `kv`; returns the logits `which` asks for.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        kv: &KvTarget,
+        tokens: &[u32],
+        start: usize,
+        chunk: usize,
+        which: Logits,
+    ) -> Result<Vec<f32>> {
+        let c = &model.config;
+        if tokens.is_empty() {
+            bail!("no tokens to prefill");
+        }
+        if chunk == 0 {
+            bail!("prefill chunk size must be at least 1 token");
+        }
+        if start + tokens.len() > kv.max_seq {
+            bail!(
+                "sequence of {} tokens exceeds the context of {} tokens (--max-context)",
+                start + tokens.len(),
+                kv.max_seq
+            );
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
+        }
+        let cap = chunk.min(tokens.len());
+        if self.bufs.as_ref().is_none_or(|b| b.cap < cap) {
+            self.bufs = None; // free the old chunk buffers before allocating larger ones
+            self.bufs = Some(Buffers::new(gpu, c, cap)?);
+        }
+        let mut out = Vec::new();
+        let mut pos = start;
+        for part in tokens.chunks(chunk) {
+            let b = self.bufs.as_mut().expect("allocated above");
+            gpu.stream
+                .memcpy_htod(part, &mut b.tokens.slice_mut(0..part.len()))?;
+            self.chunk(gpu, model, kv, part.len(), pos)?;
+            pos += part.len();
+            match which {
+                Logits::All => {
+                    for r0 in (0..part.len()).step_by(LOGIT_ROWS) {
+                        let n = LOGIT_ROWS.min(part.len() - r0);
+                        out.extend(self.logits(gpu, model, r0, n)?);
+                    }
+                }
+                Logits::Last if pos == start + tokens.len() => {
+                    out = self.logits(gpu, model, part.len() - 1, 1)?;
+                }
+                Logits::Last => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// `y[t, :] (+)= x[t, :] · W^T` for `t` rows: W `[n, k]` bf16 row-major, x `[t, k]` bf16,
+    /// y `[t, n]` f32 (`accumulate` adds to it).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        w: u64,
+        x: u64,
+        y: u64,
+        n: usize,
+        k: usize,
+        t: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let alpha = 1f32;
+        let beta = if accumulate { 1f32 } else { 0f32 };
+        // Column-major view: y^T [n, t] = W [n, k] (W^T read as k x n) * x^T [k, t].
+        // SAFETY: the pointers are live device buffers of the sizes given (checked by the
+        // callers' allocation); alpha and beta are host values (default pointer mode).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const c_void,
+                y as *mut c_void,
+                cb::cudaDataType::CUDA_R_32F,
+                n as i32,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow!("cuBLAS GEMM ({t} x {k} by {n} x {k}) failed: {e:?}"))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm(
+        &self,
+        gpu: &Gpu,
+        x: u64,
+        w: u64,
+        out: u64,
+        n: usize,
+        first: usize,
+        rows: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let (n, first) = (n as i32, first as i32);
+        // SAFETY: the arguments are pf_rmsnorm's parameters in kernels/prefill/prefill.cu, in
+        // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
+        unsafe {
+            self.k.rmsnorm.launch(
+                &gpu.stream,
+                rows as u32,
+                NORM_THREADS,
+                0,
+                false,
+                &mut kargs![&x, &w, &out, &n, &eps, &first],
+            )
+        }
+    }
+
+    /// One chunk through every layer; its final hidden states stay in `x`.
+    fn chunk(
+        &self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        kv: &KvTarget,
+        t: usize,
+        start: usize,
+    ) -> Result<()> {
+        let c = &model.config;
+        let s = &gpu.stream;
+        let b = self.bufs.as_ref().expect("buffers allocated by run");
+        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (tokens_p, x, xn, qkv, q, attn, gu, act) = (
+            ptr(&b.tokens, s),
+            ptr(&b.x, s),
+            ptr(&b.xn, s),
+            ptr(&b.qkv, s),
+            ptr(&b.q, s),
+            ptr(&b.attn, s),
+            ptr(&b.gu, s),
+            ptr(&b.act, s),
+        );
+        let (hid, eps) = (h as i32, c.rms_norm_eps);
+        // SAFETY: the arguments are pf_embed's parameters in kernels/prefill/prefill.cu, in
+        // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
+        unsafe {
+            self.k.embed.launch(
+                s,
+                t as u32,
+                256,
+                0,
+                false,
+                &mut kargs![&ptr(&model.embed, s), &tokens_p, &x, &hid],
+            )
+        }?;
+        let inv_freq = ptr(&model.inv_freq, s);
+        let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
+        let (start_i, t_i) = (start as i32, t as i32);
+        let (pos_stride, head_stride) = (kv.pos_stride as i64, kv.head_stride as i64);
+        let scale_log2 = std::f32::consts::LOG2_E / (c.head_dim as f32).sqrt();
+        let att_grid = (t.div_ceil(BQ) * c.num_heads) as u32;
+        for (l, lw) in model.layers.iter().enumerate() {
+            let off = (l * kv.layer_stride * 2) as u64;
+            let (kc, vc) = (kv.k + off, kv.v + off);
+            self.rmsnorm(gpu, x, ptr(&lw.attn_norm, s), xn, h, 0, t, eps)?;
+            self.gemm(ptr(&lw.w_qkv, s), xn, qkv, qd + 2 * kvd, h, t, false)?;
+            // SAFETY: the arguments are pf_rope_kv's parameters in kernels/prefill/prefill.cu, in
+            // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
+            unsafe {
+                self.k.rope_kv.launch(
+                    s,
+                    t as u32,
+                    256,
+                    0,
+                    false,
+                    &mut kargs![
+                        &qkv,
+                        &q,
+                        &kc,
+                        &vc,
+                        &inv_freq,
+                        &start_i,
+                        &nh,
+                        &nkv,
+                        &hd,
+                        &pos_stride,
+                        &head_stride
+                    ],
+                )
+            }?;
+            // SAFETY: the arguments are pf_attention_{64,128}'s parameters in kernels/prefill/prefill.cu, in
+            // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
+            unsafe {
+                self.k.attention.launch(
+                    s,
+                    att_grid,
+                    ATT_THREADS,
+                    self.attn_smem,
+                    false,
+                    &mut kargs![
+                        &q,
+                        &kc,
+                        &vc,
+                        &attn,
+                        &t_i,
+                        &start_i,
+                        &nh,
+                        &nkv,
+                        &pos_stride,
+                        &head_stride,
+                        &scale_log2
+                    ],
+                )
+            }?;
+            self.gemm(ptr(&lw.wo, s), attn, x, h, qd, t, true)?;
+            self.rmsnorm(gpu, x, ptr(&lw.ffn_norm, s), xn, h, 0, t, eps)?;
+            self.gemm(ptr(&lw.w_gu, s), xn, gu, 2 * inter, h, t, false)?;
+            let (inter_i, total) = (inter as i32, (t * inter) as i64);
+            let grid = (t * inter).div_ceil(256).min(65535) as u32;
+            // SAFETY: the arguments are pf_silu_mul's parameters in kernels/prefill/prefill.cu, in
+            // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
+            unsafe {
+                self.k.silu_mul.launch(
+                    s,
+                    grid,
+                    256,
+                    0,
+                    false,
+                    &mut kargs![&gu, &act, &inter_i, &total],
+                )
+            }?;
+            self.gemm(ptr(&lw.w_down, s), act, x, h, inter, t, true)?;
+        }
+        Ok(())
+    }
+
+    /// Logits after rows `first..first + n` of the last chunk (final norm, then the LM head).
+    fn logits(&self, gpu: &Gpu, model: &DeviceModel, first: usize, n: usize) -> Result<Vec<f32>> {
+        let c = &model.config;
+        let s = &gpu.stream;
+        let b = self.bufs.as_ref().expect("buffers allocated by run");
+        let (x, xn) = (ptr(&b.x, s), ptr(&b.xn, s));
+        self.rmsnorm(
+            gpu,
+            x,
+            ptr(&model.final_norm, s),
+            xn,
+            c.hidden_size,
+            first,
+            n,
+            c.rms_norm_eps,
+        )?;
+        if n == 1 {
+            self.gemm(
+                model.lm_head_ptr(gpu),
+                xn,
+                ptr(&b.logits, s),
+                c.vocab_size,
+                c.hidden_size,
+                1,
+                false,
+            )?;
+            return Ok(s.clone_dtoh(&b.logits)?);
+        }
+        let logits =
+            gpu.alloc_zeros::<f32>(n * c.vocab_size, "prefill logits of every position")?;
+        self.gemm(
+            model.lm_head_ptr(gpu),
+            xn,
+            ptr(&logits, s),
+            c.vocab_size,
+            c.hidden_size,
+            n,
+            false,
+        )?;
+        Ok(s.clone_dtoh(&logits)?)
+    }
+}
+
+/// Shared memory of the attention kernel: the Q and K tiles with padded rows, and the
+/// transposed V tile.
+fn attention_smem(head_dim: usize) -> usize {
+    (2 * BQ * (head_dim + 8) + head_dim * (BQ + 8)) * 2
+}
