@@ -81,6 +81,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         bail!("--gen must be >= 2, --prompt-len and --reps >= 1");
     }
     let paths = PathKind::parse_list(&args.paths)?;
+    for (path, flag) in [(&args.json, "--json"), (&args.timeline, "--timeline")] {
+        if let Some(path) = path {
+            crate::cli::check_output_path(path, flag)?;
+        }
+    }
     let gpu = Gpu::new(0)?;
     let (config, weights, model_name) = match (&args.model, &args.preset) {
         (_, Some(p)) => {
