@@ -92,7 +92,12 @@ fn mutate(rng: &mut Rng, seed: &[u8]) -> Vec<u8> {
 
 /// Runs `target` on `iterations` mutations of the seeds; fails on a panic, a slow input or an
 /// allocation over the bound, saving the input under target/ to reproduce.
+/// `MEGAINFER_FUZZ_ITERATIONS` replaces each run's count, for a longer run without cargo-fuzz.
 fn run(name: &str, target: fn(&[u8]), seeds: &[Vec<u8>], iterations: usize, seed: u64) {
+    let iterations = std::env::var("MEGAINFER_FUZZ_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(iterations);
     let mut rng = Rng(seed);
     let start = Instant::now();
     let (mut slowest, mut largest_seen) = (Duration::ZERO, 0usize);
