@@ -118,9 +118,9 @@ fn check_added_tokens(text: &str, source: &str) -> Result<()> {
     Ok(())
 }
 
-/// Decodes one token, then all of them, as generation will: some decoder chains that load
-/// fine panic on their first use, which should happen now (under the guard) rather than
-/// after the prompt has been processed.
+/// Decodes one token, then the first 256 together, as generation will: some decoder chains
+/// that load fine panic on their first use, which should happen now (under the guard) rather
+/// than after the prompt has been processed.
 fn probe_decoder(inner: &tokenizers::Tokenizer) {
     let n = inner.get_vocab_size(true).min(u32::MAX as usize) as u32;
     for ids in [vec![0], (0..n.min(256)).collect::<Vec<u32>>()] {
