@@ -38,3 +38,38 @@ if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi
 echo
 echo "=== GPU check summary ==="
 printf '%s\n' "${rows[@]}"
+
+# ==== optional reliability checks (off unless asked): SANITIZE=1, SOAK=1 ====
+# SANITIZE=1: compute-sanitizer memcheck, racecheck and synccheck on `megainfer run` with the
+#   megakernel and the graph path, a few tokens of the default model (SANITIZE_TOKENS, default 4;
+#   SANITIZE_TOOLS / SANITIZE_PATHS to narrow). Wants "ERROR SUMMARY: 0 errors" on every line.
+# SOAK=1: `megainfer soak`: SOAK_TOKENS (default 100000) greedy tokens, megakernel vs graph,
+#   restarting from a fresh prompt whenever the context fills. Wants "0 mismatches".
+MEGAINFER_BIN=${MEGAINFER_BIN:-.carry/megainfer}
+if [ "${SANITIZE:-0}" = 1 ]; then
+  CS=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+  echo
+  echo "=== compute-sanitizer ==="
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    for path in ${SANITIZE_PATHS:-megakernel graph}; do
+      log="$OUT/sanitize-$tool-$path.log"
+      start=$(date +%s)
+      timeout "${SANITIZE_TIMEOUT:-500}" "$CS" --tool "$tool" --error-exitcode 99 \
+        "$MEGAINFER_BIN" run --device cuda --path "$path" -n "${SANITIZE_TOKENS:-4}" \
+        -p "The capital of France is" > "$log" 2>&1
+      rc=$?
+      printf '%-10s %-11s rc=%-3s %5ss %s\n' "$tool" "$path" "$rc" "$(( $(date +%s) - start ))" \
+        "$(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
+      [ "$rc" = 0 ] || tail -20 "$log"
+    done
+  done
+fi
+if [ "${SOAK:-0}" = 1 ]; then
+  echo
+  echo "=== soak ==="
+  timeout "${SOAK_TIMEOUT:-580}" "$MEGAINFER_BIN" soak --tokens "${SOAK_TOKENS:-100000}" \
+    --against "${SOAK_AGAINST:-graph}" > "$OUT/soak.log" 2>&1
+  echo "soak rc=$?"
+  grep -E "differ|mismatches|error" "$OUT/soak.log" | tail -15
+fi
+# ==== end of optional reliability checks ====

@@ -12,12 +12,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    // Negative numbers are values, so `--temperature -1` reaches the range check and gets its
+    // error instead of being read as an unknown flag.
     /// Generate text from a prompt, streaming it to stdout.
+    #[command(allow_negative_numbers = true)]
     Run(cli::run::RunArgs),
     /// Compare the GPU decode paths on one model in one process.
+    #[command(allow_negative_numbers = true)]
     Bench(cli::bench::BenchArgs),
     /// Build and summarise the megakernel's instruction streams for a model shape.
+    #[command(allow_negative_numbers = true)]
     Schedule(cli::schedule::ScheduleArgs),
+    /// Long greedy run on the megakernel and another GPU path, comparing every token.
+    #[command(allow_negative_numbers = true)]
+    Soak(cli::soak::SoakArgs),
 }
 
 fn main() {
@@ -26,6 +34,7 @@ fn main() {
         Command::Run(a) => cli::run::run(a),
         Command::Bench(a) => cli::bench::run(a),
         Command::Schedule(a) => cli::schedule::run(a),
+        Command::Soak(a) => cli::soak::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -125,6 +125,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         format!("{params:?}")
     };
+    for (path, flag) in [
+        (&args.json, "--json"),
+        (&args.timeline, "--timeline"),
+        (&args.trace, "--trace"),
+    ] {
+        if let Some(path) = path {
+            crate::cli::check_output_path(path, flag)?;
+        }
+    }
     let gpu = Gpu::new(0)?;
     let (config, weights, model_name) = match (&args.model, &args.preset) {
         (_, Some(p)) => {

@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde::Serialize;
@@ -25,7 +25,15 @@ impl ChatMessage {
     }
 }
 
-/// Renders `messages` through `template`, with the variables HF templates read.
+/// Instructions a chat template may execute. Real templates render a conversation in a few
+/// thousand; this leaves room for very long conversations while stopping a template (which
+/// comes from the model file) that loops for minutes.
+pub const MAX_TEMPLATE_FUEL: u64 = 10_000_000;
+/// Bytes a chat template may output: far more than any context window holds as text.
+pub const MAX_TEMPLATE_OUTPUT_BYTES: usize = 16 << 20;
+
+/// Renders `messages` through `template`, with the variables HF templates read, within
+/// `MAX_TEMPLATE_FUEL` and `MAX_TEMPLATE_OUTPUT_BYTES`.
 pub fn render(
     template: &str,
     messages: &[ChatMessage],
@@ -37,17 +45,62 @@ pub fn render(
     let tmpl = env
         .template_from_str(template)
         .map_err(|e| anyhow!("chat template does not parse: {e}"))?;
-    tmpl.render(context! {
-        messages => messages,
-        bos_token => bos_token,
-        eos_token => eos_token,
-        add_generation_prompt => add_generation_prompt,
-    })
-    .map_err(|e| anyhow!("chat template failed: {e}"))
+    let mut out = BoundedWriter {
+        buf: Vec::new(),
+        limit: MAX_TEMPLATE_OUTPUT_BYTES,
+        exceeded: false,
+    };
+    let result = tmpl.render_captured_to(
+        context! {
+            messages => messages,
+            bos_token => bos_token,
+            eos_token => eos_token,
+            add_generation_prompt => add_generation_prompt,
+        },
+        &mut out,
+    );
+    if out.exceeded {
+        bail!(
+            "chat template stopped: its output passed the limit of {MAX_TEMPLATE_OUTPUT_BYTES} \
+             bytes (MAX_TEMPLATE_OUTPUT_BYTES)"
+        );
+    }
+    match result {
+        Ok(_) => String::from_utf8(out.buf)
+            .map_err(|_| anyhow!("chat template output is not valid UTF-8")),
+        Err(e) if e.kind() == ErrorKind::OutOfFuel => bail!(
+            "chat template stopped after {MAX_TEMPLATE_FUEL} instructions \
+             (MAX_TEMPLATE_FUEL): it loops too long"
+        ),
+        Err(e) => bail!("chat template failed: {e}"),
+    }
+}
+
+/// Collects output up to `limit` bytes and fails the write beyond it, which aborts rendering.
+struct BoundedWriter {
+    buf: Vec<u8>,
+    limit: usize,
+    exceeded: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.limit {
+            self.exceeded = true;
+            return Err(std::io::Error::other("chat template output limit reached"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(MAX_TEMPLATE_FUEL));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

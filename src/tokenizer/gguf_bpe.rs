@@ -10,7 +10,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-use super::Tokenizer;
+use super::{catch_panic, check_special_token_len, Tokenizer};
 use crate::model::gguf::{self, GgufFile};
 
 /// `tokenizer.ggml.token_type` of control tokens (`<|im_start|>`, `<|eot_id|>`, ...).
@@ -68,24 +68,30 @@ pub fn from_gguf(file: &GgufFile) -> Result<Option<Tokenizer>> {
                 })
         })
         .collect::<Result<Vec<_>>>()?;
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        // Llama 3's tokenizer.json sets this: a pre-token found whole in the vocabulary is
-        // emitted as is, even when merges would split it differently.
-        .ignore_merges(pre == "llama-bpe")
-        .build()
-        .map_err(|e| anyhow!("{src}: cannot build the BPE tokenizer: {e}"))?;
-
-    let mut inner = tokenizers::Tokenizer::new(bpe);
-    inner
-        .with_pre_tokenizer(Some(pre_tokenizer))
-        .with_decoder(Some(ByteLevelDecoder::default()));
     let specials = control_tokens(file, tokens)?;
-    inner.add_special_tokens(&specials);
+    let inner = catch_panic(|| {
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            // Llama 3's tokenizer.json sets this: a pre-token found whole in the vocabulary is
+            // emitted as is, even when merges would split it differently.
+            .ignore_merges(pre == "llama-bpe")
+            .build()
+            .map_err(|e| anyhow!("{src}: cannot build the BPE tokenizer: {e}"))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner
+            .with_pre_tokenizer(Some(pre_tokenizer))
+            .with_decoder(Some(ByteLevelDecoder::default()));
+        inner.add_special_tokens(&specials);
+        Ok::<_, anyhow::Error>(inner)
+    })
+    .map_err(|p| {
+        anyhow!("{src}: the tokenizer crashed while being built from the metadata ({p})")
+    })??;
 
     let (bos_token_id, eos_token_ids) = gguf::special_token_ids(file, tokens.len())?;
     Ok(Some(Tokenizer {
         inner,
+        source: src.to_string(),
         bos_token_id,
         eos_token_ids,
         add_bos: m.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
@@ -108,12 +114,16 @@ fn control_tokens(file: &GgufFile, tokens: &[String]) -> Result<Vec<AddedToken>>
             tokens.len()
         );
     }
-    Ok(tokens
+    tokens
         .iter()
         .zip(types)
-        .filter(|&(_, ty)| ty == TOKEN_TYPE_CONTROL)
-        .map(|(t, _)| AddedToken::from(t.clone(), true))
-        .collect())
+        .enumerate()
+        .filter(|&(_, (_, ty))| ty == TOKEN_TYPE_CONTROL)
+        .map(|(id, (t, _))| {
+            check_special_token_len(file.source(), &format!("control token {id}"), t)?;
+            Ok(AddedToken::from(t.clone(), true))
+        })
+        .collect()
 }
 
 /// The pre-tokenizer `tokenizer.ggml.pre` names.

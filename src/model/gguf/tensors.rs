@@ -14,6 +14,15 @@ use crate::model::{Config, LayerWeights, Weights};
 
 const OUTPUT: &str = "output.weight";
 const ROPE_FREQS: &str = "rope_freqs.weight";
+/// Up to this many expected tensors for a file holding `present`, the per-tensor check runs
+/// and names exactly what is missing; beyond it the claim is refused outright, so a header's
+/// claim never costs more than a small multiple of the tensors the file really has.
+fn plausible_tensor_count(present: usize) -> usize {
+    present.saturating_mul(2).saturating_add(32)
+}
+
+/// Tensors every block of a llama model has.
+const TENSORS_PER_LAYER: usize = 9;
 
 /// Every tensor a llama model with `cfg`'s shape has in this file, with its GGUF dims
 /// (innermost first: a `[rows, cols]` matrix is `[cols, rows]`).
@@ -58,12 +67,19 @@ fn trimmed(dims: &[usize]) -> &[usize] {
 /// each with its shape and a type we decode.
 pub fn check(cfg: &Config, file: &GgufFile) -> Result<()> {
     let src = file.source();
-    // Every layer has several tensors, so a block count above the tensor count is absurd; refusing
-    // it here keeps a crafted count from making us list millions of expected names.
-    if cfg.num_layers > file.tensors().len() {
+    // Every layer has nine tensors, so a block count far above a ninth of the tensor count
+    // cannot be right; refusing it here keeps a crafted count from making us list many more
+    // expected names than the file holds tensors.
+    let needed = cfg
+        .num_layers
+        .checked_mul(TENSORS_PER_LAYER)
+        .and_then(|n| n.checked_add(2));
+    if needed.is_none_or(|n| n > plausible_tensor_count(file.tensors().len())) {
         bail!(
-            "{src}: llama.block_count is {}, but the file holds only {} tensors",
+            "{src}: llama.block_count is {}, which needs at least {} tensors, but the file holds \
+             only {} tensors",
             cfg.num_layers,
+            needed.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
             file.tensors().len()
         );
     }

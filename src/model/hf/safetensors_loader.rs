@@ -21,8 +21,19 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 /// Enough problems to see a pattern (e.g. one whole layer missing) without flooding the terminal.
 const MAX_PROBLEMS_SHOWN: usize = 12;
 
+/// Up to this many expected tensors for a file holding `present`, the per-tensor check runs
+/// and names exactly what is missing; beyond it the claim is refused outright, so a header's
+/// claim never costs more than a small multiple of the tensors the file really has.
+fn plausible_tensor_count(present: usize) -> usize {
+    present.saturating_mul(2).saturating_add(32)
+}
+
+/// Tensors every layer of a `LlamaForCausalLM` has.
+const TENSORS_PER_LAYER: usize = 9;
+
 pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
     let ckpt = Checkpoint::open(dir)?;
+    ckpt.check_layer_count(cfg, &dir.join("config.json"))?;
     ckpt.check(cfg)?;
     let total: usize = expected_tensors(cfg)
         .iter()
@@ -117,6 +128,23 @@ fn ignorable(name: &str, cfg: &Config) -> bool {
     // Old checkpoints saved RoPE's inv_freq buffer; we derive it from the config. A tied model
     // that still ships lm_head.weight is tied in HF too: the embedding wins.
     name.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && name == "lm_head.weight")
+}
+
+/// Counts every problem but keeps only the first few, so a hostile checkpoint cannot make the
+/// list itself large.
+#[derive(Default)]
+struct Problems {
+    total: usize,
+    shown: Vec<String>,
+}
+
+impl Problems {
+    fn push(&mut self, p: String) {
+        self.total += 1;
+        if self.shown.len() < MAX_PROBLEMS_SHOWN {
+            self.shown.push(p);
+        }
+    }
 }
 
 struct Shard {
@@ -229,9 +257,30 @@ impl Checkpoint {
         })
     }
 
-    /// Names, shapes and dtypes against the config, all problems at once.
+    /// The config's layer count against the tensors the checkpoint really holds, before any
+    /// per-layer list is built: a config claiming millions of layers must cost nothing.
+    fn check_layer_count(&self, cfg: &Config, config_path: &Path) -> Result<()> {
+        let needed = cfg
+            .num_layers
+            .checked_mul(TENSORS_PER_LAYER)
+            .and_then(|n| n.checked_add(2));
+        match needed {
+            Some(n) if n <= plausible_tensor_count(self.tensors.len()) => Ok(()),
+            _ => bail!(
+                "{}: num_hidden_layers is {}, which needs at least {} tensors, but {} holds only {} \
+                 tensors",
+                config_path.display(),
+                cfg.num_layers,
+                needed.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
+                self.listing.display(),
+                self.tensors.len()
+            ),
+        }
+    }
+
+    /// Names, shapes and dtypes against the config, all problems at once (the first few kept).
     fn check(&self, cfg: &Config) -> Result<()> {
-        let mut problems = Vec::new();
+        let mut problems = Problems::default();
         let expected = expected_tensors(cfg);
         for (name, shape) in &expected {
             let Some(e) = self.tensors.get(name) else {
@@ -269,11 +318,10 @@ impl Checkpoint {
                 cfg.architecture
             ));
         }
-        if problems.is_empty() {
+        if problems.total == 0 {
             return Ok(());
         }
-        let total = problems.len();
-        problems.truncate(MAX_PROBLEMS_SHOWN);
+        let (total, problems) = (problems.total, problems.shown);
         let plural = if total == 1 { "" } else { "s" };
         let mut msg = format!("weights do not match the config ({total} problem{plural}):");
         for p in &problems {
@@ -370,7 +418,7 @@ fn diagnose(bytes: &[u8]) -> Option<String> {
     if n > MAX_HEADER_BYTES {
         return None;
     }
-    let Some(header) = bytes.get(8..8 + n) else {
+    let Some(header) = bytes.get(8..).and_then(|rest| rest.get(..n)) else {
         return Some(format!(
             "the header should be {n} bytes but only {} follow its length (truncated?)",
             bytes.len() - 8
@@ -390,8 +438,9 @@ fn diagnose(bytes: &[u8]) -> Option<String> {
         let bits = shape
             .iter()
             .try_fold(dtype.bitsize(), |acc, &d| acc.checked_mul(d));
-        match bits {
-            Some(bits) if end >= start && bits == 8 * (end - start) => {}
+        let span_bits = end.checked_sub(start).and_then(|n| n.checked_mul(8));
+        match (bits, span_bits) {
+            (Some(bits), Some(span)) if bits == span => {}
             _ => {
                 return Some(format!(
                     "tensor {name}: shape {shape:?} of {dtype} does not fit data_offsets [{start}, {end}]"

@@ -1,0 +1,390 @@
+//! A short, deterministic mutation fuzz run over the same harness as the cargo-fuzz targets in
+//! `fuzz/` (GGUF, HF directory, tokenizer.json, chat template): seeds built here, mutated by a
+//! seeded generator (bit flips, byte sets, truncation, inflated length fields, chunk copies and
+//! deletions, digit runs), each input loaded in-process. No input may panic, take over 5 s or
+//! allocate more than max(2 x its size, 64 MB) at once. A few seconds in all, so CI exercises
+//! the harness; `scripts/fuzz.sh` runs the real fuzzers for longer.
+
+#[path = "common/alloc_track.rs"]
+mod alloc_track;
+#[allow(dead_code)]
+#[path = "common/gguf_writer.rs"]
+mod gguf_writer;
+#[path = "../fuzz/src/harness.rs"]
+mod harness;
+#[path = "common/hf_writer.rs"]
+mod hf_writer;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use alloc_track::{allocation_bound, largest_allocation};
+use gguf_writer::{add_tiny_tokenizer, Gguf, Val};
+use megainfer::model::random::random_weights;
+use megainfer::model::Config;
+use safetensors::Dtype;
+use serde_json::json;
+
+#[global_allocator]
+static ALLOC: alloc_track::Tracking = alloc_track::Tracking;
+
+/// xorshift64*: deterministic, so a failure reproduces from the test alone.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn mutate(rng: &mut Rng, seed: &[u8]) -> Vec<u8> {
+    let mut d = seed.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        let len = d.len();
+        match rng.below(8) {
+            0 if len > 0 => {
+                let i = rng.below(len);
+                d[i] ^= 1 << rng.below(8);
+            }
+            1 if len > 0 => {
+                let i = rng.below(len);
+                d[i] = [0, 0xff, 0x7f, 0x80, b'"', b'9', b'{', b'-'][rng.below(8)];
+            }
+            2 => d.truncate(rng.below(len + 1)),
+            // A length or count field claiming far more than the file holds.
+            3 if len >= 8 => {
+                let i = rng.below(len - 7);
+                let v: u64 = [u64::MAX, 1 << 40, 1 << 31, 0xffff_ffff, 1 << 24][rng.below(5)];
+                d[i..i + 8].copy_from_slice(&v.to_le_bytes());
+            }
+            4 if len >= 4 => {
+                let i = rng.below(len - 3);
+                let v = [u32::MAX, 1 << 30, 65536, 0][rng.below(4)];
+                d[i..i + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            5 if len > 0 => {
+                let (a, n) = (rng.below(len), 1 + rng.below(64));
+                let chunk = d[a..(a + n).min(len)].to_vec();
+                let at = rng.below(len + 1);
+                d.splice(at..at, chunk);
+            }
+            6 if len > 0 => {
+                let a = rng.below(len);
+                let b = (a + 1 + rng.below(64)).min(len);
+                d.drain(a..b);
+            }
+            7 => {
+                let at = rng.below(len + 1);
+                let digits = ["9999999999", "-1", "1e308", "18446744073709551615", "0"];
+                d.splice(at..at, digits[rng.below(5)].bytes());
+            }
+            _ => {}
+        }
+    }
+    d
+}
+
+/// Runs `target` on `iterations` mutations of the seeds; fails on a panic, a slow input or an
+/// allocation over the bound, saving the input under target/ to reproduce.
+/// `MEGAINFER_FUZZ_ITERATIONS` replaces each run's count, for a longer run without cargo-fuzz.
+fn run(name: &str, target: fn(&[u8]), seeds: &[Vec<u8>], iterations: usize, seed: u64) {
+    let iterations = std::env::var("MEGAINFER_FUZZ_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(iterations);
+    let mut rng = Rng(seed);
+    let start = Instant::now();
+    let (mut slowest, mut largest_seen) = (Duration::ZERO, 0usize);
+    for i in 0..iterations + seeds.len() {
+        let input = match seeds.get(i) {
+            Some(s) => s.clone(),
+            None => {
+                let pick = rng.below(seeds.len());
+                mutate(&mut rng, &seeds[pick])
+            }
+        };
+        let t = Instant::now();
+        let (outcome, largest) = largest_allocation(|| std::panic::catch_unwind(|| target(&input)));
+        let took = t.elapsed();
+        let failure = if outcome.is_err() {
+            Some("panicked".to_string())
+        } else if took > Duration::from_secs(5) {
+            Some(format!("took {took:?}"))
+        } else if largest > allocation_bound(input.len()) {
+            Some(format!("allocated {largest} bytes at once"))
+        } else {
+            None
+        };
+        if let Some(why) = failure {
+            let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("fuzz-{name}-{i}.bin"));
+            std::fs::write(&path, &input).unwrap();
+            panic!("{name}: input {i} {why}; saved to {}", path.display());
+        }
+        slowest = slowest.max(took);
+        largest_seen = largest_seen.max(largest);
+    }
+    println!(
+        "{name}: {} inputs in {:?}, slowest {slowest:?}, largest allocation {largest_seen} bytes",
+        iterations + seeds.len(),
+        start.elapsed()
+    );
+}
+
+// ---- seeds ----
+
+/// 1 layer, hidden 16, 2 heads of 8, 1 kv head, ffn 32, vocab 32: a complete model in ~10 KB.
+fn small_config() -> Config {
+    let mut c = hf_writer::tiny_config(true);
+    c.hidden_size = 16;
+    c.intermediate_size = 32;
+    c.num_layers = 1;
+    c.num_heads = 2;
+    c.num_kv_heads = 1;
+    c.head_dim = 8;
+    c
+}
+
+fn gguf_seeds() -> Vec<Vec<u8>> {
+    let f32_data = |n: u64| {
+        (0..n)
+            .flat_map(|i| (i as f32 * 0.01).to_le_bytes())
+            .collect()
+    };
+    let build = |tokenizer: bool, tied: bool| {
+        let (h, f, kv, v) = (16u64, 32u64, 8u64, 32u64);
+        let mut g = Gguf::default();
+        g.set("general.architecture", Val::Str("llama".into()))
+            .set("general.alignment", Val::U32(32))
+            .set("llama.block_count", Val::U32(1))
+            .set("llama.context_length", Val::U32(64))
+            .set("llama.embedding_length", Val::U32(h as u32))
+            .set("llama.feed_forward_length", Val::U32(f as u32))
+            .set("llama.attention.head_count", Val::U32(2))
+            .set("llama.attention.head_count_kv", Val::U32(1))
+            .set("llama.rope.freq_base", Val::F32(10000.0))
+            .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
+            .set("llama.vocab_size", Val::U32(v as u32));
+        let mut add = |name: &str, dims: &[u64]| {
+            g.add_tensor(name, dims, 0, f32_data(dims.iter().product()));
+        };
+        add("token_embd.weight", &[h, v]);
+        for (n, dims) in [
+            ("attn_norm", vec![h]),
+            ("attn_q", vec![h, h]),
+            ("attn_k", vec![h, kv]),
+            ("attn_v", vec![h, kv]),
+            ("attn_output", vec![h, h]),
+            ("ffn_norm", vec![h]),
+            ("ffn_gate", vec![h, f]),
+            ("ffn_up", vec![h, f]),
+            ("ffn_down", vec![f, h]),
+        ] {
+            add(&format!("blk.0.{n}.weight"), &dims);
+        }
+        add("output_norm.weight", &[h]);
+        if !tied {
+            add("output.weight", &[h, v]);
+        }
+        if tokenizer {
+            add_tiny_tokenizer(&mut g);
+            g.set(
+                "tokenizer.chat_template",
+                Val::Str("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}".into()),
+            );
+        }
+        g.to_bytes()
+    };
+    vec![build(false, true), build(true, true), build(true, false)]
+}
+
+fn hf_seeds() -> Vec<Vec<u8>> {
+    let cfg = small_config();
+    let w = random_weights(&cfg, 3);
+    let config = serde_json::to_vec(&hf_writer::config_json(&cfg)).unwrap();
+    let single = hf_writer::safetensors_bytes(&hf_writer::hf_tensors(&cfg, &w, Dtype::BF16));
+    let join = |parts: &[&[u8]]| parts.join(harness::PART_SEPARATOR);
+    // Sharded: the writer's shard names renamed to the harness's shard1, shard2.
+    let dir = tempfile::tempdir().unwrap();
+    let tensors = hf_writer::hf_tensors(&cfg, &w, Dtype::F16);
+    hf_writer::write_sharded(dir.path(), &tensors, 2);
+    let index_path = dir.path().join("model.safetensors.index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&index_path).unwrap()).unwrap();
+    for v in index["weight_map"].as_object_mut().unwrap().values_mut() {
+        let i = (0..2)
+            .find(|&i| v.as_str() == Some(&hf_writer::shard_name(i, 2)))
+            .expect("a shard name the writer uses");
+        *v = json!(format!("shard{}.safetensors", i + 1));
+    }
+    let index = serde_json::to_vec(&index).unwrap();
+    let shard = |i| std::fs::read(dir.path().join(hf_writer::shard_name(i, 2))).unwrap();
+    let (s1, s2) = (shard(0), shard(1));
+    vec![
+        join(&[&config, &single]),
+        join(&[&config, &index, &s1, &s2]),
+    ]
+}
+
+const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+const TOOLS_TEMPLATE: &str = r#"{{- bos_token }}{%- set ns = namespace(sys="") %}{%- if messages[0]['role'] == 'system' %}{%- set ns.sys = messages[0]['content']|trim %}{%- set messages = messages[1:] %}{%- endif %}{{- "<|start_header_id|>system<|end_header_id|>\n\nToday: " + strftime_now("%d %b %Y") + "\n" + ns.sys + "<|eot_id|>" }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{{ m | tojson(indent=2) }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}{% macro f(x) %}{{ x * 2 }}{% endmacro %}{{ f(21) }}{{ range(3)|join(",") }}{{ "a,b"|split(",")|length if false else "" }}"#;
+
+fn chat_seeds() -> Vec<Vec<u8>> {
+    vec![
+        SMOLLM2_TEMPLATE.as_bytes().to_vec(),
+        TOOLS_TEMPLATE.as_bytes().to_vec(),
+    ]
+}
+
+const LLAMA_DECODER: &str = r#"{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"▁"},"content":" "},{"type":"ByteFallback"},{"type":"Fuse"},{"type":"Strip","content":" ","start":1,"stop":0}]}"#;
+
+fn tokenizer_seeds() -> Vec<Vec<u8>> {
+    let words = [
+        "Hello",
+        "world",
+        "2+2?",
+        "user",
+        "<|im_start|>",
+        "<|im_end|>",
+    ];
+    let plain = hf_writer::tokenizer_json(&words, false);
+    let mut with_bos = hf_writer::tokenizer_json(&words, true);
+    with_bos["decoder"] = serde_json::from_str(LLAMA_DECODER).unwrap();
+    let mut bpe = hf_writer::tokenizer_json(&[], false);
+    bpe["pre_tokenizer"] = json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": true, "use_regex": true});
+    bpe["decoder"] = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+        "use_regex": true});
+    bpe["model"] = json!({"type": "BPE", "dropout": null, "unk_token": null,
+        "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+        "byte_fallback": false, "ignore_merges": false,
+        "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "H": 3, "e": 4, "l": 5, "o": 6, "Ġ": 7,
+                  "w": 8, "r": 9, "d": 10, "He": 11, "ll": 12, "Hell": 13, "Hello": 14},
+        "merges": ["H e", "l l", "He ll", "Hell o"]});
+    [plain, with_bos, bpe]
+        .iter()
+        .map(|v| serde_json::to_vec(v).unwrap())
+        .collect()
+}
+
+// ---- the runs ----
+
+#[test]
+fn gguf_mutations() {
+    run("gguf", harness::gguf, &gguf_seeds(), 600, 1);
+}
+
+#[test]
+fn hf_dir_mutations() {
+    run("hf_dir", harness::hf_dir, &hf_seeds(), 600, 2);
+}
+
+#[test]
+fn tokenizer_json_mutations() {
+    run(
+        "tokenizer_json",
+        harness::tokenizer_json,
+        &tokenizer_seeds(),
+        600,
+        3,
+    );
+}
+
+#[test]
+fn chat_template_mutations() {
+    run(
+        "chat_template",
+        harness::chat_template,
+        &chat_seeds(),
+        600,
+        4,
+    );
+}
+
+/// The seeds must load, or the mutations would only ever test the first error path.
+#[test]
+fn seeds_load() {
+    let dir = tempfile::tempdir().unwrap();
+    for (i, seed) in gguf_seeds().iter().enumerate() {
+        let path = dir.path().join(format!("seed{i}.gguf"));
+        std::fs::write(&path, seed).unwrap();
+        megainfer::model::load(&path).unwrap();
+    }
+    for (i, seed) in hf_seeds().iter().enumerate() {
+        let d = dir.path().join(format!("hf{i}"));
+        std::fs::create_dir(&d).unwrap();
+        let parts: Vec<&[u8]> = split(seed);
+        std::fs::write(d.join("config.json"), parts[0]).unwrap();
+        if parts.len() == 2 {
+            std::fs::write(d.join("model.safetensors"), parts[1]).unwrap();
+        } else {
+            std::fs::write(d.join("model.safetensors.index.json"), parts[1]).unwrap();
+            for (j, s) in parts[2..].iter().enumerate() {
+                std::fs::write(d.join(format!("shard{}.safetensors", j + 1)), s).unwrap();
+            }
+        }
+        megainfer::model::load(&d).unwrap();
+    }
+    for (i, seed) in tokenizer_seeds().iter().enumerate() {
+        let d = dir.path().join(format!("tok{i}"));
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("config.json"), harness::HOST_CONFIG).unwrap();
+        std::fs::write(d.join("model.safetensors"), harness::host_weights()).unwrap();
+        std::fs::write(d.join("tokenizer.json"), seed).unwrap();
+        let m = megainfer::model::load(&d).unwrap();
+        let tok = m.tokenizer.unwrap();
+        assert!(!tok.encode("Hello world").unwrap().is_empty());
+    }
+    for seed in chat_seeds() {
+        let t = std::str::from_utf8(&seed).unwrap();
+        let out = megainfer::tokenizer::chat::render(
+            t,
+            &[megainfer::tokenizer::chat::ChatMessage::new("user", "Hi")],
+            "<s>",
+            "</s>",
+            true,
+        )
+        .unwrap();
+        assert!(out.contains("Hi"));
+    }
+}
+
+fn split(data: &[u8]) -> Vec<&[u8]> {
+    let sep = harness::PART_SEPARATOR;
+    let mut parts = Vec::new();
+    let mut rest = data;
+    while let Some(at) = rest.windows(sep.len()).position(|w| w == sep) {
+        parts.push(&rest[..at]);
+        rest = &rest[at + sep.len()..];
+    }
+    parts.push(rest);
+    parts
+}
+
+/// Writes the seeds as the cargo-fuzz corpora in fuzz/corpus/<target>/ (run with --ignored
+/// after changing them).
+#[test]
+#[ignore = "writes fuzz/corpus/: run with --ignored to refresh the committed seeds"]
+fn write_seed_corpora() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    for (target, seeds) in [
+        ("gguf", gguf_seeds()),
+        ("hf_dir", hf_seeds()),
+        ("tokenizer_json", tokenizer_seeds()),
+        ("chat_template", chat_seeds()),
+    ] {
+        let dir = root.join(target);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, s) in seeds.iter().enumerate() {
+            let path = dir.join(format!("seed-{i}"));
+            std::fs::write(&path, s).unwrap();
+            assert_eq!(&std::fs::read(&path).unwrap(), s);
+        }
+    }
+}
