@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs every GPU check in one device call; builds nothing. Expects in .carry/:
+# Runs every GPU check in one run on a GPU machine; builds nothing. Expects in bundle/:
 #   megainfer, tests/<test binaries>, and optionally model.gguf.part-{a,b}: the default model
-#   split in two (98 MB is over one call's transfer limit). A part found in .carry/ is moved to
+#   split in two (98 MB is over one call's transfer limit). A part found in bundle/ is moved to
 #   /root/models, and the model is joined there once both parts have arrived.
 # GPU tests are #[ignore = "needs a GPU"]: every binary runs with --include-ignored, so the
 # table's "ignored" column must read 0 (docs/gpu-machine.md).
@@ -14,7 +14,7 @@ export MEGAINFER_CACHE=/root/mcache
 mkdir -p "$MEGAINFER_CACHE"
 MODEL="$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 for part in a b; do
-  [ -f .carry/model.gguf.part-$part ] && cp .carry/model.gguf.part-$part /root/models/
+  [ -f bundle/model.gguf.part-$part ] && cp bundle/model.gguf.part-$part /root/models/
 done
 if [ ! -f "$MODEL" ] && [ -f /root/models/model.gguf.part-a ] && [ -f /root/models/model.gguf.part-b ]; then
   cat /root/models/model.gguf.part-a /root/models/model.gguf.part-b > "$MODEL"
@@ -23,7 +23,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
 declare -a rows
-for t in ${TESTS:-.carry/tests/*}; do
+for t in ${TESTS:-bundle/tests/*}; do
   name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
   start=$(date +%s.%N)
   "$t" --include-ignored --test-threads=1 --nocapture ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
@@ -45,7 +45,7 @@ printf '%s\n' "${rows[@]}"
 #   SANITIZE_TOOLS / SANITIZE_PATHS to narrow). Wants "ERROR SUMMARY: 0 errors" on every line.
 # SOAK=1: `megainfer soak`: SOAK_TOKENS (default 100000) greedy tokens, megakernel vs graph,
 #   restarting from a fresh prompt whenever the context fills. Wants "0 mismatches".
-MEGAINFER_BIN=${MEGAINFER_BIN:-.carry/megainfer}
+MEGAINFER_BIN=${MEGAINFER_BIN:-bundle/megainfer}
 if [ "${SANITIZE:-0}" = 1 ]; then
   CS=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
   echo
