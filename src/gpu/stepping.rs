@@ -162,16 +162,22 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
     for _ in 0..n {
         s.launch_step()?;
     }
+    finish_chained(s, start, n, "argmax")
+}
+
+/// After `n` steps chained on the device from position `start`: advances the sequence, checks
+/// the kernels' error state and reads back only the n new tokens (the whole history is max_seq
+/// words), refusing any outside the vocabulary (`chooser` names what picked them).
+fn finish_chained<S: Steps>(s: &mut S, start: usize, n: usize, chooser: &str) -> Result<Vec<u32>> {
     s.seq().pos += n;
     s.check()?;
-    // Only the n new tokens (the whole history is max_seq words).
     let out = s
         .gpu()
         .stream
         .clone_dtoh(&s.history().slice(start + 1..start + 1 + n))?;
     let vocab = s.vocab();
     if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
-        bail!("GPU argmax produced token {bad} outside the vocabulary (NaN logits?)");
+        bail!("GPU {chooser} produced token {bad} outside the vocabulary (NaN logits?)");
     }
     s.seq().meta_current = out.last().copied();
     Ok(out)
@@ -186,6 +192,7 @@ pub fn decode_sampled<S: Steps>(
     token: u32,
     n: usize,
 ) -> Result<Vec<u32>> {
+    check_tokens(&[token], s.vocab())?;
     let ctx = sampler.context();
     let start = s.seq().pos;
     if ctx.last() != Some(&token) || ctx.len() != start + 1 {
@@ -226,17 +233,7 @@ pub fn decode_sampled<S: Steps>(
     for _ in 0..n {
         s.launch_sampled_step()?;
     }
-    s.seq().pos += n;
-    s.check()?;
-    let out = s
-        .gpu()
-        .stream
-        .clone_dtoh(&s.history().slice(start + 1..start + 1 + n))?;
-    let vocab = s.vocab();
-    if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
-        bail!("GPU sampler produced token {bad} outside the vocabulary (NaN logits?)");
-    }
-    s.seq().meta_current = out.last().copied();
+    let out = finish_chained(s, start, n, "sampler")?;
     s.seq().history_synced = true;
     Ok(out)
 }
