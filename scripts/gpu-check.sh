@@ -73,3 +73,45 @@ if [ "${SOAK:-0}" = 1 ]; then
   grep -E "differ|mismatches|error" "$OUT/soak.log" | tail -15
 fi
 # ==== end of optional reliability checks ====
+
+# ==== optional benchmarks (off unless asked): BENCH=1 ====
+# Decode speed of this build against OLD_BIN (an earlier build, if given), alternating twice per
+# preset; batched prefill's time to first token on the Llama-3.2-1B shape at 1, 32, 1K, 8K and
+# 32K prompt tokens; the default model's 37-token prompt; greedy against sampled decoding; and,
+# with PEERS=1, scripts/peers.py (torch) at the same lengths. Logs go to $OUT/bench-*.log.
+if [ "${BENCH:-0}" = 1 ]; then
+  echo
+  echo "=== benchmarks ==="
+  row() { grep -E "^\| *$2 " "$1" | head -1; }
+  for preset in llama-3.2-1b smollm2-135m; do
+    for i in 1 2; do
+      for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+        log="$OUT/bench-ab-$preset-$(basename "$bin")-$i.log"
+        "$bin" bench --preset "$preset" --paths megakernel --reps 5 > "$log" 2>&1
+        echo "$preset $(basename "$bin") run $i: $(row "$log" megakernel)"
+      done
+    done
+  done
+  for len in 1 32 1024 8192 32768; do
+    log="$OUT/bench-prefill-$len.log"
+    "$MEGAINFER_BIN" bench --preset llama-3.2-1b --prompt-len "$len" --gen 16 --reps 3 \
+      --paths megakernel,graph > "$log" 2>&1
+    echo "prefill $len: $(row "$log" megakernel)"
+  done
+  log="$OUT/bench-default-37.log"
+  "$MEGAINFER_BIN" bench --prompt-len 37 --reps 5 > "$log" 2>&1
+  echo "default model, prompt 37:"; grep -E "^\| " "$log"
+  for preset in smollm2-135m llama-3.2-1b; do
+    for s in "" "--temperature 0.8 --top-p 0.95"; do
+      log="$OUT/bench-sampling-$preset-${s:+sampled}.log"
+      "$MEGAINFER_BIN" bench --preset "$preset" --reps 5 $s > "$log" 2>&1
+      echo "$preset ${s:-greedy}:"; grep -E "^\| (megakernel|graph)" "$log"
+    done
+  done
+  if [ "${PEERS:-0}" = 1 ]; then
+    python3 scripts/peers.py --preset llama-3.2-1b --prefill-lens 1,32,1024,8192,32768 \
+      > "$OUT/peers.log" 2>&1
+    tail -20 "$OUT/peers.log"
+  fi
+fi
+# ==== end of optional benchmarks ====

@@ -23,7 +23,8 @@ fn cuda_include_dir() -> Option<PathBuf> {
         .find(|d| d.is_dir())
 }
 
-fn nvrtc_version() -> Result<(i32, i32)> {
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: plain out-parameters.
     unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
