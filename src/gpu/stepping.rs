@@ -106,6 +106,17 @@ pub fn check_tokens(tokens: &[u32], vocab: u32) -> Result<()> {
 /// Feeds `tokens`, as batched prefill when there are at least `prefill_min` of them, else one
 /// step each; the f32 logits after the last.
 pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
+    if tokens.len() >= s.seq().prefill_min && s.seq().prefill.is_none() {
+        // The batched prefill needs cuBLAS and a head_dim its attention kernel has; without
+        // them the prompt still runs, one decode step per token, and the user is told why.
+        match Prefill::new(s.gpu(), &s.model().config) {
+            Ok(engine) => s.seq().prefill = Some(engine),
+            Err(e) => {
+                eprintln!("megainfer: batched prefill unavailable ({e:#}); feeding prompts one token per step");
+                s.seq().prefill_min = usize::MAX;
+            }
+        }
+    }
     if tokens.len() >= s.seq().prefill_min {
         prefill(s, tokens, Logits::Last)
     } else {
