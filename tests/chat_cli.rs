@@ -336,3 +336,71 @@ fn streams_replies_and_ends_at_eof_or_exit() {
     let out = chat(dir.path(), &["-n", "5"], "");
     assert_eq!(out.stdout, "");
 }
+
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod gpu_common;
+
+/// Every GPU path: a chat-like sequence (prefill, greedy decode, a rewind into the cached
+/// tokens, a second prefill, more decoding) gives the logits the CPU reference gives for a
+/// fresh run on the surviving tokens. Tolerance as tests/gpu_prefill.rs (bf16 prefill products).
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_paths_rewind_like_a_fresh_run() {
+    use megainfer::generate::Backend;
+    use megainfer::gpu::model::DeviceModel;
+    use megainfer::gpu::paths::{GpuPath, PathKind};
+
+    const TOL: f64 = 1e-2;
+    let gpu = gpu_common::gpu();
+    let (_, cfg, w, tokens) = gpu_common::small_cases().swap_remove(1);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let second: Vec<u32> = (0..7).map(|k| (k * 31 + 5) % 1000).collect();
+    for kind in PathKind::ALL {
+        let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+        let mut worst = 0f64;
+        // Turn 1, and 3 decoded tokens the rewind will drop.
+        path.feed(&tokens).unwrap();
+        let mut t = *tokens.last().unwrap();
+        for _ in 0..3 {
+            t = path.feed_greedy(t).unwrap();
+        }
+        for keep in [5, 0] {
+            path.rewind(keep).unwrap();
+            let seq: Vec<u32> = [&tokens[..keep], &second[..]].concat();
+            let mut cpu = CpuForward::new(&cfg, &w, 64);
+            let want = cpu.prefill(&seq, 64).unwrap();
+            let got = path.feed(&second).unwrap();
+            let err = gpu_common::rel_l2(&got, &want);
+            worst = worst.max(err);
+            println!("{} rewind to {keep}: prefill rel L2 {err:.2e}", kind.name());
+            assert!(
+                err <= TOL,
+                "{}: rewind to {keep}: rel L2 {err:.2e}",
+                kind.name()
+            );
+            // Decoding continues from the rewound position.
+            let mut t = argmax(&want);
+            for step in 0..4 {
+                let want = cpu.forward(&[t]).unwrap();
+                let got = path.feed(&[t]).unwrap();
+                let err = gpu_common::rel_l2(&got, &want);
+                worst = worst.max(err);
+                assert!(
+                    err <= TOL,
+                    "{}: rewind to {keep}, step {step}: rel L2 {err:.2e}",
+                    kind.name()
+                );
+                t = argmax(&want);
+            }
+        }
+        assert!(
+            path.rewind(40).is_err(),
+            "rewinding past the cache must fail"
+        );
+        println!(
+            "{}: worst rel L2 {worst:.2e} (tolerance {TOL:.0e})",
+            kind.name()
+        );
+    }
+}
