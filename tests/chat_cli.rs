@@ -404,3 +404,31 @@ fn gpu_paths_rewind_like_a_fresh_run() {
         );
     }
 }
+
+/// Bad setups are refused with an error that names what is wrong.
+#[test]
+fn a_model_without_a_template_or_a_zero_budget_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model_dir(dir.path(), STABLE);
+    let run = |dir: &Path, extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_megainfer"))
+            .args(["chat", "--device", "cpu"])
+            .args(extra)
+            .arg("-m")
+            .arg(dir)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        String::from_utf8(out.stderr).unwrap()
+    };
+    let err = run(dir.path(), &["-n", "0"]);
+    assert!(err.contains("--max-tokens must be at least 1"), "{err}");
+    write_json(
+        &dir.path().join("tokenizer_config.json"),
+        &json!({"bos_token": "<s>", "eos_token": EOS.0}),
+    );
+    let err = run(dir.path(), &[]);
+    assert!(err.contains("this model has no chat template"), "{err}");
+    assert!(err.contains("tokenizer.json"), "{err}");
+}
