@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use crate::reference::CpuForward;
 use crate::sampling::{argmax, Sampler};
@@ -11,6 +11,10 @@ use crate::sampling::{argmax, Sampler};
 pub trait Backend {
     /// Feeds tokens at the next positions and returns the f32 logits after the last one.
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
+
+    /// Drops the cached positions from `len` on, so the next token fed goes to position `len`
+    /// (a chat whose re-rendered history differs from what was fed continues from there).
+    fn rewind(&mut self, len: usize) -> Result<()>;
 
     /// Feeds one token and returns the greedy next token. GPU paths override this so the
     /// logits never leave the device.
@@ -34,6 +38,17 @@ impl Backend for CpuForward<'_> {
         } else {
             self.forward(tokens)
         }
+    }
+
+    fn rewind(&mut self, len: usize) -> Result<()> {
+        if len > self.len() {
+            bail!(
+                "cannot rewind to position {len}: only {} tokens are cached",
+                self.len()
+            );
+        }
+        self.truncate(len);
+        Ok(())
     }
 }
 
@@ -76,6 +91,22 @@ pub fn generate(
     sampler: &mut Sampler,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
+    generate_after(backend, &[], prompt, max_tokens, eos, sampler, on_token)
+}
+
+/// [`generate`] for a sequence whose first tokens, `cached`, are already in the backend's KV
+/// cache (an earlier turn of a chat): only `prompt` is fed, while the sampler sees the whole
+/// sequence, so its repetition penalty and the positions its draws are keyed by are those of
+/// one uninterrupted run. The last generated token (an eos included) is not fed.
+pub fn generate_after(
+    backend: &mut dyn Backend,
+    cached: &[u32],
+    prompt: &[u32],
+    max_tokens: usize,
+    eos: &[u32],
+    sampler: &mut Sampler,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationStats> {
     let start = Instant::now();
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
@@ -89,6 +120,7 @@ pub fn generate(
     }
     let greedy = sampler.params().is_greedy();
     sampler.reset();
+    sampler.accept(cached);
     sampler.accept(prompt);
     let logits = backend.feed(prompt)?;
     let mut token = sampler.sample(&logits);

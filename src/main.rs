@@ -17,6 +17,10 @@ enum Command {
     /// Generate text from a prompt, streaming it to stdout.
     #[command(allow_negative_numbers = true)]
     Run(cli::run::RunArgs),
+    /// Multi-turn chat on stdin/stdout in the model's chat template; the KV cache carries over
+    /// between turns. /reset clears the conversation, /exit or EOF ends it.
+    #[command(allow_negative_numbers = true)]
+    Chat(cli::chat::ChatArgs),
     /// Compare the GPU decode paths on one model in one process.
     #[command(allow_negative_numbers = true)]
     Bench(cli::bench::BenchArgs),
@@ -32,6 +36,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Run(a) => cli::run::run(a),
+        Command::Chat(a) => cli::chat::run(a),
         Command::Bench(a) => cli::bench::run(a),
         Command::Schedule(a) => cli::schedule::run(a),
         Command::Soak(a) => cli::soak::run(a),

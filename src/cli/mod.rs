@@ -1,6 +1,7 @@
 //! Subcommands of the `megainfer` binary.
 
 pub mod bench;
+pub mod chat;
 pub mod run;
 pub mod schedule;
 pub mod soak;

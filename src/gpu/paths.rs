@@ -119,6 +119,13 @@ impl Backend for GpuPath<'_> {
         }
     }
 
+    fn rewind(&mut self, len: usize) -> Result<()> {
+        match self {
+            Self::Megakernel(p) => p.rewind(len),
+            Self::Baseline(p) => p.rewind(len),
+        }
+    }
+
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(self.decode_greedy(token, 1)?[0])
     }

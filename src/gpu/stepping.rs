@@ -52,6 +52,20 @@ impl Sequence {
         self.history_synced = false;
     }
 
+    /// Drops the positions from `len` on (their K/V are overwritten by the next tokens).
+    pub fn rewind(&mut self, len: usize) -> Result<()> {
+        if len > self.pos {
+            bail!(
+                "cannot rewind to position {len}: only {} tokens are cached",
+                self.pos
+            );
+        }
+        self.pos = len;
+        self.meta_current = None;
+        self.history_synced = false;
+        Ok(())
+    }
+
     fn check_room(&self, n: usize) -> Result<()> {
         if self.pos + n > self.max_seq {
             bail!(
@@ -252,6 +266,10 @@ pub fn decode_sampled<S: Steps>(
 impl<S: Steps> Backend for S {
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         feed(self, tokens)
+    }
+
+    fn rewind(&mut self, len: usize) -> Result<()> {
+        self.seq().rewind(len)
     }
 
     fn feed_greedy(&mut self, token: u32) -> Result<u32> {

@@ -40,6 +40,14 @@ impl<'a> CpuForward<'a> {
         self.len() == 0
     }
 
+    /// Drops the cached positions from `len` on, so the next token goes to position `len`.
+    pub fn truncate(&mut self, len: usize) {
+        let kv_dim = self.cfg.kv_dim();
+        for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+            cache.truncate(len * kv_dim);
+        }
+    }
+
     /// Feeds `tokens` at the next positions and returns the logits after each of them.
     pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
         let hidden = self.run_layers(tokens)?;

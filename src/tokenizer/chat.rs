@@ -76,6 +76,32 @@ pub fn render(
     }
 }
 
+/// Renders `messages` through `tok`'s chat template with its own BOS/EOS names and encodes
+/// the result as `apply_chat_template(tokenize=True)` would (no BOS added: the template writes
+/// its own).
+pub fn render_ids(
+    tok: &super::Tokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>> {
+    let template = tok
+        .chat_template
+        .as_deref()
+        .ok_or_else(|| anyhow!("{}: this model has no chat template", tok.source))?;
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tok.inner.id_to_token(i))
+            .unwrap_or_default()
+    };
+    let text = render(
+        template,
+        messages,
+        &name(tok.bos_token_id),
+        &name(tok.eos_token_ids.first().copied()),
+        add_generation_prompt,
+    )?;
+    tok.encode_chat(&text)
+}
+
 /// Collects output up to `limit` bytes and fails the write beyond it, which aborts rendering.
 struct BoundedWriter {
     buf: Vec<u8>,

@@ -1,0 +1,361 @@
+//! `megainfer chat`: a multi-turn conversation in the model's chat template that keeps its KV
+//! cache between turns, so each turn prefills only its own tokens.
+//!
+//! Each turn renders the whole conversation through the template and compares the token ids
+//! with those already fed. Templates are not always prefix-stable (a date stamp, a stripped
+//! reply, a reply the model tokenised differently from how its text re-encodes): then the cache
+//! is rewound to the first differing token and the rest is fed again, which costs one longer
+//! prefill but never leaves the cache disagreeing with the rendering.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+use super::run::{resolve_model_path, DeviceChoice};
+use crate::generate::{generate_after, Backend};
+use crate::gpu::device::Gpu;
+use crate::gpu::model::{DeviceModel, KvCache};
+use crate::gpu::paths::{GpuPath, PathKind};
+use crate::model;
+use crate::reference::CpuForward;
+use crate::sampling::{Sampler, SamplingArgs};
+use crate::tokenizer::chat::{render_ids, ChatMessage};
+use crate::tokenizer::Tokenizer;
+
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    /// HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+    /// Maximum number of new tokens per reply.
+    #[arg(short = 'n', long, default_value_t = 512)]
+    pub max_tokens: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Seed of the sampler's random draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// System message opening the conversation (default: none, or the template's own).
+    #[arg(long)]
+    pub system: Option<String>,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Context length of the conversation; default: the model's, capped at 4096.
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// GPU decode path.
+    #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
+    pub path: PathKind,
+    /// After each turn, say on stderr how many tokens were fed and how many came from the cache.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
+    /// Instead of streaming replies, print one JSON object per event on stdout: a turn (user,
+    /// reply, generated_ids with any eos, stop_reason, prompt_tokens, reused, prefilled,
+    /// rewound, context_used, max_context), {"event":"reset"}, or {"event":"context_full",...}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &ChatArgs) -> Result<()> {
+    let params = args.sampling.params(args.seed)?;
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1 for a chat");
+    }
+    let path = resolve_model_path(&args.model)?;
+    let model = model::load(&path)?;
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .context("this model has no tokenizer (no tokenizer.json / GGUF tokenizer metadata)")?;
+    if tok.chat_template.is_none() {
+        bail!("{}: this model has no chat template", tok.source);
+    }
+    let max_context = args
+        .max_context
+        .unwrap_or(model.config.max_position_embeddings.min(4096));
+    if max_context > model.config.max_position_embeddings {
+        bail!(
+            "--max-context {max_context} exceeds the model's {} positions",
+            model.config.max_position_embeddings
+        );
+    }
+    if max_context < 2 {
+        bail!("--max-context {max_context}: a chat needs at least 2 tokens of context");
+    }
+    let gpu = match args.device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => Some(Gpu::new(0)?),
+        DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                eprintln!("megainfer: {e:#}; falling back to the CPU");
+                None
+            }
+        },
+        DeviceChoice::Auto => None,
+    };
+    let stdin = std::io::stdin();
+    let interactive = stdin.is_terminal();
+    let mut session = Session::new(args, tok, max_context, Sampler::new(params));
+    if let Some(gpu) = gpu {
+        eprintln!(
+            "megainfer: chat on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
+            gpu.describe(),
+            args.path.name(),
+            KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
+        );
+        let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
+        // A conversation grows towards its context, so the schedule is costed at all of it.
+        let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context, max_context)?;
+        return session.run(&mut backend, stdin.lock(), interactive);
+    }
+    eprintln!(
+        "megainfer: chat on the CPU ({} threads)",
+        rayon::current_num_threads()
+    );
+    let mut backend = CpuForward::new(&model.config, &model.weights, max_context);
+    session.run(&mut backend, stdin.lock(), interactive)
+}
+
+/// One conversation: its messages and the token ids in the backend's KV cache.
+struct Session<'a> {
+    args: &'a ChatArgs,
+    tok: &'a Tokenizer,
+    max_context: usize,
+    sampler: Sampler,
+    messages: Vec<ChatMessage>,
+    /// Token ids at positions `0..fed.len()` of the cache.
+    fed: Vec<u32>,
+}
+
+impl<'a> Session<'a> {
+    fn new(args: &'a ChatArgs, tok: &'a Tokenizer, max_context: usize, sampler: Sampler) -> Self {
+        let mut s = Self {
+            args,
+            tok,
+            max_context,
+            sampler,
+            messages: Vec::new(),
+            fed: Vec::new(),
+        };
+        s.clear();
+        s
+    }
+
+    fn clear(&mut self) {
+        self.messages.clear();
+        self.fed.clear();
+        if let Some(system) = &self.args.system {
+            self.messages
+                .push(ChatMessage::new("system", system.clone()));
+        }
+    }
+
+    fn run(
+        &mut self,
+        backend: &mut dyn Backend,
+        input: impl BufRead,
+        interactive: bool,
+    ) -> Result<()> {
+        if interactive {
+            eprintln!("Type a message; /reset starts a new conversation, /exit (or Ctrl-D) ends.");
+        }
+        let mut lines = input.lines();
+        loop {
+            if interactive {
+                eprint!("> ");
+                std::io::stderr().flush()?;
+            }
+            let Some(line) = lines.next() else { break };
+            let line = line.context("reading stdin")?;
+            let text = line.trim_end_matches('\r');
+            match text.trim() {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                "/reset" => {
+                    self.clear();
+                    backend.rewind(0)?;
+                    if self.args.json {
+                        println!("{}", serde_json::json!({"event": "reset"}));
+                    }
+                    eprintln!(
+                        "[conversation cleared; context: 0/{} tokens]",
+                        self.max_context
+                    );
+                }
+                cmd if cmd.starts_with('/') && !cmd.contains(char::is_whitespace) => {
+                    eprintln!(
+                        "[unknown command {cmd}: /reset clears the conversation, /exit ends]"
+                    );
+                }
+                _ => self.turn(backend, text)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// One user message and the streamed reply.
+    fn turn(&mut self, backend: &mut dyn Backend, text: &str) -> Result<()> {
+        self.messages.push(ChatMessage::new("user", text));
+        let ids = render_ids(self.tok, &self.messages, true)?;
+        if ids.len() >= self.max_context {
+            // The message is dropped, so the conversation stays as it was and /reset (or a
+            // shorter message) can go on.
+            self.messages.pop();
+            if self.args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "event": "context_full",
+                        "tokens": ids.len(),
+                        "max_context": self.max_context,
+                    })
+                );
+            }
+            eprintln!(
+                "[context full: the conversation with this message is {} tokens, the limit is {} \
+                 (--max-context); the message was not sent. Type /reset to start a new \
+                 conversation]",
+                ids.len(),
+                self.max_context
+            );
+            return Ok(());
+        }
+        let same = self
+            .fed
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // Something must be fed to get the logits of the next token.
+        let reuse = same.min(ids.len() - 1);
+        let rewound = reuse < self.fed.len();
+        if rewound {
+            eprintln!(
+                "[the template renders the earlier conversation differently from token {reuse} \
+                 on ({} tokens were cached): feeding again from there]",
+                self.fed.len()
+            );
+            backend.rewind(reuse)?;
+            self.fed.truncate(reuse);
+        }
+        let new = &ids[reuse..];
+        let budget = self.args.max_tokens.min(self.max_context - ids.len());
+        let eos = &self.tok.eos_token_ids;
+        let mut generated: Vec<u32> = Vec::new();
+        let mut printer = (!self.args.json).then(|| Printer::new(self.tok));
+        let stats = generate_after(
+            backend,
+            &self.fed,
+            new,
+            budget,
+            eos,
+            &mut self.sampler,
+            &mut |t| {
+                generated.push(t);
+                match &mut printer {
+                    Some(p) if !eos.contains(&t) => p.push(t),
+                    _ => Ok(()),
+                }
+            },
+        )?;
+        // Everything but the last generated token went through the model.
+        self.fed.extend_from_slice(new);
+        self.fed
+            .extend_from_slice(&generated[..generated.len().saturating_sub(1)]);
+        let text_ids: Vec<u32> = generated
+            .iter()
+            .copied()
+            .filter(|t| !eos.contains(t))
+            .collect();
+        let reply = self.tok.decode(&text_ids)?;
+        self.messages
+            .push(ChatMessage::new("assistant", reply.clone()));
+        let used = ids.len() + generated.len();
+        let stop_reason = if stats.stopped_on_eos {
+            "eos"
+        } else if budget < self.args.max_tokens {
+            "context_full"
+        } else {
+            "max_tokens"
+        };
+        if self.args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "user": text,
+                    "reply": reply,
+                    "generated_ids": generated,
+                    "stop_reason": stop_reason,
+                    "prompt_tokens": ids.len(),
+                    "reused": reuse,
+                    "prefilled": new.len(),
+                    "rewound": rewound,
+                    "context_used": used,
+                    "max_context": self.max_context,
+                })
+            );
+        } else {
+            println!();
+        }
+        if self.args.verbose {
+            eprintln!(
+                "[prefill: {} new tokens, {reuse} reused from the cache | {:.1} ms to the first \
+                 token | {} generated at {:.1} tok/s]",
+                new.len(),
+                stats.time_to_first_token.as_secs_f64() * 1e3,
+                stats.generated,
+                stats.decode_tokens_per_s()
+            );
+        }
+        eprintln!("[context: {used}/{} tokens]", self.max_context);
+        if stop_reason == "context_full" {
+            eprintln!(
+                "[the reply was cut off: the context of {} tokens is full (--max-context). Type \
+                 /reset to start a new conversation]",
+                self.max_context
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Streams a reply's text to stdout token by token.
+struct Printer<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    /// Decoding only from `prefix` keeps each step O(1); the tokens between `prefix` and
+    /// `printed` are context, since byte-level tokens decode correctly only with neighbours.
+    prefix: usize,
+    printed: usize,
+}
+
+impl<'a> Printer<'a> {
+    fn new(tok: &'a Tokenizer) -> Self {
+        Self {
+            tok,
+            ids: Vec::new(),
+            prefix: 0,
+            printed: 0,
+        }
+    }
+
+    fn push(&mut self, t: u32) -> Result<()> {
+        self.ids.push(t);
+        let before = self.tok.decode(&self.ids[self.prefix..self.printed])?;
+        let text = self.tok.decode(&self.ids[self.prefix..])?;
+        // A token may end inside a multi-byte character: wait for the rest of it.
+        if !text.ends_with('\u{FFFD}')
+            && text.len() > before.len()
+            && text.is_char_boundary(before.len())
+        {
+            let mut out = std::io::stdout().lock();
+            out.write_all(&text.as_bytes()[before.len()..])?;
+            out.flush()?;
+            self.prefix = self.printed;
+            self.printed = self.ids.len();
+        }
+        Ok(())
+    }
+}
