@@ -1,21 +1,26 @@
-//! The CPU reference against HF transformers: tiny random Llama checkpoints that transformers
-//! wrote, and the logits transformers computed from them with K/V kept in bf16 as megainfer
+//! The CPU reference against HF transformers: tiny random Llama, Qwen3 and Qwen2 checkpoints
+//! that transformers wrote, and the logits transformers computed from them with K/V kept in bf16 as megainfer
 //! keeps them (tests/fixtures/hf-golden/make_goldens.py says how, and regenerates them).
 //! This is the ground truth independent of megainfer that every GPU path's reference rests on.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use megainfer::reference::CpuForward;
+use megainfer::tokenizer::chat::{self, ChatMessage};
 use serde::Deserialize;
 
 /// Per case, about ten times the worst relative L2 error of the logits over its 24 positions,
-/// as measured (docs/testing.md). What is left is f32 summation order, and the rare K/V
+/// decode or prefill, as measured (docs/testing.md). What is left is f32 summation order, and the rare K/V
 /// element that an f32 difference of an ulp rounds to the other bf16 neighbour.
 fn tolerance(case: &str) -> f64 {
     match case {
         "llama3_tied_gqa2" => 6e-5,    // measured 6.09e-6
         "plain_untied_gqa3" => 3.5e-5, // measured 3.51e-6
         "plain_tied_hd64_mha" => 8e-6, // measured 7.85e-7
+        "qwen3_tied_hd32" => 4.5e-6,   // measured 4.47e-7 (prefill)
+        "qwen3_untied_gqa3" => 9.5e-6, // measured 9.47e-7
+        "qwen2_bias_gqa2" => 5.2e-5,   // measured 5.17e-6
         other => panic!("{other}: no tolerance recorded for this case"),
     }
 }
@@ -32,6 +37,36 @@ struct Case {
     dir: String,
     tokens: Vec<u32>,
     logits: Vec<Vec<f32>>,
+    greedy: Option<Greedy>,
+    chat: Option<Chat>,
+}
+
+/// transformers' greedy continuation of `prompt`, with each step's top-2 logit margin.
+#[derive(Deserialize)]
+struct Greedy {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    generated_ids: Vec<u32>,
+    margins: Vec<f32>,
+}
+
+/// `apply_chat_template(messages, add_generation_prompt=...)` as transformers rendered it.
+#[derive(Deserialize)]
+struct Chat {
+    messages: Vec<Message>,
+    add_generation_prompt: bool,
+    rendered: String,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: String,
+}
+
+fn goldens() -> Goldens {
+    let text = std::fs::read_to_string(fixtures().join("goldens.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
 }
 
 fn fixtures() -> PathBuf {
@@ -46,50 +81,60 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 fn cpu_reference_matches_transformers_goldens() {
-    let text = std::fs::read_to_string(fixtures().join("goldens.json")).unwrap();
-    let goldens: Goldens = serde_json::from_str(&text).unwrap();
+    let goldens = goldens();
     println!(
         "goldens from transformers {}, torch {}",
         goldens.transformers, goldens.torch
     );
-    assert_eq!(goldens.cases.len(), 3);
+    assert_eq!(goldens.cases.len(), 6);
     let mut worst_all = 0f64;
     for case in &goldens.cases {
         let model = megainfer::model::load(&fixtures().join(&case.dir)).unwrap();
         let c = &model.config;
         assert_eq!(case.logits.len(), case.tokens.len(), "{}", case.dir);
-        let got = CpuForward::new(c, &model.weights, case.tokens.len())
+        // Token by token (the decode reference) and as one batched prefill in chunks of 5
+        // (the prefill reference): both must match transformers.
+        let decode = CpuForward::new(c, &model.weights, case.tokens.len())
             .forward_all(&case.tokens)
             .unwrap();
+        let prefill = CpuForward::new(c, &model.weights, case.tokens.len())
+            .prefill_all(&case.tokens, 5)
+            .unwrap();
         let tol = tolerance(&case.dir);
-        let mut worst = (0f64, 0usize);
-        for (pos, (g, w)) in got.iter().zip(&case.logits).enumerate() {
-            assert_eq!(g.len(), w.len(), "{}: vocabulary size", case.dir);
-            let err = rel_l2(g, w);
-            if err > worst.0 {
-                worst = (err, pos);
+        for (what, got) in [("decode", &decode), ("prefill", &prefill)] {
+            let mut worst = (0f64, 0usize);
+            for (pos, (g, w)) in got.iter().zip(&case.logits).enumerate() {
+                assert_eq!(g.len(), w.len(), "{}: vocabulary size", case.dir);
+                let err = rel_l2(g, w);
+                if err > worst.0 {
+                    worst = (err, pos);
+                }
             }
+            println!(
+                "{} ({}, {what}): {} layers, {} heads / {} kv, head_dim {}, q/k norm {}, qkv bias \
+                 {}, {} positions: worst rel L2 {:.2e} at position {} (tolerance {tol:.1e})",
+                case.dir,
+                c.architecture,
+                c.num_layers,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.qk_norm,
+                c.qkv_bias,
+                case.tokens.len(),
+                worst.0,
+                worst.1
+            );
+            assert!(
+                worst.0 <= tol,
+                "{} ({what}): logits at position {} differ from transformers by {:.2e} relative \
+                 L2 (> {tol:.1e})",
+                case.dir,
+                worst.1,
+                worst.0
+            );
+            worst_all = worst_all.max(worst.0);
         }
-        println!(
-            "{}: {} layers, {} heads / {} kv, head_dim {}, {} positions: worst rel L2 {:.2e} \
-             at position {} (tolerance {tol:.1e})",
-            case.dir,
-            c.num_layers,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            case.tokens.len(),
-            worst.0,
-            worst.1
-        );
-        assert!(
-            worst.0 <= tol,
-            "{}: logits at position {} differ from transformers by {:.2e} relative L2 (> {tol:.1e})",
-            case.dir,
-            worst.1,
-            worst.0
-        );
-        worst_all = worst_all.max(worst.0);
     }
     println!("all cases: worst rel L2 {worst_all:.2e}");
 }
@@ -98,8 +143,7 @@ fn cpu_reference_matches_transformers_goldens() {
 /// untied heads, several GQA groupings; a regenerated set that lost one fails here.
 #[test]
 fn goldens_cover_the_configurations_they_claim() {
-    let text = std::fs::read_to_string(fixtures().join("goldens.json")).unwrap();
-    let goldens: Goldens = serde_json::from_str(&text).unwrap();
+    let goldens = goldens();
     let configs: Vec<_> = goldens
         .cases
         .iter()
@@ -120,12 +164,128 @@ fn goldens_cover_the_configurations_they_claim() {
     groups.sort();
     groups.dedup();
     assert_eq!(groups, vec![1, 2, 3]);
+    let arch = |a: &str| configs.iter().filter(|c| c.architecture == a).count();
+    assert_eq!(arch("LlamaForCausalLM"), 3);
+    assert_eq!(arch("Qwen3ForCausalLM"), 2);
+    assert_eq!(arch("Qwen2ForCausalLM"), 1);
+    let qwen3: Vec<_> = configs.iter().filter(|c| c.qk_norm).collect();
+    assert!(qwen3.iter().any(|c| c.tie_word_embeddings));
+    assert!(qwen3.iter().any(|c| !c.tie_word_embeddings));
+    // Qwen3's head_dim is its own setting, not hidden / heads.
+    assert!(qwen3
+        .iter()
+        .all(|c| c.head_dim * c.num_heads != c.hidden_size));
+    assert!(configs.iter().any(|c| c.qkv_bias && !c.qk_norm));
+    // Both config spellings: transformers 5 (`rope_parameters`) and 4.x (`rope_theta`).
+    let mut v4 = 0;
     for case in &goldens.cases {
         let raw = std::fs::read_to_string(fixtures().join(&case.dir).join("config.json")).unwrap();
-        assert!(
-            raw.contains("rope_parameters"),
-            "{}: not a transformers 5 config",
-            case.dir
-        );
+        if !raw.contains("rope_parameters") {
+            assert!(
+                raw.contains("\"rope_theta\""),
+                "{}: no RoPE settings",
+                case.dir
+            );
+            v4 += 1;
+        }
     }
+    assert_eq!(v4, 1, "one case is written in the transformers 4.x form");
+    assert_eq!(
+        goldens.cases.iter().filter(|c| c.greedy.is_some()).count(),
+        1
+    );
+    assert_eq!(goldens.cases.iter().filter(|c| c.chat.is_some()).count(), 1);
+}
+
+/// Steps whose top-2 margin in transformers' logits is below this are near-ties: f32
+/// summation order may pick either token there, so the comparison stops at the first one.
+/// The logits of these cases differ from transformers by ~1e-5 relative, ~1e-4 absolute.
+const NEAR_TIE: f32 = 1e-2;
+
+/// `megainfer run --json` on the CPU, greedy, continues the prompt exactly as transformers did.
+#[test]
+fn run_json_greedy_ids_match_transformers() {
+    let goldens = goldens();
+    let case = goldens.cases.iter().find(|c| c.greedy.is_some()).unwrap();
+    let g = case.greedy.as_ref().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_megainfer"))
+        .args([
+            "run",
+            "--device",
+            "cpu",
+            "--json",
+            "--temperature",
+            "0",
+            "-p",
+        ])
+        .arg(&g.prompt)
+        .arg("-n")
+        .arg(g.generated_ids.len().to_string())
+        .arg("-m")
+        .arg(fixtures().join(&case.dir))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "megainfer run failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids = |key: &str| -> Vec<u32> { serde_json::from_value(v[key].clone()).unwrap() };
+    assert_eq!(
+        ids("prompt_ids"),
+        g.prompt_ids,
+        "{}: prompt tokens",
+        case.dir
+    );
+    let ours = ids("generated_ids");
+    let checked = g
+        .margins
+        .iter()
+        .position(|&m| m < NEAR_TIE)
+        .unwrap_or(g.margins.len());
+    println!(
+        "{}: transformers {:?}\n{}: megainfer    {:?}\ncompared the first {checked} of {} \
+         (smallest margin there {:.3})",
+        case.dir,
+        g.generated_ids,
+        case.dir,
+        ours,
+        g.generated_ids.len(),
+        g.margins[..checked]
+            .iter()
+            .cloned()
+            .fold(f32::INFINITY, f32::min)
+    );
+    assert!(checked >= 8, "too few steps before a near-tie to be a test");
+    assert!(ours.len() >= checked, "run stopped early: {ours:?}");
+    assert_eq!(ours[..checked], g.generated_ids[..checked], "{}", case.dir);
+}
+
+/// Our chat template rendering of a two-turn conversation equals `apply_chat_template`'s.
+#[test]
+fn chat_template_renders_as_transformers_does() {
+    let goldens = goldens();
+    let case = goldens.cases.iter().find(|c| c.chat.is_some()).unwrap();
+    let chat = case.chat.as_ref().unwrap();
+    let model = megainfer::model::load(&fixtures().join(&case.dir)).unwrap();
+    let tok = model.tokenizer.as_ref().unwrap();
+    let template = tok.chat_template.as_deref().unwrap();
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tok.inner.id_to_token(i))
+            .unwrap_or_default()
+    };
+    let messages: Vec<ChatMessage> = chat
+        .messages
+        .iter()
+        .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+        .collect();
+    assert!(messages.iter().filter(|m| m.role == "assistant").count() >= 1);
+    let ours = chat::render(
+        template,
+        &messages,
+        &name(tok.bos_token_id),
+        &name(tok.eos_token_ids.first().copied()),
+        chat.add_generation_prompt,
+    )
+    .unwrap();
+    println!("{ours}");
+    assert_eq!(ours, chat.rendered);
 }
