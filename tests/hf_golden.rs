@@ -289,3 +289,99 @@ fn chat_template_renders_as_transformers_does() {
     println!("{ours}");
     assert_eq!(ours, chat.rendered);
 }
+
+/// A copy of a golden case's directory whose `config.json` is edited by `edit`.
+fn with_config(
+    case: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures().join(case)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    dir
+}
+
+/// Weights that do not fit the architecture are named tensor by tensor: Qwen2 weights under a
+/// Qwen3 config lack the norms and carry biases; Qwen3 weights under a Llama config carry norms.
+#[test]
+fn qwen_weights_under_the_wrong_architecture_are_named() {
+    let dir = with_config("qwen2_bias_gqa2", |c| {
+        c.insert(
+            "architectures".into(),
+            serde_json::json!(["Qwen3ForCausalLM"]),
+        );
+        c.insert("model_type".into(), serde_json::json!("qwen3"));
+    });
+    let err = format!("{:#}", megainfer::model::load(dir.path()).err().unwrap());
+    println!("{err}");
+    for want in [
+        "tensor model.layers.0.self_attn.q_norm.weight is missing",
+        "tensor model.layers.1.self_attn.k_norm.weight is missing",
+        "unexpected tensor model.layers.0.self_attn.q_proj.bias",
+    ] {
+        assert!(err.contains(want), "missing {want:?} in: {err}");
+    }
+    let dir = with_config("qwen3_tied_hd32", |c| {
+        c.insert(
+            "architectures".into(),
+            serde_json::json!(["LlamaForCausalLM"]),
+        );
+        c.insert("model_type".into(), serde_json::json!("llama"));
+    });
+    let err = format!("{:#}", megainfer::model::load(dir.path()).err().unwrap());
+    println!("{err}");
+    assert!(
+        err.contains("unexpected tensor model.layers.0.self_attn.k_norm.weight"),
+        "{err}"
+    );
+}
+
+fn run_cli(dir: &Path, device: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_megainfer"))
+        .args([
+            "run",
+            "--json",
+            "-n",
+            "2",
+            "-p",
+            "the river",
+            "--device",
+            device,
+            "-m",
+        ])
+        .arg(dir)
+        .output()
+        .unwrap()
+}
+
+/// The GPU paths cannot run q/k norm yet: `--device cuda` refuses with the feature named (before
+/// touching a GPU), `--device auto` says so and runs on the CPU.
+#[test]
+fn qwen3_is_refused_on_the_gpu_and_auto_falls_back_to_the_cpu() {
+    let dir = fixtures().join("qwen3_untied_gqa3");
+    let msg = "q/k norm (Qwen3) is not supported on the GPU yet; use --device cpu";
+    let out = run_cli(&dir, "cuda");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(msg), "{stderr}");
+    let out = run_cli(&dir, "auto");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(msg) && stderr.contains("falling back to the CPU"),
+        "{stderr}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["path"], serde_json::json!("cpu-reference"));
+    let bias = megainfer::model::load(&fixtures().join("qwen2_bias_gqa2")).unwrap();
+    assert_eq!(
+        bias.config.gpu_unsupported().as_deref(),
+        Some("q/k/v bias (Qwen2) is not supported on the GPU yet; use --device cpu")
+    );
+}
