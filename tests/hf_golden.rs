@@ -3,6 +3,10 @@
 //! keeps them (tests/fixtures/hf-golden/make_goldens.py says how, and regenerates them).
 //! This is the ground truth independent of megainfer that every GPU path's reference rests on.
 
+#[allow(dead_code)]
+#[path = "common/gguf_writer.rs"]
+mod gguf_writer;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -384,4 +388,116 @@ fn qwen3_is_refused_on_the_gpu_and_auto_falls_back_to_the_cpu() {
         bias.config.gpu_unsupported().as_deref(),
         Some("q/k/v bias (Qwen2) is not supported on the GPU yet; use --device cpu")
     );
+}
+
+/// A golden Qwen case written as llama.cpp lays out a `qwen2` / `qwen3` GGUF: `<arch>.*` keys,
+/// `blk.N.attn_{q,k}_norm.weight` and `attn_{q,k,v}.bias`, Q/K rows in HF order (llama.cpp
+/// rotates these architectures NEOX-style, so its converter does not permute them). Loaded
+/// from the GGUF, the CPU reference must still match transformers.
+#[test]
+fn qwen_gguf_files_match_transformers_goldens() {
+    use gguf_writer::{Gguf, Val};
+    let goldens = goldens();
+    for (case, arch) in [("qwen3_tied_hd32", "qwen3"), ("qwen2_bias_gqa2", "qwen2")] {
+        let golden = goldens.cases.iter().find(|c| c.dir == case).unwrap();
+        let hf = megainfer::model::load(&fixtures().join(case)).unwrap();
+        let (c, w) = (&hf.config, &hf.weights);
+        let mut g = Gguf::default();
+        let key = |k: &str| format!("{arch}.{k}");
+        g.set("general.architecture", Val::Str(arch.into()))
+            .set("general.alignment", Val::U32(32))
+            .set(&key("block_count"), Val::U32(c.num_layers as u32))
+            .set(
+                &key("context_length"),
+                Val::U32(c.max_position_embeddings as u32),
+            )
+            .set(&key("embedding_length"), Val::U32(c.hidden_size as u32))
+            .set(
+                &key("feed_forward_length"),
+                Val::U32(c.intermediate_size as u32),
+            )
+            .set(&key("attention.head_count"), Val::U32(c.num_heads as u32))
+            .set(
+                &key("attention.head_count_kv"),
+                Val::U32(c.num_kv_heads as u32),
+            )
+            .set(&key("attention.key_length"), Val::U32(c.head_dim as u32))
+            .set(&key("attention.value_length"), Val::U32(c.head_dim as u32))
+            .set(&key("rope.freq_base"), Val::F32(c.rope_theta))
+            .set(
+                &key("attention.layer_norm_rms_epsilon"),
+                Val::F32(c.rms_norm_eps),
+            )
+            .set(&key("vocab_size"), Val::U32(c.vocab_size as u32));
+        // F32 (type 0) holds the bf16 weights exactly; GGUF dims are innermost first.
+        let mut add = |name: String, t: &[half::bf16], rows: usize| {
+            let cols = t.len() / rows;
+            let dims: Vec<u64> = if rows == 1 {
+                vec![cols as u64]
+            } else {
+                vec![cols as u64, rows as u64]
+            };
+            let data = t.iter().flat_map(|x| x.to_f32().to_le_bytes()).collect();
+            g.add_tensor(&name, &dims, 0, data);
+        };
+        let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        add("token_embd.weight".into(), &w.embed, c.vocab_size);
+        add("output_norm.weight".into(), &w.final_norm, 1);
+        if let Some(head) = &w.lm_head {
+            add("output.weight".into(), head, c.vocab_size);
+        }
+        for (l, lw) in w.layers.iter().enumerate() {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            add(n("attn_norm.weight"), &lw.attn_norm, 1);
+            add(n("attn_q.weight"), &lw.wq, q);
+            add(n("attn_k.weight"), &lw.wk, kv);
+            add(n("attn_v.weight"), &lw.wv, kv);
+            add(n("attn_output.weight"), &lw.wo, h);
+            add(n("ffn_norm.weight"), &lw.ffn_norm, 1);
+            add(n("ffn_gate.weight"), &lw.w_gate, f);
+            add(n("ffn_up.weight"), &lw.w_up, f);
+            add(n("ffn_down.weight"), &lw.w_down, h);
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                add(n("attn_q_norm.weight"), qn, 1);
+                add(n("attn_k_norm.weight"), kn, 1);
+            }
+            if let Some(b) = &lw.qkv_bias {
+                add(n("attn_q.bias"), &b.q, 1);
+                add(n("attn_k.bias"), &b.k, 1);
+                add(n("attn_v.bias"), &b.v, 1);
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(format!("{case}.gguf"));
+        std::fs::write(&path, g.to_bytes()).unwrap();
+        let model = megainfer::model::load(&path).unwrap();
+        let mc = &model.config;
+        assert_eq!(
+            (mc.qk_norm, mc.qkv_bias, mc.head_dim),
+            (c.qk_norm, c.qkv_bias, c.head_dim),
+            "{case}"
+        );
+        let got = CpuForward::new(mc, &model.weights, golden.tokens.len())
+            .forward_all(&golden.tokens)
+            .unwrap();
+        let worst = got
+            .iter()
+            .zip(&golden.logits)
+            .map(|(g, w)| rel_l2(g, w))
+            .fold(0f64, f64::max);
+        let tol = tolerance(case);
+        println!("{case} from GGUF ({arch}): worst rel L2 {worst:.2e} (tolerance {tol:.1e})");
+        assert!(worst <= tol, "{case} from GGUF: {worst:.2e} > {tol:.1e}");
+
+        // The same file without one norm names the missing tensor.
+        if arch == "qwen3" {
+            g.remove_tensor("blk.1.attn_k_norm.weight");
+            std::fs::write(&path, g.to_bytes()).unwrap();
+            let err = format!("{:#}", megainfer::model::load(&path).err().unwrap());
+            assert!(
+                err.contains("'blk.1.attn_k_norm.weight' is missing"),
+                "{err}"
+            );
+        }
+    }
 }
