@@ -330,3 +330,56 @@ impl<'a> Fields<'a> {
         Ok(Some(s))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen(extra: &str) -> Result<Config> {
+        let json = format!(
+            r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                "rope_theta": 1000000.0, "rope_scaling": null {extra}}}"#
+        );
+        parse_config(&json, "config.json")
+    }
+
+    #[test]
+    fn qwen_families_and_their_features() {
+        let c = qwen(r#", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#).unwrap();
+        assert_eq!(c.architecture, "Qwen3ForCausalLM");
+        assert!(c.qk_norm && !c.qkv_bias);
+        assert_eq!((c.head_dim, c.rope_theta), (32, 1e6));
+        let c = qwen(r#", "model_type": "qwen3", "attention_bias": true"#).unwrap();
+        assert!(c.qk_norm && c.qkv_bias);
+        let c = qwen(r#", "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2""#).unwrap();
+        assert!(c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.head_dim, 16);
+        let c = qwen(r#", "model_type": "llama""#).unwrap();
+        assert!(!c.qkv_bias && !c.qk_norm);
+    }
+
+    #[test]
+    fn qwen_mismatches_are_refused() {
+        let e = qwen(r#", "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen2""#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model_type qwen2 does not match architecture Qwen3ForCausalLM"),
+            "{e}"
+        );
+        let e = qwen(r#", "architectures": ["Qwen2ForCausalLM", "LlamaForCausalLM"]"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("two different families"), "{e}");
+        let e = qwen(r#", "model_type": "qwen2", "use_sliding_window": true"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use_sliding_window"), "{e}");
+        // Llama has no bias switch of its own that we run.
+        let e = qwen(r#", "model_type": "llama", "attention_bias": true"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attention_bias"), "{e}");
+    }
+}
