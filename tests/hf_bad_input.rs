@@ -333,7 +333,7 @@ fn config_err(edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)
 fn other_architectures_are_named() {
     for (arch, model_type) in [
         ("MistralForCausalLM", "mistral"),
-        ("Qwen2ForCausalLM", "qwen2"),
+        ("Phi3ForCausalLM", "phi3"),
         ("GPT2LMHeadModel", "gpt2"),
     ] {
         let err = config_err(|c| {

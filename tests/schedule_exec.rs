@@ -49,6 +49,8 @@ fn tiny(
         max_position_embeddings: MAX_SEQ,
         bos_token_id: None,
         eos_token_ids: vec![],
+        qk_norm: false,
+        qkv_bias: false,
     }
 }
 

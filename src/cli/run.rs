@@ -128,9 +128,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ids.len()
         );
     }
+    let unsupported = model.config.gpu_unsupported();
     let gpu = match args.device {
         DeviceChoice::Cpu => None,
-        DeviceChoice::Cuda => Some(Gpu::new(0)?),
+        DeviceChoice::Cuda => match &unsupported {
+            Some(msg) => bail!("{msg}"),
+            None => Some(Gpu::new(0)?),
+        },
+        DeviceChoice::Auto if unsupported.is_some() => {
+            eprintln!(
+                "megainfer: {}; falling back to the CPU",
+                unsupported.as_deref().unwrap_or_default()
+            );
+            None
+        }
         // A GPU the kernels cannot run on (e.g. older than Hopper) leaves the CPU.
         DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
             Ok(g) => Some(g),

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
@@ -78,6 +78,9 @@ pub struct BaselinePath<'g> {
 impl<'g> BaselinePath<'g> {
     pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, mode: Mode, max_seq: usize) -> Result<Self> {
         let c = &model.config;
+        if let Some(msg) = c.gpu_unsupported() {
+            bail!("graph baseline: {msg}");
+        }
         let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
         let module = gpu
             .ctx

@@ -68,6 +68,9 @@ impl<'g> MegakernelPath<'g> {
         max_seq: usize,
     ) -> Result<Self> {
         let c = &model.config;
+        if let Some(msg) = c.gpu_unsupported() {
+            bail!("megakernel: {msg}");
+        }
         if schedule.streams.len() != gpu.sm_count {
             bail!(
                 "schedule built for {} SMs, the GPU has {}",

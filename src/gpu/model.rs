@@ -40,6 +40,9 @@ pub struct DeviceModel {
 
 impl DeviceModel {
     pub fn upload(gpu: &Gpu, config: &Config, w: &Weights) -> Result<Self> {
+        if let Some(msg) = config.gpu_unsupported() {
+            bail!("{msg}");
+        }
         if !config.hidden_size.is_multiple_of(8)
             || !config.intermediate_size.is_multiple_of(8)
             || !config.q_dim().is_multiple_of(8)

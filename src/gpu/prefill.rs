@@ -149,6 +149,9 @@ pub fn cublas_present() -> bool {
 
 impl Prefill {
     pub fn new(gpu: &Gpu, c: &Config) -> Result<Self> {
+        if let Some(msg) = c.gpu_unsupported() {
+            bail!("GPU prefill: {msg}");
+        }
         if c.head_dim != 64 && c.head_dim != 128 {
             bail!("prefill supports head_dim 64 or 128, not {}", c.head_dim);
         }

@@ -31,6 +31,10 @@ pub struct Config {
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Qwen3: RMS norm over `head_dim` of every q and k head before RoPE (`q_norm`, `k_norm`).
+    pub qk_norm: bool,
+    /// Qwen2: bias vectors added after the q, k and v projections.
+    pub qkv_bias: bool,
 }
 
 impl Config {
@@ -89,6 +93,21 @@ impl Config {
             bail!("config: rope_theta and rms_norm_eps must be positive");
         }
         Ok(())
+    }
+
+    /// The first feature of this model the GPU paths cannot run yet, as a message that says
+    /// what to do instead; `None` when every path runs it.
+    pub fn gpu_unsupported(&self) -> Option<String> {
+        let feature = if self.qk_norm {
+            "q/k norm (Qwen3)"
+        } else if self.qkv_bias {
+            "q/k/v bias (Qwen2)"
+        } else {
+            return None;
+        };
+        Some(format!(
+            "{feature} is not supported on the GPU yet; use --device cpu"
+        ))
     }
 
     /// RoPE inverse frequencies, one per rotated pair, with llama3 scaling applied.

@@ -12,7 +12,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 
 pub use config::{Config, Llama3RopeScaling};
-pub use weights::{LayerWeights, Weights};
+pub use weights::{LayerWeights, QkvBias, Weights};
 
 use crate::tokenizer::Tokenizer;
 

@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use super::{Config, LayerWeights, Weights};
+use super::{Config, LayerWeights, QkvBias, Weights};
 
 /// SplitMix64: tiny, fast and good enough to fill weight tensors reproducibly.
 struct SplitMix(u64);
@@ -55,6 +55,13 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
                 h * cfg.intermediate_size,
                 fan(cfg.intermediate_size),
             ),
+            q_norm: cfg.qk_norm.then(|| norm(&mut rng, cfg.head_dim)),
+            k_norm: cfg.qk_norm.then(|| norm(&mut rng, cfg.head_dim)),
+            qkv_bias: cfg.qkv_bias.then(|| QkvBias {
+                q: tensor(&mut rng, cfg.q_dim(), 0.5),
+                k: tensor(&mut rng, cfg.kv_dim(), 0.5),
+                v: tensor(&mut rng, cfg.kv_dim(), 0.5),
+            }),
         })
         .collect();
     Weights {

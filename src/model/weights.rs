@@ -23,6 +23,18 @@ pub struct LayerWeights {
     pub w_up: Vec<bf16>,
     /// `[hidden, intermediate]`
     pub w_down: Vec<bf16>,
+    /// Qwen3 `[head_dim]` gains of the per-head RMS norm of q and k; `None` without q/k norm.
+    pub q_norm: Option<Vec<bf16>>,
+    pub k_norm: Option<Vec<bf16>>,
+    /// Qwen2 biases `[q_dim]`, `[kv_dim]`, `[kv_dim]` of the q, k and v projections.
+    pub qkv_bias: Option<QkvBias>,
+}
+
+#[derive(Debug, Clone)]
+pub struct QkvBias {
+    pub q: Vec<bf16>,
+    pub k: Vec<bf16>,
+    pub v: Vec<bf16>,
 }
 
 #[derive(Debug, Clone)]
@@ -56,6 +68,11 @@ impl Weights {
                     + l.w_gate.len()
                     + l.w_up.len()
                     + l.w_down.len()
+                    + l.q_norm.as_ref().map_or(0, Vec::len)
+                    + l.k_norm.as_ref().map_or(0, Vec::len)
+                    + l.qkv_bias
+                        .as_ref()
+                        .map_or(0, |b| b.q.len() + b.k.len() + b.v.len())
             })
             .sum();
         2 * (layer + self.final_norm.len() + self.lm_head().len())

@@ -1,7 +1,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::ops::{attend, matmul, rmsnorm, rope, round_bf16, silu, widen};
+use super::ops::{attend, matmul, qkv_extras, rmsnorm, rope, round_bf16, silu, widen};
 use crate::model::{Config, Weights};
 
 /// A running sequence on the CPU: weights plus the KV cache of the tokens fed so far.
@@ -101,9 +101,10 @@ impl<'a> CpuForward<'a> {
                 .collect();
             let mut q = matmul(&lw.wq, c.hidden_size, &normed);
             let mut k = matmul(&lw.wk, c.hidden_size, &normed);
-            let v = matmul(&lw.wv, c.hidden_size, &normed);
-            for (i, (qi, ki)) in q.iter_mut().zip(k.iter_mut()).enumerate() {
+            let mut v = matmul(&lw.wv, c.hidden_size, &normed);
+            for (i, ((qi, ki), vi)) in q.iter_mut().zip(k.iter_mut()).zip(&mut v).enumerate() {
                 let pos = start + i;
+                qkv_extras(lw, hd, c.rms_norm_eps, qi, ki, vi);
                 qi.chunks_mut(hd).for_each(|h| rope(h, pos, &self.inv_freq));
                 ki.chunks_mut(hd).for_each(|h| rope(h, pos, &self.inv_freq));
             }

@@ -3,6 +3,8 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::model::LayerWeights;
+
 #[inline]
 pub fn widen(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
@@ -67,6 +69,31 @@ pub fn rmsnorm(x: &[f32], w: &[bf16], eps: f32) -> Vec<f32> {
         .zip(w)
         .map(|(v, g)| v * scale * widen(*g))
         .collect()
+}
+
+/// What Qwen models do to one token's projections before RoPE: add the q/k/v biases (Qwen2),
+/// then RMS-normalise every q and k head over `head_dim` (Qwen3). A no-op for Llama.
+pub fn qkv_extras(
+    lw: &LayerWeights,
+    head_dim: usize,
+    eps: f32,
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    if let Some(b) = &lw.qkv_bias {
+        for (x, bias) in [(&mut *q, &b.q), (&mut *k, &b.k), (&mut *v, &b.v)] {
+            x.iter_mut().zip(bias).for_each(|(a, b)| *a += widen(*b));
+        }
+    }
+    for (x, w) in [(&mut *q, &lw.q_norm), (&mut *k, &lw.k_norm)] {
+        if let Some(w) = w {
+            for head in x.chunks_mut(head_dim) {
+                let normed = rmsnorm(head, w, eps);
+                head.copy_from_slice(&normed);
+            }
+        }
+    }
 }
 
 /// Rotates one head in place, HF `rotate_half` convention: element `i` pairs with `i + d/2`.

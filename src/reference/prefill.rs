@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use half::bf16;
 use rayon::prelude::*;
 
-use super::ops::{attend, rope, round_bf16, silu, widen};
+use super::ops::{attend, qkv_extras, rope, round_bf16, silu, widen};
 use super::CpuForward;
 
 /// Default tokens per chunk: activations of a chunk stay a few MB for 1B-class models, and a
@@ -287,13 +287,15 @@ impl CpuForward<'_> {
             let normed = rmsnorm_rows(&x, h, &lw.attn_norm, c.rms_norm_eps);
             let mut q = gemm(&lw.wq, h, &normed, t);
             let mut k = gemm(&lw.wk, h, &normed, t);
-            let v = gemm(&lw.wv, h, &normed, t);
+            let mut v = gemm(&lw.wv, h, &normed, t);
             let inv_freq = &self.inv_freq;
             q.par_chunks_mut(q_dim)
                 .zip(k.par_chunks_mut(kv_dim))
+                .zip(v.par_chunks_mut(kv_dim))
                 .enumerate()
-                .for_each(|(i, (qi, ki))| {
+                .for_each(|(i, ((qi, ki), vi))| {
                     let pos = start + i;
+                    qkv_extras(lw, hd, c.rms_norm_eps, qi, ki, vi);
                     qi.chunks_mut(hd).for_each(|hh| rope(hh, pos, inv_freq));
                     ki.chunks_mut(hd).for_each(|hh| rope(hh, pos, inv_freq));
                 });

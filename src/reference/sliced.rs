@@ -66,6 +66,10 @@ impl<'a> SlicedMachine<'a> {
         schedule: &Schedule,
         max_seq: usize,
     ) -> Result<Self> {
+        // The schedule's instruction set has no q/k/v bias or per-head norm step yet.
+        if let Some(msg) = cfg.gpu_unsupported() {
+            bail!("sliced executor: {msg}");
+        }
         if schedule.model != shape_of(cfg) {
             bail!(
                 "schedule is for {:?}, the model is {:?}",

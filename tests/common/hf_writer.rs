@@ -37,6 +37,8 @@ pub fn tiny_config(tied: bool) -> Config {
         max_position_embeddings: 256,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
+        qk_norm: false,
+        qkv_bias: false,
     }
 }
 

@@ -1,4 +1,4 @@
-//! `Config` from a GGUF file's `llama.*` and `tokenizer.ggml.*` metadata.
+//! `Config` from a GGUF file's `<arch>.*` (llama, qwen2, qwen3) and `tokenizer.ggml.*` metadata.
 
 use anyhow::{anyhow, bail, Result};
 
@@ -6,7 +6,8 @@ use super::metadata::Metadata;
 use super::reader::GgufFile;
 use crate::model::Config;
 
-const ARCHITECTURE: &str = "llama";
+/// `general.architecture` values we run; each names the prefix of its metadata keys.
+const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
 /// llama.cpp's default when a file has no `rope.freq_base`.
 const DEFAULT_ROPE_THETA: f32 = 10_000.0;
 
@@ -15,10 +16,13 @@ const DEFAULT_ROPE_THETA: f32 = 10_000.0;
 pub fn config(file: &GgufFile) -> Result<Config> {
     let (src, m) = (file.source(), file.metadata());
     let architecture = m.req_str("general.architecture")?;
-    if architecture != ARCHITECTURE {
-        bail!("{src}: architecture '{architecture}' is not supported (only '{ARCHITECTURE}')");
+    if !ARCHITECTURES.contains(&architecture) {
+        bail!(
+            "{src}: architecture '{architecture}' is not supported (only {})",
+            ARCHITECTURES.join(", ")
+        );
     }
-    let key = |k: &str| format!("{ARCHITECTURE}.{k}");
+    let key = |k: &str| format!("{architecture}.{k}");
 
     let hidden_size = m.req_usize(&key("embedding_length"))?;
     let num_heads = m.req_usize(&key("attention.head_count"))?;
@@ -92,6 +96,10 @@ pub fn config(file: &GgufFile) -> Result<Config> {
         max_position_embeddings: m.req_usize(&key("context_length"))?,
         bos_token_id,
         eos_token_ids,
+        qk_norm: architecture == "qwen3",
+        // llama.cpp's qwen2 always has the biases; a qwen3 file may carry them too.
+        qkv_bias: architecture == "qwen2"
+            || (architecture == "qwen3" && file.tensor("blk.0.attn_q.bias").is_some()),
     };
     config.validate().map_err(|e| anyhow!("{src}: {e}"))?;
     Ok(config)

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::quant::{dequantize, dequantize_f32, ensure_supported};
 use super::reader::GgufFile;
-use crate::model::{Config, LayerWeights, Weights};
+use crate::model::{Config, LayerWeights, QkvBias, Weights};
 
 const OUTPUT: &str = "output.weight";
 const ROPE_FREQS: &str = "rope_freqs.weight";
@@ -53,6 +53,16 @@ fn expected(cfg: &Config, file: &GgufFile) -> Vec<(String, Vec<usize>)> {
         ] {
             out.push((format!("blk.{l}.{name}.weight"), dims));
         }
+        if cfg.qk_norm {
+            for name in ["attn_q_norm", "attn_k_norm"] {
+                out.push((format!("blk.{l}.{name}.weight"), vec![cfg.head_dim]));
+            }
+        }
+        if cfg.qkv_bias {
+            for (name, n) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                out.push((format!("blk.{l}.{name}.bias"), vec![n]));
+            }
+        }
     }
     out
 }
@@ -76,8 +86,9 @@ pub fn check(cfg: &Config, file: &GgufFile) -> Result<()> {
         .and_then(|n| n.checked_add(2));
     if needed.is_none_or(|n| n > plausible_tensor_count(file.tensors().len())) {
         bail!(
-            "{src}: llama.block_count is {}, which needs at least {} tensors, but the file holds \
+            "{src}: {}.block_count is {}, which needs at least {} tensors, but the file holds \
              only {} tensors",
+            cfg.architecture,
             cfg.num_layers,
             needed.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
             file.tensors().len()
@@ -88,9 +99,10 @@ pub fn check(cfg: &Config, file: &GgufFile) -> Result<()> {
     for t in file.tensors() {
         if !names.contains(t.name.as_str()) {
             bail!(
-                "{src}: unexpected tensor '{}' (not part of a {}-layer llama model)",
+                "{src}: unexpected tensor '{}' (not part of a {}-layer {} model)",
                 t.name,
-                cfg.num_layers
+                cfg.num_layers,
+                cfg.architecture
             );
         }
     }
@@ -128,6 +140,17 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         dequantize(t.ty, data, t.n_elements).map_err(|e| anyhow!("{src}: tensor '{name}': {e}"))
     };
     let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    // llama.cpp's converter permutes Q/K rows only for the `llama` architecture, whose RoPE
+    // rotates adjacent pairs; qwen2/qwen3 use NEOX RoPE (pairs `i`, `i + head_dim/2`, HF's
+    // order), so their rows are stored as HF has them.
+    let permuted = cfg.architecture == "llama";
+    let qk = |m: Vec<bf16>, heads: usize| {
+        if permuted {
+            unpermute_qk_rows(&m, heads, hd, h)
+        } else {
+            m
+        }
+    };
 
     let embed = get("token_embd.weight")?;
     let layers = (0..cfg.num_layers)
@@ -135,14 +158,27 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
             let name = |n: &str| format!("blk.{l}.{n}.weight");
             Ok(LayerWeights {
                 attn_norm: get(&name("attn_norm"))?,
-                wq: unpermute_qk_rows(&get(&name("attn_q"))?, cfg.num_heads, hd, h),
-                wk: unpermute_qk_rows(&get(&name("attn_k"))?, cfg.num_kv_heads, hd, h),
+                wq: qk(get(&name("attn_q"))?, cfg.num_heads),
+                wk: qk(get(&name("attn_k"))?, cfg.num_kv_heads),
                 wv: get(&name("attn_v"))?,
                 wo: get(&name("attn_output"))?,
                 ffn_norm: get(&name("ffn_norm"))?,
                 w_gate: get(&name("ffn_gate"))?,
                 w_up: get(&name("ffn_up"))?,
                 w_down: get(&name("ffn_down"))?,
+                q_norm: cfg.qk_norm.then(|| get(&name("attn_q_norm"))).transpose()?,
+                k_norm: cfg.qk_norm.then(|| get(&name("attn_k_norm"))).transpose()?,
+                qkv_bias: cfg
+                    .qkv_bias
+                    .then(|| {
+                        let bias = |n: &str| get(&format!("blk.{l}.{n}.bias"));
+                        Ok::<_, anyhow::Error>(QkvBias {
+                            q: bias("attn_q")?,
+                            k: bias("attn_k")?,
+                            v: bias("attn_v")?,
+                        })
+                    })
+                    .transpose()?,
             })
         })
         .collect::<Result<Vec<_>>>()?;

@@ -5,8 +5,20 @@ use serde_json::{Map, Value};
 
 use crate::model::{Config, Llama3RopeScaling};
 
-const ARCHITECTURE: &str = "LlamaForCausalLM";
-const MODEL_TYPE: &str = "llama";
+/// `(architectures entry, model_type)` of every supported family.
+const SUPPORTED: &[(&str, &str)] = &[
+    ("LlamaForCausalLM", "llama"),
+    ("Qwen2ForCausalLM", "qwen2"),
+    ("Qwen3ForCausalLM", "qwen3"),
+];
+
+fn supported_list() -> String {
+    SUPPORTED
+        .iter()
+        .map(|(a, _)| *a)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// Parses an HF `config.json`; `source` names the file in error messages.
 pub fn parse_config(json: &str, source: &str) -> Result<Config> {
@@ -14,7 +26,12 @@ pub fn parse_config(json: &str, source: &str) -> Result<Config> {
         serde_json::from_str(json).with_context(|| format!("{source}: not valid JSON"))?;
     let f = Fields::new(&root, source)?;
     let architecture = f.architecture()?;
-    f.reject_unsupported_layers()?;
+    let qwen2 = architecture == "Qwen2ForCausalLM";
+    let qwen3 = architecture == "Qwen3ForCausalLM";
+    // Qwen2 always has q/k/v biases (its config has no switch); Qwen3 has them only when
+    // `attention_bias` says so, as Llama.
+    let qkv_bias = qwen2 || (qwen3 && f.opt_bool("attention_bias")?.unwrap_or(false));
+    f.reject_unsupported_layers(qwen3)?;
 
     let hidden_size = f.req_usize("hidden_size")?;
     let num_heads = f.req_usize("num_attention_heads")?;
@@ -50,6 +67,8 @@ pub fn parse_config(json: &str, source: &str) -> Result<Config> {
         max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
         bos_token_id: f.opt_token_id("bos_token_id")?,
         eos_token_ids: f.token_ids("eos_token_id")?,
+        qk_norm: qwen3,
+        qkv_bias,
     };
     config.validate().with_context(|| source.to_string())?;
     Ok(config)
@@ -193,26 +212,42 @@ impl<'a> Fields<'a> {
                 .collect::<Result<_>>()?,
             Some(_) => return Err(self.type_error("architectures", "a list of strings")),
         };
-        if let Some(other) = archs.iter().find(|a| **a != ARCHITECTURE) {
-            bail!(
-                "{source}: architecture {other} is not supported (megainfer runs {ARCHITECTURE})"
-            );
+        let mut family = None;
+        for a in &archs {
+            match SUPPORTED.iter().find(|(name, _)| name == a) {
+                None => bail!(
+                    "{source}: architecture {a} is not supported (megainfer runs {})",
+                    supported_list()
+                ),
+                Some(f) if family.is_some_and(|g| g != f) => {
+                    bail!("{source}: architectures lists two different families")
+                }
+                Some(f) => family = Some(f),
+            }
         }
-        match self.opt_str("model_type")? {
-            Some(t) if t != MODEL_TYPE => bail!(
-                "{source}: model_type {t} is not supported (megainfer runs {ARCHITECTURE}, \
-                 model_type {MODEL_TYPE})"
+        match (self.opt_str("model_type")?, family) {
+            (Some(t), Some((arch, mt))) if t != *mt => bail!(
+                "{source}: model_type {t} does not match architecture {arch} (model_type {mt})"
             ),
-            None if archs.is_empty() => bail!(
+            (Some(t), None) => match SUPPORTED.iter().find(|(_, mt)| *mt == t) {
+                Some((arch, _)) => Ok(arch.to_string()),
+                None => bail!(
+                    "{source}: model_type {t} is not supported (megainfer runs {})",
+                    supported_list()
+                ),
+            },
+            (_, Some((arch, _))) => Ok(arch.to_string()),
+            (None, None) => bail!(
                 "{source}: neither architectures nor model_type is given, so the model type is \
                  unknown"
             ),
-            _ => Ok(ARCHITECTURE.to_string()),
         }
     }
 
     /// Llama variants whose weights would load but whose forward pass differs from ours.
-    fn reject_unsupported_layers(&self) -> Result<()> {
+    /// `attention_bias` is Qwen3's switch for q/k/v biases, read by the caller; elsewhere
+    /// (Llama) a bias is refused.
+    fn reject_unsupported_layers(&self, qwen3: bool) -> Result<()> {
         let source = self.source;
         if let Some(act) = self.opt_str("hidden_act")? {
             if act != "silu" {
@@ -220,9 +255,17 @@ impl<'a> Fields<'a> {
             }
         }
         for key in ["attention_bias", "mlp_bias"] {
+            if key == "attention_bias" && qwen3 {
+                continue;
+            }
             if self.opt_bool(key)? == Some(true) {
                 bail!("{source}: {key} = true is not supported (projections without bias only)");
             }
+        }
+        // Qwen2/Qwen3 configs carry this switch (false in the released models); sliding-window
+        // attention would change which positions each layer attends to.
+        if self.opt_bool("use_sliding_window")? == Some(true) {
+            bail!("{source}: use_sliding_window = true is not supported (full attention only)");
         }
         Ok(())
     }
@@ -285,5 +328,58 @@ impl<'a> Fields<'a> {
             );
         }
         Ok(Some(s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen(extra: &str) -> Result<Config> {
+        let json = format!(
+            r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                "rope_theta": 1000000.0, "rope_scaling": null {extra}}}"#
+        );
+        parse_config(&json, "config.json")
+    }
+
+    #[test]
+    fn qwen_families_and_their_features() {
+        let c = qwen(r#", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#).unwrap();
+        assert_eq!(c.architecture, "Qwen3ForCausalLM");
+        assert!(c.qk_norm && !c.qkv_bias);
+        assert_eq!((c.head_dim, c.rope_theta), (32, 1e6));
+        let c = qwen(r#", "model_type": "qwen3", "attention_bias": true"#).unwrap();
+        assert!(c.qk_norm && c.qkv_bias);
+        let c = qwen(r#", "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2""#).unwrap();
+        assert!(c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.head_dim, 16);
+        let c = qwen(r#", "model_type": "llama""#).unwrap();
+        assert!(!c.qkv_bias && !c.qk_norm);
+    }
+
+    #[test]
+    fn qwen_mismatches_are_refused() {
+        let e = qwen(r#", "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen2""#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model_type qwen2 does not match architecture Qwen3ForCausalLM"),
+            "{e}"
+        );
+        let e = qwen(r#", "architectures": ["Qwen2ForCausalLM", "LlamaForCausalLM"]"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("two different families"), "{e}");
+        let e = qwen(r#", "model_type": "qwen2", "use_sliding_window": true"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use_sliding_window"), "{e}");
+        // Llama has no bias switch of its own that we run.
+        let e = qwen(r#", "model_type": "llama", "attention_bias": true"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attention_bias"), "{e}");
     }
 }

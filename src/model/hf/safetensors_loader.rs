@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde_json::Value;
 
-use crate::model::{Config, LayerWeights, Weights};
+use crate::model::{Config, LayerWeights, QkvBias, Weights};
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -58,6 +58,25 @@ pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
                 w_gate: layer(i, "mlp.gate_proj")?,
                 w_up: layer(i, "mlp.up_proj")?,
                 w_down: layer(i, "mlp.down_proj")?,
+                q_norm: cfg
+                    .qk_norm
+                    .then(|| layer(i, "self_attn.q_norm"))
+                    .transpose()?,
+                k_norm: cfg
+                    .qk_norm
+                    .then(|| layer(i, "self_attn.k_norm"))
+                    .transpose()?,
+                qkv_bias: cfg
+                    .qkv_bias
+                    .then(|| {
+                        let bias = |p: &str| read(&format!("model.layers.{i}.self_attn.{p}.bias"));
+                        Ok::<_, anyhow::Error>(QkvBias {
+                            q: bias("q_proj")?,
+                            k: bias("k_proj")?,
+                            v: bias("v_proj")?,
+                        })
+                    })
+                    .transpose()?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -90,7 +109,7 @@ fn progress_bar(total_bytes: u64) -> indicatif::ProgressBar {
     bar
 }
 
-/// Every tensor a `LlamaForCausalLM` with this config has, with its `[out, in]` shape.
+/// Every tensor a model of this architecture and config has, with its `[out, in]` shape.
 fn expected_tensors(cfg: &Config) -> Vec<(String, Vec<usize>)> {
     let (h, q, kv, ff) = (
         cfg.hidden_size,
@@ -115,6 +134,15 @@ fn expected_tensors(cfg: &Config) -> Vec<(String, Vec<usize>)> {
             (format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
             (format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
         ]);
+        if cfg.qk_norm {
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![cfg.head_dim]));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![cfg.head_dim]));
+        }
+        if cfg.qkv_bias {
+            out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+        }
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
