@@ -12,9 +12,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use super::run::{resolve_model_path, DeviceChoice};
+use super::run::{choose_gpu, context_limit, resolve_model_path, DeviceChoice};
 use crate::generate::{generate_after, Backend};
-use crate::gpu::device::Gpu;
 use crate::gpu::model::{DeviceModel, KvCache};
 use crate::gpu::paths::{GpuPath, PathKind};
 use crate::model;
@@ -71,30 +70,11 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     if tok.chat_template.is_none() {
         bail!("{}: this model has no chat template", tok.source);
     }
-    let max_context = args
-        .max_context
-        .unwrap_or(model.config.max_position_embeddings.min(4096));
-    if max_context > model.config.max_position_embeddings {
-        bail!(
-            "--max-context {max_context} exceeds the model's {} positions",
-            model.config.max_position_embeddings
-        );
-    }
+    let max_context = context_limit(args.max_context, &model.config)?;
     if max_context < 2 {
         bail!("--max-context {max_context}: a chat needs at least 2 tokens of context");
     }
-    let gpu = match args.device {
-        DeviceChoice::Cpu => None,
-        DeviceChoice::Cuda => Some(Gpu::new(0)?),
-        DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                eprintln!("megainfer: {e:#}; falling back to the CPU");
-                None
-            }
-        },
-        DeviceChoice::Auto => None,
-    };
+    let gpu = choose_gpu(args.device, &model.config)?;
     let stdin = std::io::stdin();
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));

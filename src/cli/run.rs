@@ -69,6 +69,51 @@ pub fn resolve_model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
+/// The context to allocate: `--max-context`, or the model's positions capped at 4096; never
+/// more than the model has.
+pub(crate) fn context_limit(asked: Option<usize>, config: &crate::model::Config) -> Result<usize> {
+    let max_context = asked.unwrap_or(config.max_position_embeddings.min(4096));
+    if max_context > config.max_position_embeddings {
+        bail!(
+            "--max-context {max_context} exceeds the model's {} positions",
+            config.max_position_embeddings
+        );
+    }
+    Ok(max_context)
+}
+
+/// The GPU to run on, or None for the CPU: `--device cuda` insists (an error says why it
+/// cannot), `auto` takes a usable GPU and otherwise falls back to the CPU, saying why.
+pub(crate) fn choose_gpu(
+    device: DeviceChoice,
+    config: &crate::model::Config,
+) -> Result<Option<Gpu>> {
+    let unsupported = config.gpu_unsupported();
+    Ok(match device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => match &unsupported {
+            Some(msg) => bail!("{msg}"),
+            None => Some(Gpu::new(0)?),
+        },
+        DeviceChoice::Auto if unsupported.is_some() => {
+            eprintln!(
+                "megainfer: {}; falling back to the CPU",
+                unsupported.as_deref().unwrap_or_default()
+            );
+            None
+        }
+        // A GPU the kernels cannot run on (e.g. older than Hopper) leaves the CPU.
+        DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                eprintln!("megainfer: {e:#}; falling back to the CPU");
+                None
+            }
+        },
+        DeviceChoice::Auto => None,
+    })
+}
+
 pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec<u32>> {
     let tok = model
         .tokenizer
@@ -106,15 +151,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
-    let max_context = args
-        .max_context
-        .unwrap_or(model.config.max_position_embeddings.min(4096));
-    if max_context > model.config.max_position_embeddings {
-        bail!(
-            "--max-context {max_context} exceeds the model's {} positions",
-            model.config.max_position_embeddings
-        );
-    }
+    let max_context = context_limit(args.max_context, &model.config)?;
     if ids.len() >= max_context {
         bail!(
             "the prompt is {} tokens, longer than the context of {max_context} tokens (--max-context)",
@@ -128,30 +165,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ids.len()
         );
     }
-    let unsupported = model.config.gpu_unsupported();
-    let gpu = match args.device {
-        DeviceChoice::Cpu => None,
-        DeviceChoice::Cuda => match &unsupported {
-            Some(msg) => bail!("{msg}"),
-            None => Some(Gpu::new(0)?),
-        },
-        DeviceChoice::Auto if unsupported.is_some() => {
-            eprintln!(
-                "megainfer: {}; falling back to the CPU",
-                unsupported.as_deref().unwrap_or_default()
-            );
-            None
-        }
-        // A GPU the kernels cannot run on (e.g. older than Hopper) leaves the CPU.
-        DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                eprintln!("megainfer: {e:#}; falling back to the CPU");
-                None
-            }
-        },
-        DeviceChoice::Auto => None,
-    };
+    let gpu = choose_gpu(args.device, &model.config)?;
     if let Some(gpu) = gpu {
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
