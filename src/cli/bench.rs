@@ -47,6 +47,10 @@ pub struct BenchArgs {
     /// Seed of the random weights, the prompt and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Megakernel only: how long an instruction may wait for its inputs before the run stops
+    /// with an error naming what never arrived (a scheduling bug, not slowness). Default 2000.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub wait_timeout_ms: Option<u64>,
     /// Sampled decoding instead of greedy (--temperature > 0 or a repetition penalty).
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -182,6 +186,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for kind in paths {
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
+        if let Some(ms) = args.wait_timeout_ms {
+            path.set_wait_timeout_ms(ms)?;
+        }
         // Warm-up: compilation, module load, first-touch of every buffer.
         decode(&mut path, &prompt, args.gen, &params)?;
         let (mut tpot, mut ttft) = (Vec::new(), Vec::new());

@@ -54,6 +54,10 @@ pub struct RunArgs {
     /// ("eos" or "max_tokens"), ttft_ms, decode_tok_s, device, path.
     #[arg(long)]
     pub json: bool,
+    /// Megakernel only: how long an instruction may wait for its inputs before the run stops
+    /// with an error naming what never arrived (a scheduling bug, not slowness). Default 2000.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub wait_timeout_ms: Option<u64>,
 }
 
 /// Where a run executed, for `--json`.
@@ -175,6 +179,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
         let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
+        if let Some(ms) = args.wait_timeout_ms {
+            backend.set_wait_timeout_ms(ms)?;
+        }
         let place = RunPlace {
             device: gpu.describe(),
             path: args.path.name(),

@@ -47,6 +47,9 @@ impl PathKind {
     }
 }
 
+/// The longest wait a user may set: ten minutes.
+pub const MAX_WAIT_TIMEOUT_MS: u64 = 600_000;
+
 pub enum GpuPath<'g> {
     Megakernel(Box<MegakernelPath<'g>>),
     Baseline(Box<BaselinePath<'g>>),
@@ -85,6 +88,18 @@ impl<'g> GpuPath<'g> {
             Self::Megakernel(p) => Some(p),
             Self::Baseline(_) => None,
         }
+    }
+
+    /// How long the megakernel waits for an input before it stops with an error naming it
+    /// (the baseline paths have no such waits). At most [`MAX_WAIT_TIMEOUT_MS`].
+    pub fn set_wait_timeout_ms(&mut self, ms: u64) -> Result<()> {
+        if !(1..=MAX_WAIT_TIMEOUT_MS).contains(&ms) {
+            anyhow::bail!("--wait-timeout-ms {ms}: must be between 1 and {MAX_WAIT_TIMEOUT_MS}");
+        }
+        if let Self::Megakernel(p) = self {
+            p.set_wait_timeout_ms(ms);
+        }
+        Ok(())
     }
 
     pub fn reset(&mut self) {
