@@ -371,7 +371,7 @@ fn gpu_paths_rewind_like_a_fresh_run() {
             let mut cpu = CpuForward::new(&cfg, &w, 64);
             let want = cpu.prefill(&seq, 64).unwrap();
             let got = path.feed(&second).unwrap();
-            let err = gpu_common::rel_l2(&got, &want);
+            let err = megainfer::reference::rel_l2(&got, &want);
             worst = worst.max(err);
             println!("{} rewind to {keep}: prefill rel L2 {err:.2e}", kind.name());
             assert!(
@@ -384,7 +384,7 @@ fn gpu_paths_rewind_like_a_fresh_run() {
             for step in 0..4 {
                 let want = cpu.forward(&[t]).unwrap();
                 let got = path.feed(&[t]).unwrap();
-                let err = gpu_common::rel_l2(&got, &want);
+                let err = megainfer::reference::rel_l2(&got, &want);
                 worst = worst.max(err);
                 assert!(
                     err <= TOL,

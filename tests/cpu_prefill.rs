@@ -6,14 +6,9 @@ use std::time::Instant;
 
 use megainfer::generate::Backend;
 use megainfer::model::{presets, random::random_weights, Config, Weights};
+use megainfer::reference::rel_l2;
 use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
 
 fn tiny(hidden: usize, heads: usize, kv: usize, head_dim: usize, inter: usize) -> Config {
     let mut c = presets::by_name("smollm2-135m").unwrap();

@@ -6,18 +6,13 @@ use megainfer::gpu::device::Gpu;
 use megainfer::gpu::megakernel::{schedule_for, MegakernelPath, MAX_EPOCH};
 use megainfer::gpu::model::DeviceModel;
 use megainfer::model::{presets, random::random_weights};
+use megainfer::reference::rel_l2;
 use megainfer::sampling::argmax;
 
 const PROMPT: [u32; 4] = [17, 230, 5, 901];
 /// Greedy steps before the epoch is moved, and after.
 const BEFORE: usize = 5;
 const AFTER: usize = 15;
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
 
 /// Prompt, BEFORE greedy steps, then (with `flip`) a jump of the epoch to about AFTER / 2
 /// steps before the wrap, with the parity changed (`Some(true)`: the two token slots trade

@@ -6,7 +6,8 @@
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{rel_l2, tiny};
+use gpu_common::tiny;
+use megainfer::reference::rel_l2;
 
 use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::Gpu;

@@ -4,7 +4,8 @@
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu, rel_l2};
+use gpu_common::gpu;
+use megainfer::reference::rel_l2;
 
 use megainfer::generate::Backend;
 use megainfer::gpu::baseline::{BaselinePath, Mode};

@@ -10,6 +10,7 @@ mod gguf_writer;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use megainfer::reference::rel_l2;
 use megainfer::reference::CpuForward;
 use megainfer::tokenizer::chat::{self, ChatMessage};
 use serde::Deserialize;
@@ -75,12 +76,6 @@ fn goldens() -> Goldens {
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-golden")
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 #[test]

@@ -7,6 +7,7 @@
 
 use megainfer::model::random::random_weights;
 use megainfer::model::{Config, Llama3RopeScaling, Weights};
+use megainfer::reference::rel_l2;
 use megainfer::reference::sliced::{shape_of, SlicedMachine};
 use megainfer::reference::CpuForward;
 use scheduler::{
@@ -62,15 +63,6 @@ fn configs() -> Vec<Config> {
         tiny(136, 90, 8, 2, 128, false),
         tiny(40, 60, 4, 1, 128, true),
     ]
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    let (mut d, mut n) = (0f64, 0f64);
-    for (g, w) in got.iter().zip(want) {
-        d += (*g as f64 - *w as f64).powi(2);
-        n += (*w as f64).powi(2);
-    }
-    (d / n).sqrt()
 }
 
 fn first_max(v: &[f32]) -> u32 {

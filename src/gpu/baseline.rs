@@ -152,6 +152,25 @@ impl<'g> BaselinePath<'g> {
         }
     }
 
+    /// `xn = rmsnorm(x) * norm` for the one row of the step.
+    fn rmsnorm(&self, x: u64, norm: u64, xn: u64) -> Result<()> {
+        let c = &self.model.config;
+        let (hidden, eps) = (c.hidden_size as i32, c.rms_norm_eps);
+        // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
+        // path that outlive the launch.
+        unsafe {
+            self.k.rmsnorm.launch(
+                &self.gpu.stream,
+                1,
+                1024,
+                0,
+                self.pdl(),
+                &mut kargs![&x, &norm, &xn, &hidden, &eps],
+            )
+        }
+    }
+
     fn pdl(&self) -> bool {
         self.mode == Mode::GraphPdl
     }
@@ -172,11 +191,7 @@ impl<'g> BaselinePath<'g> {
             ptr(&self.meta, s),
             ptr(&self.history, s),
         );
-        let (hidden, inter, eps) = (
-            c.hidden_size as i32,
-            c.intermediate_size as i32,
-            c.rms_norm_eps,
-        );
+        let (hidden, inter) = (c.hidden_size as i32, c.intermediate_size as i32);
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let embed = ptr(&self.model.embed, s);
         // SAFETY: the arguments are the values bl_embed declares, in order (see
@@ -195,19 +210,7 @@ impl<'g> BaselinePath<'g> {
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
             let norm = ptr(&lw.attn_norm, s);
-            // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
-            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-            // path that outlive the launch.
-            unsafe {
-                self.k.rmsnorm.launch(
-                    s,
-                    1,
-                    1024,
-                    0,
-                    pdl,
-                    &mut kargs![&x, &norm, &xn, &hidden, &eps],
-                )
-            }?;
+            self.rmsnorm(x, norm, xn)?;
             self.gemv(
                 ptr(&lw.w_qkv, s),
                 xn,
@@ -247,19 +250,7 @@ impl<'g> BaselinePath<'g> {
             }?;
             self.gemv(ptr(&lw.wo, s), attn, x, c.hidden_size, c.q_dim(), true)?;
             let norm = ptr(&lw.ffn_norm, s);
-            // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
-            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-            // path that outlive the launch.
-            unsafe {
-                self.k.rmsnorm.launch(
-                    s,
-                    1,
-                    1024,
-                    0,
-                    pdl,
-                    &mut kargs![&x, &norm, &xn, &hidden, &eps],
-                )
-            }?;
+            self.rmsnorm(x, norm, xn)?;
             self.gemv(
                 ptr(&lw.w_gu, s),
                 xn,
@@ -291,19 +282,7 @@ impl<'g> BaselinePath<'g> {
             )?;
         }
         let norm = ptr(&self.model.final_norm, s);
-        // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
-        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-        // path that outlive the launch.
-        unsafe {
-            self.k.rmsnorm.launch(
-                s,
-                1,
-                1024,
-                0,
-                pdl,
-                &mut kargs![&x, &norm, &xn, &hidden, &eps],
-            )
-        }?;
+        self.rmsnorm(x, norm, xn)?;
         self.gemv(
             self.model.lm_head_ptr(g),
             xn,

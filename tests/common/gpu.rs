@@ -16,12 +16,6 @@ pub fn gpu() -> Gpu {
     Gpu::new(0).expect("GPU present but could not be opened")
 }
 
-pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
 /// A 3-layer model of the given attention and MLP shape with a 1000-token vocabulary.
 pub fn tiny(hidden: usize, heads: usize, kv: usize, head_dim: usize, inter: usize) -> Config {
     let mut c = presets::by_name("smollm2-135m").unwrap();
