@@ -8,44 +8,29 @@
 //! prefill but never leaves the cache disagreeing with the rendering.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use super::run::{choose_gpu, context_limit, resolve_model_path, DeviceChoice};
+use super::run::{choose_gpu, context_limit, resolve_model_path, ModelArgs};
 use crate::generate::{generate_after, Backend};
 use crate::gpu::model::{DeviceModel, KvCache};
-use crate::gpu::paths::{GpuPath, PathKind};
+use crate::gpu::paths::GpuPath;
 use crate::model;
 use crate::reference::CpuForward;
-use crate::sampling::{Sampler, SamplingArgs};
+use crate::sampling::Sampler;
 use crate::tokenizer::chat::{render_ids, ChatMessage};
 use crate::tokenizer::Tokenizer;
 
 #[derive(clap::Args, Debug)]
 pub struct ChatArgs {
-    /// HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
-    #[arg(short = 'm', long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: ModelArgs,
     /// Maximum number of new tokens per reply.
     #[arg(short = 'n', long, default_value_t = 512)]
     pub max_tokens: usize,
-    #[command(flatten)]
-    pub sampling: SamplingArgs,
-    /// Seed of the sampler's random draws.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// System message opening the conversation (default: none, or the template's own).
     #[arg(long)]
     pub system: Option<String>,
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-    pub device: DeviceChoice,
-    /// Context length of the conversation; default: the model's, capped at 4096.
-    #[arg(long)]
-    pub max_context: Option<usize>,
-    /// GPU decode path.
-    #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
-    pub path: PathKind,
     /// After each turn, say on stderr how many tokens were fed and how many came from the cache.
     #[arg(short = 'v', long)]
     pub verbose: bool,
@@ -57,11 +42,11 @@ pub struct ChatArgs {
 }
 
 pub fn run(args: &ChatArgs) -> Result<()> {
-    let params = args.sampling.params(args.seed)?;
+    let params = args.common.sampling.params(args.common.seed)?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1 for a chat");
     }
-    let path = resolve_model_path(&args.model)?;
+    let path = resolve_model_path(&args.common.model)?;
     let model = model::load(&path)?;
     let tok = model
         .tokenizer
@@ -70,11 +55,11 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     if tok.chat_template.is_none() {
         bail!("{}: this model has no chat template", tok.source);
     }
-    let max_context = context_limit(args.max_context, &model.config)?;
+    let max_context = context_limit(args.common.max_context, &model.config)?;
     if max_context < 2 {
         bail!("--max-context {max_context}: a chat needs at least 2 tokens of context");
     }
-    let gpu = choose_gpu(args.device, &model.config)?;
+    let gpu = choose_gpu(args.common.device, &model.config)?;
     let stdin = std::io::stdin();
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));
@@ -82,12 +67,12 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         eprintln!(
             "megainfer: chat on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),
-            args.path.name(),
+            args.common.path.name(),
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
         // A conversation grows towards its context, so the schedule is costed at all of it.
-        let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context, max_context)?;
+        let mut backend = GpuPath::new(args.common.path, &gpu, &dm, max_context, max_context)?;
         return session.run(&mut backend, stdin.lock(), interactive);
     }
     eprintln!(

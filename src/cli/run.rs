@@ -22,33 +22,41 @@ pub enum DeviceChoice {
     Cuda,
 }
 
+/// What `run` and `chat` share: the model, where it runs and how tokens are drawn.
 #[derive(clap::Args, Debug)]
-pub struct RunArgs {
+pub struct ModelArgs {
     /// HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
     #[arg(short = 'm', long)]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Seed of the sampler's random draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Context length to allocate (prompt and new tokens, or the whole conversation); default:
+    /// the model's, capped at 4096.
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// GPU decode path.
+    #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
+    pub path: PathKind,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub common: ModelArgs,
     /// Prompt text.
     #[arg(short = 'p', long, default_value = "The capital of France is")]
     pub prompt: String,
     /// Maximum number of new tokens.
     #[arg(short = 'n', long, default_value_t = 64)]
     pub max_tokens: usize,
-    #[command(flatten)]
-    pub sampling: SamplingArgs,
-    /// Seed of the sampler's random draws.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-    pub device: DeviceChoice,
-    /// Context length to allocate (prompt + new tokens); default: the model's, capped at 4096.
-    #[arg(long)]
-    pub max_context: Option<usize>,
-    /// GPU decode path.
-    #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
-    pub path: PathKind,
     /// Print one JSON object on stdout at the end instead of streaming the text: prompt_ids,
     /// generated_ids (an eos that stopped the run included), text (without it), stop_reason
     /// ("eos" or "max_tokens"), ttft_ms, decode_tok_s, device, path.
@@ -148,14 +156,14 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    let params = args.sampling.params(args.seed)?;
-    let path = resolve_model_path(&args.model)?;
+    let params = args.common.sampling.params(args.common.seed)?;
+    let path = resolve_model_path(&args.common.model)?;
     let model = model::load(&path)?;
     let ids = render_prompt(&model, &args.prompt, args.chat)?;
     if ids.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
-    let max_context = context_limit(args.max_context, &model.config)?;
+    let max_context = context_limit(args.common.max_context, &model.config)?;
     if ids.len() >= max_context {
         bail!(
             "the prompt is {} tokens, longer than the context of {max_context} tokens (--max-context)",
@@ -169,22 +177,28 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ids.len()
         );
     }
-    let gpu = choose_gpu(args.device, &model.config)?;
+    let gpu = choose_gpu(args.common.device, &model.config)?;
     if let Some(gpu) = gpu {
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),
-            args.path.name(),
+            args.common.path.name(),
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
-        let mut backend = GpuPath::new(args.path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
+        let mut backend = GpuPath::new(
+            args.common.path,
+            &gpu,
+            &dm,
+            max_context,
+            ids.len() + max_tokens,
+        )?;
         if let Some(ms) = args.wait_timeout_ms {
             backend.set_wait_timeout_ms(ms)?;
         }
         let place = RunPlace {
             device: gpu.describe(),
-            path: args.path.name(),
+            path: args.common.path.name(),
         };
         return finish(args, &model, &mut backend, &ids, max_tokens, params, place);
     }
