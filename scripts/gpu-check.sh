@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every GPU check in one run on a GPU machine; builds nothing. Expects in bundle/:
-#   megainfer, tests/<test binaries>, and optionally model.gguf.part-{a,b}: the default model
+#   megainfer, tests/<test binaries> (either may be .xz), and optionally model.gguf.part-{a,b}
+#   (here or in bundle-model/, so the parts can arrive in separate calls): the default model
 #   split in two (98 MB is over one call's transfer limit). A part found in bundle/ is moved to
 #   /root/models, and the model is joined there once both parts have arrived.
 # GPU tests are #[ignore = "needs a GPU"]: every binary runs with --include-ignored, so the
@@ -14,8 +15,12 @@ export MEGAINFER_CACHE=/root/mcache
 mkdir -p "$MEGAINFER_CACHE"
 MODEL="$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 for part in a b; do
-  [ -f bundle/model.gguf.part-$part ] && cp bundle/model.gguf.part-$part /root/models/
+  for dir in bundle bundle-model; do
+    [ -f $dir/model.gguf.part-$part ] && cp $dir/model.gguf.part-$part /root/models/
+  done
 done
+# Binaries may arrive xz-compressed (a call's transfer is limited); unpack them in place.
+for f in bundle/*.xz bundle/tests/*.xz; do [ -f "$f" ] && xz -d -f "$f" && chmod +x "${f%.xz}"; done
 if [ ! -f "$MODEL" ] && [ -f /root/models/model.gguf.part-a ] && [ -f /root/models/model.gguf.part-b ]; then
   cat /root/models/model.gguf.part-a /root/models/model.gguf.part-b > "$MODEL"
 fi
