@@ -31,7 +31,8 @@ declare -a rows
 for t in ${TESTS:-bundle/tests/*}; do
   name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
   start=$(date +%s.%N)
-  "$t" --include-ignored --test-threads=1 --nocapture ${TEST_FILTER:-} > "$OUT/$name.log" 2>&1
+  timeout "${TEST_TIMEOUT:-400}" "$t" --include-ignored --test-threads=1 --nocapture ${TEST_FILTER:-} \
+    > "$OUT/$name.log" 2>&1
   rc=$?
   secs=$(python3 -c "import time; print(round(time.time() - $start, 1))")
   summary=$(grep -E "^test result:" "$OUT/$name.log" | tail -1)
@@ -84,11 +85,14 @@ fi
 # preset; batched prefill's time to first token on the Llama-3.2-1B shape at 1, 32, 1K, 8K and
 # 32K prompt tokens; the default model's 37-token prompt; greedy against sampled decoding; and,
 # with PEERS=1, scripts/peers.py (torch) at the same lengths. Logs go to $OUT/bench-*.log.
-if [ "${BENCH:-0}" = 1 ]; then
+# BENCH=1 runs all four; BENCH=ab,prefill,default,sampling picks some.
+bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
+if [ "${BENCH:-0}" != 0 ]; then
   echo
   echo "=== benchmarks ==="
   row() { grep -E "^\| *$2 " "$1" | head -1; }
   for preset in llama-3.2-1b smollm2-135m; do
+    bench_on ab || continue
     for i in 1 2; do
       for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
         log="$OUT/bench-ab-$preset-$(basename "$bin")-$i.log"
@@ -98,15 +102,19 @@ if [ "${BENCH:-0}" = 1 ]; then
     done
   done
   for len in 1 32 1024 8192 32768; do
+    bench_on prefill || continue
     log="$OUT/bench-prefill-$len.log"
     "$MEGAINFER_BIN" bench --preset llama-3.2-1b --prompt-len "$len" --gen 16 --reps 3 \
       --paths megakernel,graph > "$log" 2>&1
     echo "prefill $len: $(row "$log" megakernel)"
   done
-  log="$OUT/bench-default-37.log"
-  "$MEGAINFER_BIN" bench --prompt-len 37 --reps 5 > "$log" 2>&1
-  echo "default model, prompt 37:"; grep -E "^\| " "$log"
+  if bench_on default; then
+    log="$OUT/bench-default-37.log"
+    "$MEGAINFER_BIN" bench --prompt-len 37 --reps 5 > "$log" 2>&1
+    echo "default model, prompt 37:"; grep -E "^\| " "$log"
+  fi
   for preset in smollm2-135m llama-3.2-1b; do
+    bench_on sampling || continue
     for s in "" "--temperature 0.8 --top-p 0.95"; do
       log="$OUT/bench-sampling-$preset-${s:+sampled}.log"
       "$MEGAINFER_BIN" bench --preset "$preset" --reps 5 $s > "$log" 2>&1
