@@ -48,7 +48,9 @@ printf '%s\n' "${rows[@]}"
 # ==== optional reliability checks (off unless asked): SANITIZE=1, SOAK=1 ====
 # SANITIZE=1: compute-sanitizer memcheck, racecheck and synccheck on `megainfer run` with the
 #   megakernel and the graph path, a few tokens of the default model (SANITIZE_TOKENS, default 4;
-#   SANITIZE_TOOLS / SANITIZE_PATHS to narrow). Wants "ERROR SUMMARY: 0 errors" on every line.
+#   SANITIZE_TOOLS / SANITIZE_PATHS to narrow; SANITIZE_PROMPT, SANITIZE_ARGS for the run: a
+#   one-token prompt keeps cuBLAS, whose kernels racecheck flags, out of the run).
+#   Wants "ERROR SUMMARY: 0 errors" on every line.
 # SOAK=1: `megainfer soak`: SOAK_TOKENS (default 100000) greedy tokens, megakernel vs graph,
 #   restarting from a fresh prompt whenever the context fills. Wants "0 mismatches".
 MEGAINFER_BIN=${MEGAINFER_BIN:-bundle/megainfer}
@@ -62,7 +64,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
       start=$(date +%s)
       timeout "${SANITIZE_TIMEOUT:-500}" "$CS" --tool "$tool" --error-exitcode 99 \
         "$MEGAINFER_BIN" run --device cuda --path "$path" -n "${SANITIZE_TOKENS:-4}" \
-        -p "The capital of France is" > "$log" 2>&1
+        -p "${SANITIZE_PROMPT:-The capital of France is}" ${SANITIZE_ARGS:-} > "$log" 2>&1
       rc=$?
       printf '%-10s %-11s rc=%-3s %5ss %s\n' "$tool" "$path" "$rc" "$(( $(date +%s) - start ))" \
         "$(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
@@ -85,7 +87,10 @@ fi
 # preset; batched prefill's time to first token on the Llama-3.2-1B shape at 1, 32, 1K, 8K and
 # 32K prompt tokens; the default model's 37-token prompt; greedy against sampled decoding; and,
 # with PEERS=1, scripts/peers.py (torch) at the same lengths. Logs go to $OUT/bench-*.log.
-# BENCH=1 runs all four; BENCH=ab,prefill,default,sampling picks some.
+# BENCH=long (not in BENCH=1): 64 new tokens after a prompt filling the context to 8K, 32K and
+# (LONG_128K=1) 128K on the Llama-3.2-1B shape and to 8K on SmolLM2, megakernel (profiled) and
+# graph, with the (weights + KV) floor; LONG_LENS overrides the Llama lengths.
+# BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
 if [ "${BENCH:-0}" != 0 ]; then
   echo
@@ -121,6 +126,18 @@ if [ "${BENCH:-0}" != 0 ]; then
       echo "$preset ${s:-greedy}:"; grep -E "^\| (megakernel|graph)" "$log"
     done
   done
+  if [[ ",${BENCH:-}," == *",long,"* ]]; then
+    lens=${LONG_LENS:-8192 32768}
+    [ "${LONG_128K:-0}" = 1 ] && lens="$lens 131072"
+    for spec in $(for l in $lens; do echo "llama-3.2-1b:$l"; done) smollm2-135m:8192; do
+      preset=${spec%%:*}; len=${spec##*:}
+      log="$OUT/bench-long-$preset-$len.log"
+      "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len $((len - 65)) --gen 64 --reps 3 \
+        --paths megakernel,graph --profile > "$log" 2>&1
+      echo "$preset context $len: $(grep -E '^device' "$log" | grep -oE 'floor [0-9.]+ ms/token')"
+      grep -E "^\| (megakernel|graph) " "$log"
+    done
+  fi
   if [ "${PEERS:-0}" = 1 ]; then
     python3 scripts/peers.py --preset llama-3.2-1b --prefill-lens 1,32,1024,8192,32768 \
       > "$OUT/peers.log" 2>&1

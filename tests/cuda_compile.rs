@@ -166,8 +166,13 @@ fn abi_mismatches_are_compile_errors() {
 #[test]
 fn prefill_kernels_compile_for_sm90a() {
     require_nvrtc();
-    let cubin =
-        compile::compile_cubin("prefill", megainfer::gpu::prefill::SOURCE, "sm_90a", &[]).unwrap();
+    let cubin = compile::compile_cubin(
+        "prefill",
+        &megainfer::gpu::sources::prefill(),
+        "sm_90a",
+        &[],
+    )
+    .unwrap();
     assert_eq!(
         &cubin[..4],
         b"\x7fELF",

@@ -12,6 +12,7 @@ use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::Gpu;
 use megainfer::gpu::megakernel::{schedule_for, MegakernelPath};
 use megainfer::gpu::model::DeviceModel;
+use megainfer::gpu::stepping::feed_steps;
 use megainfer::model::{presets, random::random_weights, Config, Weights};
 use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
@@ -20,11 +21,13 @@ use scheduler::Op;
 /// Tolerances: about ten times the teacher-forced relative L2 error of the logits measured on
 /// an H100 (docs/testing.md). Each test prints its errors, so a change shows in the log.
 ///
-/// Small random models: measured ~4e-5.
-const TOL_SMALL: f64 = 4e-4;
+/// Small random models: measured up to 4.88e-4 (tiny2 at step 2; eager, graph and graph + PDL
+/// give the same 4.88e-4 there: bf16 weights and K/V against the f32 reference).
+const TOL_SMALL: f64 = 5e-3;
 /// Llama-3.2-1B shape, 5 teacher-forced steps: measured 9.38e-4 at step 4 (the worst).
 const TOL_LLAMA_1B: f64 = 1e-2;
-/// Llama-3.2-1B shape after a 505-position greedy run: measured 1.54e-4.
+/// Llama-3.2-1B shape after a 505-position greedy run, every position a megakernel step:
+/// measured 1.54e-4.
 const TOL_LLAMA_1B_LONG: f64 = 1.5e-3;
 /// Attention over 900 positions: measured 3.77e-5 / 3.73e-5 at head_dim 64 (one part / three),
 /// 4.18e-5 / 4.25e-5 at head_dim 128.
@@ -103,8 +106,9 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
     let sched = schedule_for(&cfg, &gpu, 512, None).unwrap();
     let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 512).unwrap();
-    // 500 launches back to back: every page of the pipeline is reused thousands of times.
-    let first = argmax(&mk.feed(&[1, 2, 3, 4]).unwrap());
+    // 500 launches back to back: every page of the pipeline is reused thousands of times. The
+    // prompt too goes one megakernel step per token (`feed` would prefill it in a batch).
+    let first = argmax(&feed_steps(&mut mk, &[1, 2, 3, 4]).unwrap());
     let toks = mk.decode_greedy(first, 500).unwrap();
     assert_eq!(toks.len(), 500);
     // Teacher-forced check at the end of the long run: position 505.
@@ -115,10 +119,10 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
     let got = mk.feed(&[*toks.last().unwrap()]).unwrap();
     let want = cpu.forward(&[*toks.last().unwrap()]).unwrap();
     let err = rel_l2(&got, &want);
-    println!("llama-1b after 505 positions: rel L2 {err:.2e} (tolerance {TOL_LLAMA_1B_LONG:.0e})");
+    println!("llama-1b after 505 positions: rel L2 {err:.2e} (tolerance {TOL_LLAMA_1B_LONG:.1e})");
     assert!(
         err <= TOL_LLAMA_1B_LONG,
-        "rel L2 {err:.2e} > {TOL_LLAMA_1B_LONG:.0e} after a long run"
+        "rel L2 {err:.2e} > {TOL_LLAMA_1B_LONG:.1e} after a long run"
     );
 }
 
@@ -141,7 +145,8 @@ fn megakernel_attention_longer_than_the_page_ring() {
         for parts in [1, 3] {
             let sched = schedule_for(&cfg, &gpu, LEN, Some(parts)).unwrap();
             let mut mk = MegakernelPath::new(&gpu, &dm, &sched, LEN).unwrap();
-            let got = mk.feed(&tokens).unwrap();
+            // One megakernel step per position: `feed` would prefill them in a batch.
+            let got = feed_steps(&mut mk, &tokens).unwrap();
             let err = rel_l2(&got, &want);
             println!(
                 "{label} parts={parts} at position {}: rel L2 {err:.2e} (tolerance {TOL_LONG_ATTENTION:.0e})",

@@ -1,6 +1,6 @@
 //! The device sampler against the host's rule: the same Philox bits, the same tokens for the
 //! same logits and position, draws that follow the reference distribution (χ²), and sampled
-//! decoding on the graph paths that reproduces itself and matches the host's draws from the
+//! decoding on every path that reproduces itself and matches the host's draws from the
 //! same logits. Needs a GPU (scripts/gpu-check.sh runs these with --include-ignored).
 
 #[path = "common/gpu.rs"]
@@ -12,9 +12,9 @@ mod stats;
 
 use gpu_common::{gpu, tiny};
 use megainfer::generate::Backend;
-use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::device::ptr;
 use megainfer::gpu::model::DeviceModel;
+use megainfer::gpu::paths::{GpuPath, PathKind};
 use megainfer::sampling::device::DeviceSampler;
 use megainfer::sampling::{philox, sample_at, Sampler, SamplingParams};
 use stats::{cases, chi2_test, reference_probs, test_logits};
@@ -75,7 +75,7 @@ fn device_draws_match_the_host_and_the_distribution() {
             for pos in first..first + DRAWS {
                 let m = [window[pos % window.len()], pos as u32, 0, 0];
                 s.memcpy_htod(&m, &mut meta).unwrap();
-                sampler.enqueue(s, lp, mp, hp, false).unwrap();
+                sampler.enqueue(s, lp, mp, mp, hp, false).unwrap();
                 let out = s.clone_dtoh(&meta).unwrap();
                 assert_eq!(out[1], pos as u32 + 1, "{name}: position not advanced");
                 let t = out[2];
@@ -100,12 +100,13 @@ fn device_draws_match_the_host_and_the_distribution() {
     }
 }
 
-/// Sampled decoding on eager, graph and graph + PDL: tokens chained on the device reproduce
-/// themselves with the same seed, and each is the token the host draws from the same path's
-/// logits (teacher-forced), the repetition penalty's window kept on the device included.
+/// Sampled decoding on the megakernel, eager, graph and graph + PDL: tokens chained on the
+/// device reproduce themselves with the same seed, and each is the token the host draws from
+/// the same path's logits (teacher-forced), the repetition penalty's window kept on the device
+/// included.
 #[test]
 #[ignore = "needs a GPU"]
-fn sampled_decoding_on_the_graph_paths_matches_host_draws() {
+fn sampled_decoding_on_every_path_matches_host_draws() {
     let gpu = gpu();
     let mut cfg = tiny(192, 3, 3, 64, 520);
     cfg.vocab_size = 9000;
@@ -136,10 +137,15 @@ fn sampled_decoding_on_the_graph_paths_matches_host_draws() {
             ..SamplingParams::greedy()
         },
     ];
-    for mode in [Mode::Eager, Mode::Graph, Mode::GraphPdl] {
-        let mut path = BaselinePath::new(&gpu, &dm, mode, 64).unwrap();
+    for kind in [
+        PathKind::Megakernel,
+        PathKind::Eager,
+        PathKind::Graph,
+        PathKind::GraphPdl,
+    ] {
+        let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
         for p in variants {
-            let run = |path: &mut BaselinePath| {
+            let run = |path: &mut GpuPath| {
                 path.reset();
                 let mut sampler = Sampler::new(p);
                 sampler.accept(&prompt);
@@ -150,7 +156,7 @@ fn sampled_decoding_on_the_graph_paths_matches_host_draws() {
             };
             let a = run(&mut path);
             let b = run(&mut path);
-            assert_eq!(a, b, "{}: the same seed drew different tokens", mode.name());
+            assert_eq!(a, b, "{}: the same seed drew different tokens", kind.name());
             path.reset();
             let mut host = Sampler::new(p);
             host.accept(&prompt);
@@ -166,11 +172,11 @@ fn sampled_decoding_on_the_graph_paths_matches_host_draws() {
             let distinct: std::collections::HashSet<_> = a.iter().collect();
             println!(
                 "{} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws",
-                mode.name(),
+                kind.name(),
                 a.len(),
                 distinct.len()
             );
-            assert!(differ <= 1, "{}: {differ} tokens differ", mode.name());
+            assert!(differ <= 1, "{}: {differ} tokens differ", kind.name());
         }
     }
 }

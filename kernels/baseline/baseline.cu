@@ -89,7 +89,7 @@ extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cac
     const size_t slot = (size_t)pos * n_kv * head_dim;
     if (h < n_heads + n_kv) {
         float s, c;
-        sincosf((float)pos * inv_freq[i], &s, &c);
+        rope_sincos(pos, inv_freq[i], &s, &c);
         float a = v[i], b = v[i + half];
         float ra = a * c - b * s, rb = b * c + a * s;
         if (h < n_heads) {

@@ -59,8 +59,7 @@ extern "C" __global__ void pf_rmsnorm(const float* x, const pf_bf16* w, pf_bf16*
 // on q and k at positions start + t; q to q_out ([T, heads * head_dim], bf16), K and V into
 // the layer's cache at (kv head, position): element d of a row at
 // kvh * head_stride + pos * pos_stride + d, the decode path's own layout.
-// The angle is computed in double: at positions of tens of thousands a float product and
-// sincos lose several digits. Grid: T blocks.
+// The angle is rope.cuh's (formed in double). Grid: T blocks.
 extern "C" __global__ void pf_rope_kv(const float* qkv, pf_bf16* q_out, pf_bf16* k_cache, pf_bf16* v_cache,
                                       const float* inv_freq, int start, int n_heads, int n_kv, int head_dim,
                                       long long pos_stride, long long head_stride) {
@@ -71,9 +70,8 @@ extern "C" __global__ void pf_rope_kv(const float* qkv, pf_bf16* q_out, pf_bf16*
         const int h = idx / half, i = idx - h * half;
         float a = row[h * head_dim + i], b = row[h * head_dim + i + half];
         if (h < n_heads + n_kv) {
-            double s, c;
-            sincos((double)pos * (double)inv_freq[i], &s, &c);
-            const float fs = (float)s, fc = (float)c;
+            float fs, fc;
+            rope_sincos(pos, inv_freq[i], &fs, &fc);
             const float ra = a * fc - b * fs, rb = b * fc + a * fs;
             a = ra;
             b = rb;

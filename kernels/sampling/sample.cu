@@ -34,11 +34,13 @@ extern "C" __global__ void __launch_bounds__(SMP_BLOCK_THREADS)
                    [] { __syncthreads(); });
 }
 
-// The drawn token into meta (token, next; position advanced) and history[pos + 1]; the fed
-// token into history[pos], so the repetition penalty's window stays on the device.
+// The drawn token into meta_out (token, next; position advanced) and history[pos + 1]; the fed
+// token into history[pos], so the repetition penalty's window stays on the device. The graph
+// paths pass meta_out == meta (one slot); the megakernel, whose CTAs read a step's slot for
+// the whole launch, passes the other of its two slots.
 extern "C" __global__ void __launch_bounds__(SMP_FINAL_THREADS)
     smp_final(const SmpBlock* blocks, int nb, const float* cand_v, const smp_u32* cand_i, const SmpParams* sp,
-              SmpMeta* meta, smp_u32* history) {
+              const SmpMeta* meta, smp_u32* history, SmpMeta* meta_out) {
     __shared__ SmpShared sm;
     smp_pdl_launch_next();
     smp_pdl_wait();
@@ -53,9 +55,9 @@ extern "C" __global__ void __launch_bounds__(SMP_FINAL_THREADS)
         // Nothing to draw from (NaN logits): the host sees the bad token in history and stops;
         // the next step must still read a real embedding row.
         const smp_u32 next = t == SMP_NONE ? 0u : t;
-        meta->next = next;
-        meta->token = next;
-        meta->pos = m.pos + 1;
+        meta_out->next = next;
+        meta_out->token = next;
+        meta_out->pos = m.pos + 1;
     }
 }
 

@@ -26,7 +26,7 @@ struct Rope {
 __device__ __forceinline__ Rope rope_of(const MkParams& p, const u32* w, u32 pos) {
     const int ct = threadIdx.x - 32;
     Rope r = {0.f, 1.f};
-    if (ct < (int)w[W_C] && (int)w[W_A] < p.heads + p.kv_heads) sincosf((float)pos * p.inv_freq[w[W_B] + ct], &r.s, &r.c);
+    if (ct < (int)w[W_C] && (int)w[W_A] < p.heads + p.kv_heads) rope_sincos(pos, p.inv_freq[w[W_B] + ct], &r.s, &r.c);
     return r;
 }
 

@@ -108,6 +108,10 @@ struct Report {
     /// "greedy", or the sampling parameters.
     sampling: String,
     weight_bytes_per_token: usize,
+    /// K and V bytes a timed step reads, at the mean context of the timed steps.
+    kv_bytes_per_token: usize,
+    /// (weights + KV) / read bandwidth: the step time no path can beat.
+    floor_ms: f64,
     read_bandwidth_gbps: f64,
     commit: String,
     results: Vec<PathResult>,
@@ -181,6 +185,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         gpu.describe()
     );
 
+    // The timed steps feed positions prompt_len .. prompt_len + gen - 2 and each reads the K/V
+    // of every position up to its own: on average this many.
+    let mean_ctx = args.prompt_len + args.gen / 2;
+    let kv_bytes = crate::gpu::model::KvCache::bytes(&config, mean_ctx);
+    let step_bytes = dm.bytes_per_token + kv_bytes;
+    let floor_ms = step_bytes as f64 / (bw * 1e9) * 1e3;
     let mut results = Vec::new();
     let mut profile = None;
     for kind in paths {
@@ -217,7 +227,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let med = median(&mut tpot);
         let ttft_min = ttft.iter().cloned().fold(f64::INFINITY, f64::min);
         let ttft_med = median(&mut ttft);
-        let gbps = dm.bytes_per_token as f64 / (med * 1e-3) / 1e9;
+        let gbps = step_bytes as f64 / (med * 1e-3) / 1e9;
         results.push(PathResult {
             path: kind.name().into(),
             tpot_ms_median: med,
@@ -234,13 +244,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
 
     println!(
-        "device: {} | commit {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | read bandwidth {bw:.0} GB/s (measured) | {sampling}",
+        "device: {} | commit {} | model: {model_name} | prompt {} | gen {} | reps {} | weights/token {:.3} GB | KV/token {:.3} GB (mean context {mean_ctx}) | read bandwidth {bw:.0} GB/s (measured) | floor {floor_ms:.4} ms/token | {sampling}",
         gpu.describe(),
         env!("MEGAINFER_COMMIT"),
         args.prompt_len,
         args.gen,
         args.reps,
-        dm.bytes_per_token as f64 / 1e9
+        dm.bytes_per_token as f64 / 1e9,
+        kv_bytes as f64 / 1e9
     );
     println!("| path | TPOT median ms | TPOT min–max ms | tok/s | GB/s | % of BW | TTFT median (min) ms | prefill tok/s |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
@@ -293,9 +304,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
+    println!("GB/s and % of BW: (weights + the K/V a step reads) / TPOT, against the measured read bandwidth; 100% is the floor.");
     println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, crate::gpu::prefill::DEFAULT_CHUNK);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
-        println!("The megakernel draws sampled tokens on the host from copied logits (its device sampler is not wired in yet); graph-pdl, graph and eager draw on the device.");
+        println!("Sampled steps draw on the device on every path; the megakernel's draw runs as two small kernels after each launch (not yet inside the launch).");
     }
     if let Some(path) = &args.json {
         let report = Report {
@@ -306,6 +318,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             reps: args.reps,
             sampling,
             weight_bytes_per_token: dm.bytes_per_token,
+            kv_bytes_per_token: kv_bytes,
+            floor_ms,
             read_bandwidth_gbps: bw,
             commit: env!("MEGAINFER_COMMIT").to_string(),
             results,

@@ -55,11 +55,11 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     if tok.chat_template.is_none() {
         bail!("{}: this model has no chat template", tok.source);
     }
-    let max_context = context_limit(args.common.max_context, &model.config)?;
+    let gpu = choose_gpu(args.common.device, &model.config)?;
+    let max_context = context_limit(args.common.max_context, &model, gpu.as_ref())?;
     if max_context < 2 {
         bail!("--max-context {max_context}: a chat needs at least 2 tokens of context");
     }
-    let gpu = choose_gpu(args.common.device, &model.config)?;
     let stdin = std::io::stdin();
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));

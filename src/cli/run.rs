@@ -36,7 +36,7 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
     /// Context length to allocate (prompt and new tokens, or the whole conversation); default:
-    /// the model's, capped at 4096.
+    /// the model's, bounded by free GPU memory (on the CPU: capped at 4096).
     #[arg(long)]
     pub max_context: Option<usize>,
     /// GPU decode path.
@@ -81,17 +81,63 @@ pub fn resolve_model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-/// The context to allocate: `--max-context`, or the model's positions capped at 4096; never
-/// more than the model has.
-pub(crate) fn context_limit(asked: Option<usize>, config: &crate::model::Config) -> Result<usize> {
-    let max_context = asked.unwrap_or(config.max_position_embeddings.min(4096));
-    if max_context > config.max_position_embeddings {
+/// Context the CPU allocates by default (its KV cache is f32 and attention runs on the CPU).
+const CPU_DEFAULT_CONTEXT: usize = 4096;
+/// GPU memory left aside when sizing the default context: prefill's activations, cuBLAS's
+/// workspace, the kernels' modules and whatever else shares the GPU, plus a tenth of what is free.
+const GPU_RESERVE_BYTES: usize = 2 << 30;
+
+/// The context to allocate: `--max-context`, or by default the model's positions, bounded on a
+/// GPU by the memory its KV cache can have beside the weights (said on stderr), and on the CPU
+/// capped at [`CPU_DEFAULT_CONTEXT`]. Never more than the model has.
+pub(crate) fn context_limit(
+    asked: Option<usize>,
+    model: &crate::model::Model,
+    gpu: Option<&Gpu>,
+) -> Result<usize> {
+    let config = &model.config;
+    let most = config.max_position_embeddings;
+    if let Some(n) = asked {
+        if n > most {
+            bail!("--max-context {n} exceeds the model's {most} positions");
+        }
+        return Ok(n);
+    }
+    let Some(gpu) = gpu else {
+        let n = most.min(CPU_DEFAULT_CONTEXT);
+        if n < most {
+            eprintln!(
+                "megainfer: context {n} tokens on the CPU (the model has {most}; --max-context raises it)"
+            );
+        }
+        return Ok(n);
+    };
+    let free = gpu.free_memory()?;
+    let weights = model.weights.bytes_per_token() + 2 * config.vocab_size * config.hidden_size;
+    let budget = free
+        .saturating_sub(weights)
+        .saturating_sub(GPU_RESERVE_BYTES + free / 10);
+    let per_token = crate::gpu::model::KvCache::bytes(config, 1);
+    let fits = budget / per_token.max(1);
+    if fits >= most {
+        eprintln!(
+            "megainfer: context {most} tokens (the model's maximum; --max-context lowers it)"
+        );
+        return Ok(most);
+    }
+    if fits < 2 {
         bail!(
-            "--max-context {max_context} exceeds the model's {} positions",
-            config.max_position_embeddings
+            "{}: {:.1} GiB free leaves no room for a KV cache beside {:.1} GiB of weights",
+            gpu.describe(),
+            free as f64 / (1u64 << 30) as f64,
+            weights as f64 / (1u64 << 30) as f64
         );
     }
-    Ok(max_context)
+    eprintln!(
+        "megainfer: context {fits} tokens, what {:.1} GiB of free GPU memory holds beside the weights (the model has {most}; --max-context to choose)",
+        free as f64 / (1u64 << 30) as f64
+    );
+    Ok(fits)
 }
 
 /// The GPU to run on, or None for the CPU: `--device cuda` insists (an error says why it
@@ -163,7 +209,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
-    let max_context = context_limit(args.common.max_context, &model.config)?;
+    let gpu = choose_gpu(args.common.device, &model.config)?;
+    let max_context = context_limit(args.common.max_context, &model, gpu.as_ref())?;
     if ids.len() >= max_context {
         bail!(
             "the prompt is {} tokens, longer than the context of {max_context} tokens (--max-context)",
@@ -177,7 +224,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ids.len()
         );
     }
-    let gpu = choose_gpu(args.common.device, &model.config)?;
     if let Some(gpu) = gpu {
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",

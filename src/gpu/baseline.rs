@@ -293,7 +293,7 @@ impl<'g> BaselinePath<'g> {
         )?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
-            return sampler.enqueue(s, logits, meta, history, pdl);
+            return sampler.enqueue(s, logits, meta, meta, history, pdl);
         }
         let vocab = c.vocab_size as i32;
         // SAFETY: the arguments are the values bl_argmax declares, in order (see

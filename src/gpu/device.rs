@@ -51,6 +51,16 @@ impl Gpu {
         })
     }
 
+    /// Device memory free now, in bytes.
+    pub fn free_memory(&self) -> Result<usize> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
+        let (free, _) =
+            cudarc::driver::result::mem_get_info().map_err(|e| anyhow!("cuMemGetInfo: {e}"))?;
+        Ok(free)
+    }
+
     /// NVRTC target: the device's own architecture, with the `a` variant on Hopper so the
     /// sm_90-only instructions are available.
     pub fn arch(&self) -> String {

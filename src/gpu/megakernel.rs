@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::{CudaModule, CudaSlice};
 use scheduler::{ArenaLayout, Op, Schedule};
 
@@ -17,6 +17,8 @@ use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
 use super::stepping::{self, Sequence, Steps};
+use crate::sampling::device::DeviceSampler;
+use crate::sampling::SamplingParams;
 
 pub mod abi;
 mod compile;
@@ -58,6 +60,9 @@ pub struct MegakernelPath<'g> {
     /// Per encoded position: the instruction, for error messages.
     descs: Vec<String>,
     kinds: Vec<&'static str>,
+    /// Made on the first sampled step: the draw runs as two small kernels after each launch,
+    /// reading the launch's logits and writing the token where the next launch reads it.
+    sampler: Option<DeviceSampler>,
 }
 
 impl<'g> MegakernelPath<'g> {
@@ -238,6 +243,7 @@ impl<'g> MegakernelPath<'g> {
             seq: Sequence::new(max_seq),
             descs,
             kinds,
+            sampler: None,
         })
     }
 
@@ -304,6 +310,40 @@ impl Steps for MegakernelPath<'_> {
 
     fn launch_step(&mut self) -> Result<()> {
         self.launch()
+    }
+
+    fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
+        if self.sampler.is_none() {
+            self.sampler = Some(DeviceSampler::new(self.gpu, self.model.config.vocab_size)?);
+        }
+        let stream = self.gpu.stream.clone();
+        self.sampler.as_mut().unwrap().set_params(&stream, p)?;
+        Ok(true)
+    }
+
+    /// The launch reads meta slot `epoch % 2`, its argmax writes the other; the draw then
+    /// overwrites that slot and `history[pos + 1]` with the sampled token (stream order).
+    fn launch_sampled_step(&mut self) -> Result<()> {
+        // MAX_EPOCH is even, so a wrap inside `launch` keeps the slot's parity.
+        let slot = (self.params.epoch & 1) as usize;
+        self.launch()?;
+        let s = &self.gpu.stream;
+        let sampler = self.sampler.as_ref().context("device sampler not made")?;
+        let meta = ptr(&self.meta, s);
+        // Four u32 words per TokenMeta.
+        let (cur, next) = (meta + 16 * slot as u64, meta + 16 * (1 - slot) as u64);
+        sampler.enqueue(
+            s,
+            ptr(&self.logits, s),
+            cur,
+            next,
+            ptr(&self.history, s),
+            false,
+        )
+    }
+
+    fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {
+        Some(&mut self.history)
     }
 
     fn check(&self) -> Result<()> {

@@ -26,9 +26,6 @@ use super::model::{DeviceModel, KvCache};
 use crate::kargs;
 use crate::model::Config;
 
-/// The CUDA source of the prefill kernels.
-pub const SOURCE: &str = include_str!("../../kernels/prefill/prefill.cu");
-
 /// Tokens per chunk by default: large enough that every product runs near the tensor cores'
 /// peak, small enough that a chunk's activations stay a few hundred MB for 1B-class models.
 pub const DEFAULT_CHUNK: usize = 2048;
@@ -164,7 +161,7 @@ impl Prefill {
         }
         let blas = CudaBlas::new(gpu.stream.clone())
             .map_err(|e| anyhow!("creating a cuBLAS handle failed: {e:?}"))?;
-        let cubin = compile_cubin("prefill", SOURCE, &gpu.arch(), &[])?;
+        let cubin = compile_cubin("prefill", &super::sources::prefill(), &gpu.arch(), &[])?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))

@@ -3,6 +3,9 @@
 use super::megakernel::{abi, layout};
 
 const COMMON: &str = include_str!("../../megakernel/common.cuh");
+/// RoPE's angle, shared by every path (and tested alone against f64: tests/gpu_rope.rs).
+pub const ROPE: &str = include_str!("../../kernels/rope.cuh");
+const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
@@ -26,7 +29,12 @@ const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
 pub fn baseline() -> String {
-    [COMMON, BASELINE_ATTENTION, BASELINE].join("\n")
+    [COMMON, ROPE, BASELINE_ATTENTION, BASELINE].join("\n")
+}
+
+/// Batched prefill's kernels (src/gpu/prefill.rs).
+pub fn prefill() -> String {
+    [ROPE, PREFILL].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
@@ -50,7 +58,7 @@ pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
 /// (abi::prelude) first, its layout checks (abi::checks) last.
 pub fn megakernel() -> String {
     let (prelude, checks) = (abi::prelude(), abi::checks());
-    let mut parts = vec![COMMON, &prelude, PIPELINE, RUNTIME];
+    let mut parts = vec![COMMON, ROPE, &prelude, PIPELINE, RUNTIME];
     parts.extend(OPS);
     parts.extend([TABLE, LOADER, MEGAKERNEL, &checks]);
     parts.join("\n")

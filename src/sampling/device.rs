@@ -134,12 +134,14 @@ impl DeviceSampler {
     }
 
     /// Enqueues the draw from `logits` (f32 [vocab]) for the step described by the
-    /// TokenMeta at `meta`: the token goes to meta and `history[pos + 1]`.
+    /// TokenMeta at `meta`: the token goes to the TokenMeta at `meta_out` (which may be `meta`)
+    /// and to `history[pos + 1]`.
     pub fn enqueue(
         &self,
         stream: &Arc<CudaStream>,
         logits: u64,
         meta: u64,
+        meta_out: u64,
         history: u64,
         pdl: bool,
     ) -> Result<()> {
@@ -152,7 +154,7 @@ impl DeviceSampler {
         let (vocab, nb) = (self.vocab as i32, self.n_blocks as i32);
         // SAFETY: the arguments match smp_blocks' and smp_final's parameters in sample.cu, in
         // order; params, blocks and candidates are this sampler's buffers (sized for `vocab`
-        // and `n_blocks` at construction), and logits, meta and history are the caller's live
+        // and `n_blocks` at construction), and logits, meta, meta_out and history are the caller's live
         // buffers of the same vocabulary.
         unsafe {
             self.blocks_k.launch(
@@ -169,7 +171,7 @@ impl DeviceSampler {
                 FINAL_THREADS,
                 0,
                 pdl,
-                &mut kargs![&blocks, &nb, &cand_v, &cand_i, &params, &meta, &history],
+                &mut kargs![&blocks, &nb, &cand_v, &cand_i, &params, &meta, &history, &meta_out],
             )
         }
     }
