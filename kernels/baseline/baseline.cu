@@ -15,33 +15,22 @@ extern "C" __global__ void bl_embed(const bf16_t* embed, const TokenMeta* meta, 
         x[i] = bf16_to_f32(row[i]);
 }
 
-// One block: out = x / rms(x) * w.
-extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
-    __shared__ float partial[32];
-    pdl_launch_next();
-    pdl_wait();
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = rsqrtf(v / n + eps);
-    }
-    __syncthreads();
-    float scale = partial[0];
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * bf16_to_f32(w[i]);
-}
-
 #define GEMV_ROWS_PER_WARP 2
 #define GEMV_UNROLL 4
 
-// y[r] (+)= W[r,:] . x for GEMV_ROWS_PER_WARP rows per warp; x staged in shared memory.
+// How bl_gemv forms its input vector while staging it in shared memory, so that the RMS norm
+// and SiLU·up need no kernels (and no trips through global memory) of their own.
+#define GEMV_IN_PLAIN 0  // x
+#define GEMV_IN_NORM 1   // x / rms(x) * norm (the RMS norm of the layer's input)
+#define GEMV_IN_SILU 2   // silu(x[i]) * x[cols + i] (x = [gate; up], 2 * cols floats)
+
+// y[r] (+)= W[r,:] . in for GEMV_ROWS_PER_WARP rows per warp; `in` formed from x per `mode` and
+// staged in shared memory (every block forms all of it: cols floats, read from L2).
 // cols must be a multiple of 8.
-extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, int rows, int cols, int accumulate) {
+extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, int rows, int cols, int accumulate,
+                                   int mode, const bf16_t* norm, float eps) {
     extern __shared__ float xs[];
+    __shared__ float partial[32];
     pdl_launch_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_ROWS_PER_WARP;
@@ -50,7 +39,30 @@ extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, in
         if (row0 + r < rows)
             for (int off = lane * 64; off < cols; off += 32 * 64) prefetch_l2(W + (size_t)(row0 + r) * cols + off);
     pdl_wait();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = x[i];
+    if (mode == GEMV_IN_SILU) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = silu(x[i]) * x[cols + i];
+    } else {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = x[i];
+            xs[i] = v;
+            ss += v * v;
+        }
+        if (mode == GEMV_IN_NORM) {
+            // Warp sums, then the first warp over them.
+            ss = warp_sum(ss);
+            if (lane == 0) partial[warp] = ss;
+            __syncthreads();
+            if (threadIdx.x < 32) {
+                float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+                v = warp_sum(v);
+                if (threadIdx.x == 0) partial[0] = rsqrtf(v / cols + eps);
+            }
+            __syncthreads();
+            const float scale = partial[0];
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = xs[i] * scale * bf16_to_f32(norm[i]);
+        }
+    }
     __syncthreads();
     float acc[GEMV_ROWS_PER_WARP];
     for (int r = 0; r < GEMV_ROWS_PER_WARP; r++) acc[r] = 0.f;
@@ -129,12 +141,61 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
     merge_warp_states(st, nwarps, head_dim, out + h * head_dim);
 }
 
-// act = silu(gate) * up, with gu = [gate; up].
-extern "C" __global__ void bl_silu_mul(const float* gu, float* act, int inter) {
+// Split-KV attention (flash-decoding), for long contexts: block (head h, part p) of
+// gridDim.x = n_heads * parts covers positions [p * span, min(len, (p + 1) * span)) with
+// span = ceil(len / parts) (len = pos + 1 read on the device, so one captured graph serves
+// every position) and writes its unnormalised state (m, l, acc[head_dim]) to
+// part_st[(h * parts + p) * (2 + head_dim)]; bl_attention_merge combines the parts.
+// Shared memory as bl_attention's.
+extern "C" __global__ void bl_attention_part(const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                                             float* part_st, const TokenMeta* meta, int n_heads, int n_kv,
+                                             int head_dim, int parts) {
+    extern __shared__ float st[];
     pdl_launch_next();
     pdl_wait();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < inter; i += gridDim.x * blockDim.x)
-        act[i] = silu(gu[i]) * gu[inter + i];
+    const int h = blockIdx.x / parts, p = blockIdx.x - h * parts;
+    const int kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
+    const int len = meta->pos + 1, span = (len + parts - 1) / parts;
+    const int p_begin = min(len, p * span), p_end = min(len, p_begin + span);
+    float* qs = st + nwarps * (2 + head_dim);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
+    __syncthreads();
+    float acc[ATT_MAX_D];
+    for (int j = 0; j < D; j++) acc[j] = 0.f;
+    float m = NEG_INF, l = 0.f;
+    attend_warp(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, rsqrtf((float)head_dim),
+                p_begin, p_end, warp, nwarps, m, l, acc);
+    float* mine = st + warp * (2 + head_dim);
+    if (lane == 0) { mine[0] = m; mine[1] = l; }
+    for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];
+    __syncthreads();
+    // The block's warps into one unnormalised state (an empty part: m = -inf, l = 0).
+    float* out = part_st + (size_t)blockIdx.x * (2 + head_dim);
+    float mb = NEG_INF;
+    for (int w = 0; w < nwarps; w++)
+        if (st[w * (2 + head_dim) + 1] != 0.f) mb = fmaxf(mb, st[w * (2 + head_dim)]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float lb = 0.f, a = 0.f;
+        for (int w = 0; w < nwarps; w++) {
+            const float* s = st + w * (2 + head_dim);
+            if (s[1] == 0.f) continue;  // a warp that saw no position
+            const float c = __expf(s[0] - mb);
+            lb += s[1] * c;
+            a += s[2 + d] * c;
+        }
+        out[2 + d] = a;
+        if (d == 0) { out[0] = mb; out[1] = lb; }
+    }
+}
+
+// One block per head: the parts' states into the normalised output (merge_warp_states skips
+// the empty ones).
+extern "C" __global__ void bl_attention_merge(const float* part_st, float* out, int head_dim, int parts) {
+    pdl_launch_next();
+    pdl_wait();
+    const int h = blockIdx.x;
+    merge_warp_states(part_st + (size_t)h * parts * (2 + head_dim), parts, head_dim, out + h * head_dim);
 }
 
 // One block: greedy next token into meta->next and meta->token, position advanced, so the

@@ -37,17 +37,32 @@ impl Mode {
 
 struct Kernels {
     embed: Kernel,
-    rmsnorm: Kernel,
     gemv: Kernel,
     rope_kv: Kernel,
     attention: Kernel,
-    silu_mul: Kernel,
+    attention_part: Kernel,
+    attention_merge: Kernel,
     argmax: Kernel,
 }
 
 const GEMV_THREADS: u32 = 256;
 const GEMV_ROWS_PER_BLOCK: u32 = 16; // 8 warps × GEMV_ROWS_PER_WARP
 const ATT_THREADS: u32 = 128;
+/// Caches longer than this get split-KV attention; shorter ones one block per head (the split
+/// costs a merge kernel per layer, which short contexts do not earn back).
+const SPLIT_KV_FROM: usize = 2048;
+/// Split-KV parts per head at most.
+const MAX_ATT_PARTS: usize = 64;
+
+/// How `bl_gemv` forms its input vector (GEMV_IN_* in kernels/baseline/baseline.cu).
+#[derive(Clone, Copy)]
+enum GemvIn {
+    Plain,
+    /// The RMS norm of x with these weights.
+    Norm(u64),
+    /// silu(gate) · up of x = [gate; up].
+    SiluUp,
+}
 
 pub struct BaselinePath<'g> {
     gpu: &'g Gpu,
@@ -57,11 +72,12 @@ pub struct BaselinePath<'g> {
     _module: Arc<CudaModule>,
     kv: KvCache,
     x: CudaSlice<f32>,
-    xn: CudaSlice<f32>,
     qkv: CudaSlice<f32>,
     attn: CudaSlice<f32>,
     gu: CudaSlice<f32>,
-    act: CudaSlice<f32>,
+    /// Split-KV attention's per-part states, [heads][parts][2 + head_dim].
+    att_parts_st: CudaSlice<f32>,
+    att_parts: usize,
     logits: CudaSlice<f32>,
     /// TokenMeta {token, pos, next, pad}.
     meta: CudaSlice<u32>,
@@ -88,12 +104,21 @@ impl<'g> BaselinePath<'g> {
             .context("loading the baseline CUBIN")?;
         let k = Kernels {
             embed: Kernel::load(&module, "bl_embed")?,
-            rmsnorm: Kernel::load(&module, "bl_rmsnorm")?,
             gemv: Kernel::load(&module, "bl_gemv")?,
             rope_kv: Kernel::load(&module, "bl_rope_kv")?,
             attention: Kernel::load(&module, "bl_attention")?,
-            silu_mul: Kernel::load(&module, "bl_silu_mul")?,
+            attention_part: Kernel::load(&module, "bl_attention_part")?,
+            attention_merge: Kernel::load(&module, "bl_attention_merge")?,
             argmax: Kernel::load(&module, "bl_argmax")?,
+        };
+        // Enough blocks to cover every SM twice, at most one part per 32 positions.
+        let att_parts = if max_seq > SPLIT_KV_FROM {
+            (2 * gpu.sm_count)
+                .div_ceil(c.num_heads)
+                .clamp(2, MAX_ATT_PARTS)
+                .min(max_seq.div_ceil(32))
+        } else {
+            1
         };
         let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
         k.gemv.allow_smem(max_cols * 4)?;
@@ -101,11 +126,14 @@ impl<'g> BaselinePath<'g> {
         let mut p = Self {
             kv: KvCache::new(gpu, c, max_seq)?,
             x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
-            xn: gpu.alloc_zeros(c.hidden_size, "normed hidden")?,
             qkv: gpu.alloc_zeros(qkv_rows, "qkv")?,
             attn: gpu.alloc_zeros(c.q_dim(), "attention output")?,
             gu: gpu.alloc_zeros(2 * c.intermediate_size, "gate/up")?,
-            act: gpu.alloc_zeros(c.intermediate_size, "mlp activation")?,
+            att_parts_st: gpu.alloc_zeros(
+                c.num_heads * att_parts * (2 + c.head_dim),
+                "split-KV attention states",
+            )?,
+            att_parts,
             logits: gpu.alloc_zeros(c.vocab_size, "logits")?,
             meta: gpu.alloc_zeros(4, "token meta")?,
             history: gpu.alloc_zeros(max_seq + 1, "token history")?,
@@ -125,6 +153,7 @@ impl<'g> BaselinePath<'g> {
         Ok(p)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         w: u64,
@@ -133,13 +162,20 @@ impl<'g> BaselinePath<'g> {
         rows: usize,
         cols: usize,
         accumulate: bool,
+        input: GemvIn,
     ) -> Result<()> {
         let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
+        let (mode, norm) = match input {
+            GemvIn::Plain => (0i32, 0u64),
+            GemvIn::Norm(n) => (1, n),
+            GemvIn::SiluUp => (2, 0),
+        };
+        let eps = self.model.config.rms_norm_eps;
         let grid = (rows as u32).div_ceil(GEMV_ROWS_PER_BLOCK);
-        let mut a = kargs![&w, &x, &y, &rows_i, &cols_i, &acc];
+        let mut a = kargs![&w, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
         // SAFETY: the arguments are the values bl_gemv declares, in order (see
         // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-        // path that outlive the launch.
+        // path that outlive the launch (x holds 2 * cols floats for SiluUp; norm, cols weights).
         unsafe {
             self.k.gemv.launch(
                 &self.gpu.stream,
@@ -148,25 +184,6 @@ impl<'g> BaselinePath<'g> {
                 (cols * 4) as u32,
                 self.pdl(),
                 &mut a,
-            )
-        }
-    }
-
-    /// `xn = rmsnorm(x) * norm` for the one row of the step.
-    fn rmsnorm(&self, x: u64, norm: u64, xn: u64) -> Result<()> {
-        let c = &self.model.config;
-        let (hidden, eps) = (c.hidden_size as i32, c.rms_norm_eps);
-        // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
-        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-        // path that outlive the launch.
-        unsafe {
-            self.k.rmsnorm.launch(
-                &self.gpu.stream,
-                1,
-                1024,
-                0,
-                self.pdl(),
-                &mut kargs![&x, &norm, &xn, &hidden, &eps],
             )
         }
     }
@@ -180,18 +197,16 @@ impl<'g> BaselinePath<'g> {
     fn enqueue_step(&self, sampled: bool) -> Result<()> {
         let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
         let pdl = self.pdl();
-        let (x, xn, qkv, attn, gu, act, logits, meta, history) = (
+        let (x, qkv, attn, gu, logits, meta, history) = (
             ptr(&self.x, s),
-            ptr(&self.xn, s),
             ptr(&self.qkv, s),
             ptr(&self.attn, s),
             ptr(&self.gu, s),
-            ptr(&self.act, s),
             ptr(&self.logits, s),
             ptr(&self.meta, s),
             ptr(&self.history, s),
         );
-        let (hidden, inter) = (c.hidden_size as i32, c.intermediate_size as i32);
+        let hidden = c.hidden_size as i32;
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let embed = ptr(&self.model.embed, s);
         // SAFETY: the arguments are the values bl_embed declares, in order (see
@@ -209,15 +224,14 @@ impl<'g> BaselinePath<'g> {
         }?;
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
-            let norm = ptr(&lw.attn_norm, s);
-            self.rmsnorm(x, norm, xn)?;
             self.gemv(
                 ptr(&lw.w_qkv, s),
-                xn,
+                x,
                 qkv,
                 c.q_dim() + 2 * c.kv_dim(),
                 c.hidden_size,
                 false,
+                GemvIn::Norm(ptr(&lw.attn_norm, s)),
             )?;
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
@@ -235,61 +249,81 @@ impl<'g> BaselinePath<'g> {
                 )
             }?;
             let att_smem = ((ATT_THREADS / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
-            // SAFETY: the arguments are the values bl_attention declares, in order (see
-            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-            // path that outlive the launch.
-            unsafe {
-                self.k.attention.launch(
-                    s,
-                    c.num_heads as u32,
-                    ATT_THREADS,
-                    att_smem,
-                    pdl,
-                    &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
-                )
-            }?;
-            self.gemv(ptr(&lw.wo, s), attn, x, c.hidden_size, c.q_dim(), true)?;
-            let norm = ptr(&lw.ffn_norm, s);
-            self.rmsnorm(x, norm, xn)?;
+            if self.att_parts > 1 {
+                let (st, parts) = (ptr(&self.att_parts_st, s), self.att_parts as i32);
+                // SAFETY: the arguments are the values bl_attention_part and bl_attention_merge
+                // declare, in order (see kernels/baseline/baseline.cu), each a live local; the
+                // pointers are device buffers of this path that outlive the launches, `st`
+                // sized heads * parts * (2 + head_dim).
+                unsafe {
+                    self.k.attention_part.launch(
+                        s,
+                        (c.num_heads * self.att_parts) as u32,
+                        ATT_THREADS,
+                        att_smem,
+                        pdl,
+                        &mut kargs![&qkv, &kc, &vc, &st, &meta, &nh, &nkv, &hd, &parts],
+                    )?;
+                    self.k.attention_merge.launch(
+                        s,
+                        c.num_heads as u32,
+                        c.head_dim as u32,
+                        0,
+                        pdl,
+                        &mut kargs![&st, &attn, &hd, &parts],
+                    )?;
+                }
+            } else {
+                // SAFETY: the arguments are the values bl_attention declares, in order (see
+                // kernels/baseline/baseline.cu), each a live local; the pointers are device
+                // buffers of this path that outlive the launch.
+                unsafe {
+                    self.k.attention.launch(
+                        s,
+                        c.num_heads as u32,
+                        ATT_THREADS,
+                        att_smem,
+                        pdl,
+                        &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
+                    )
+                }?;
+            }
+            self.gemv(
+                ptr(&lw.wo, s),
+                attn,
+                x,
+                c.hidden_size,
+                c.q_dim(),
+                true,
+                GemvIn::Plain,
+            )?;
             self.gemv(
                 ptr(&lw.w_gu, s),
-                xn,
+                x,
                 gu,
                 2 * c.intermediate_size,
                 c.hidden_size,
                 false,
+                GemvIn::Norm(ptr(&lw.ffn_norm, s)),
             )?;
-            // SAFETY: the arguments are the values bl_silu_mul declares, in order (see
-            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-            // path that outlive the launch.
-            unsafe {
-                self.k.silu_mul.launch(
-                    s,
-                    (inter as u32).div_ceil(256),
-                    256,
-                    0,
-                    pdl,
-                    &mut kargs![&gu, &act, &inter],
-                )
-            }?;
             self.gemv(
                 ptr(&lw.w_down, s),
-                act,
+                gu,
                 x,
                 c.hidden_size,
                 c.intermediate_size,
                 true,
+                GemvIn::SiluUp,
             )?;
         }
-        let norm = ptr(&self.model.final_norm, s);
-        self.rmsnorm(x, norm, xn)?;
         self.gemv(
             self.model.lm_head_ptr(g),
-            xn,
+            x,
             logits,
             c.vocab_size,
             c.hidden_size,
             false,
+            GemvIn::Norm(ptr(&self.model.final_norm, s)),
         )?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
