@@ -164,3 +164,42 @@ fn split_kv_attention_matches_reference_at_long_positions() {
         }
     }
 }
+
+/// Qwen's extra steps on the graph paths and in batched prefill (kernels/qkv_extras.cuh): q/k
+/// norm (Qwen3) and q/k/v bias (Qwen2) on small random models, every baseline mode
+/// teacher-forced token by token, then a 40-token prompt through batched prefill, against the
+/// CPU reference. The same tolerances as the Llama cases (TOL_SMALL, and prefill's own 1e-2).
+#[test]
+#[ignore = "needs a GPU"]
+fn qwen_steps_on_the_graph_paths_and_prefill_match_reference() {
+    let gpu = gpu();
+    let mut qwen3 = tiny(256, 4, 2, 64, 520);
+    qwen3.qk_norm = true;
+    let mut qwen2 = tiny(192, 3, 1, 64, 520);
+    qwen2.qkv_bias = true;
+    let mut both = tiny(256, 2, 1, 128, 520);
+    both.qk_norm = true;
+    both.qkv_bias = true;
+    let tokens: Vec<u32> = vec![3, 17, 999, 250, 4, 4, 61, 800, 12];
+    let prompt: Vec<u32> = (0..40u32).map(|k| (k * 53 + 7) % 1000).collect();
+    for (label, cfg) in [
+        ("qwen3-qknorm", qwen3),
+        ("qwen2-bias", qwen2),
+        ("both-hd128", both),
+    ] {
+        let w = random_weights(&cfg, 5);
+        check_teacher_forced(&gpu, &cfg, &w, &tokens, label, TOL_SMALL);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let want = CpuForward::new(&cfg, &w, 64).forward(&prompt).unwrap();
+        let mut path = BaselinePath::new(&gpu, &dm, Mode::Graph, 64).unwrap();
+        let got = path.feed(&prompt).unwrap();
+        let err = rel_l2(&got, &want);
+        println!("{label} batched prefill of 40 tokens: rel L2 {err:.2e} (tolerance 1e-2)");
+        assert!(err <= 1e-2, "{label}: prefill rel L2 {err:.2e} > 1e-2");
+        assert_eq!(
+            argmax(&got),
+            argmax(&want),
+            "{label}: prefill argmax differs"
+        );
+    }
+}

@@ -360,29 +360,44 @@ fn run_cli(dir: &Path, device: &str) -> std::process::Output {
         .unwrap()
 }
 
-/// The GPU paths cannot run q/k norm yet: `--device cuda` refuses with the feature named (before
-/// touching a GPU), `--device auto` says so and runs on the CPU.
+/// The megakernel has no q/k norm or q/k/v bias step yet: asked for a Qwen model it hands it to
+/// the graph path (which has them, like prefill and the CPU) and says why; a Llama model keeps
+/// the megakernel, and other paths are kept. Without a GPU, `--device auto` runs Qwen on the CPU.
 #[test]
-fn qwen3_is_refused_on_the_gpu_and_auto_falls_back_to_the_cpu() {
-    let dir = fixtures().join("qwen3_untied_gqa3");
-    let msg = "q/k norm (Qwen3) is not supported on the GPU yet; use --device cpu";
-    let out = run_cli(&dir, "cuda");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains(msg), "{stderr}");
-    let out = run_cli(&dir, "auto");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains(msg) && stderr.contains("falling back to the CPU"),
-        "{stderr}"
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["path"], serde_json::json!("cpu-reference"));
-    let bias = megainfer::model::load(&fixtures().join("qwen2_bias_gqa2")).unwrap();
+fn qwen_models_go_to_the_graph_path_and_auto_runs_them_on_the_cpu_without_a_gpu() {
+    use megainfer::gpu::paths::PathKind;
+    for (dir, feature) in [
+        ("qwen3_untied_gqa3", "q/k norm (Qwen3)"),
+        ("qwen2_bias_gqa2", "q/k/v bias (Qwen2)"),
+    ] {
+        let model = megainfer::model::load(&fixtures().join(dir)).unwrap();
+        let (path, why) = PathKind::Megakernel.for_model(&model.config);
+        assert_eq!(path, PathKind::Graph, "{dir}");
+        assert_eq!(
+            why.as_deref(),
+            Some(
+                format!(
+                    "the megakernel has no {feature} step yet (the graph paths and the CPU have); running on the graph path"
+                )
+                .as_str()
+            )
+        );
+        for other in [PathKind::GraphPdl, PathKind::Graph, PathKind::Eager] {
+            assert_eq!(other.for_model(&model.config), (other, None), "{dir}");
+        }
+    }
+    let llama = megainfer::model::load(&fixtures().join("plain_tied_hd64_mha")).unwrap();
     assert_eq!(
-        bias.config.gpu_unsupported().as_deref(),
-        Some("q/k/v bias (Qwen2) is not supported on the GPU yet; use --device cpu")
+        PathKind::Megakernel.for_model(&llama.config),
+        (PathKind::Megakernel, None)
     );
+    if !megainfer::gpu::available() {
+        let out = run_cli(&fixtures().join("qwen3_untied_gqa3"), "auto");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["path"], serde_json::json!("cpu-reference"));
+    }
 }
 
 /// A golden Qwen case written as llama.cpp lays out a `qwen2` / `qwen3` GGUF: `<arch>.*` keys,

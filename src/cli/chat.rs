@@ -55,7 +55,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     if tok.chat_template.is_none() {
         bail!("{}: this model has no chat template", tok.source);
     }
-    let gpu = choose_gpu(args.common.device, &model.config)?;
+    let gpu = choose_gpu(args.common.device)?;
     let max_context = context_limit(args.common.max_context, &model, gpu.as_ref())?;
     if max_context < 2 {
         bail!("--max-context {max_context}: a chat needs at least 2 tokens of context");
@@ -64,15 +64,19 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));
     if let Some(gpu) = gpu {
+        let (path, why) = args.common.path.for_model(&model.config);
+        if let Some(why) = why {
+            eprintln!("megainfer: {why}");
+        }
         eprintln!(
             "megainfer: chat on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),
-            args.common.path.name(),
+            path.name(),
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
         // A conversation grows towards its context, so the schedule is costed at all of it.
-        let mut backend = GpuPath::new(args.common.path, &gpu, &dm, max_context, max_context)?;
+        let mut backend = GpuPath::new(path, &gpu, &dm, max_context, max_context)?;
         return session.run(&mut backend, stdin.lock(), interactive);
     }
     eprintln!(

@@ -142,24 +142,10 @@ pub(crate) fn context_limit(
 
 /// The GPU to run on, or None for the CPU: `--device cuda` insists (an error says why it
 /// cannot), `auto` takes a usable GPU and otherwise falls back to the CPU, saying why.
-pub(crate) fn choose_gpu(
-    device: DeviceChoice,
-    config: &crate::model::Config,
-) -> Result<Option<Gpu>> {
-    let unsupported = config.gpu_unsupported();
+pub(crate) fn choose_gpu(device: DeviceChoice) -> Result<Option<Gpu>> {
     Ok(match device {
         DeviceChoice::Cpu => None,
-        DeviceChoice::Cuda => match &unsupported {
-            Some(msg) => bail!("{msg}"),
-            None => Some(Gpu::new(0)?),
-        },
-        DeviceChoice::Auto if unsupported.is_some() => {
-            eprintln!(
-                "megainfer: {}; falling back to the CPU",
-                unsupported.as_deref().unwrap_or_default()
-            );
-            None
-        }
+        DeviceChoice::Cuda => Some(Gpu::new(0)?),
         // A GPU the kernels cannot run on (e.g. older than Hopper) leaves the CPU.
         DeviceChoice::Auto if crate::gpu::available() => match Gpu::new(0) {
             Ok(g) => Some(g),
@@ -209,7 +195,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
-    let gpu = choose_gpu(args.common.device, &model.config)?;
+    let gpu = choose_gpu(args.common.device)?;
     let max_context = context_limit(args.common.max_context, &model, gpu.as_ref())?;
     if ids.len() >= max_context {
         bail!(
@@ -225,26 +211,24 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(gpu) = gpu {
+        let (path, why) = args.common.path.for_model(&model.config);
+        if let Some(why) = why {
+            eprintln!("megainfer: {why}");
+        }
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),
-            args.common.path.name(),
+            path.name(),
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
-        let mut backend = GpuPath::new(
-            args.common.path,
-            &gpu,
-            &dm,
-            max_context,
-            ids.len() + max_tokens,
-        )?;
+        let mut backend = GpuPath::new(path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
         if let Some(ms) = args.wait_timeout_ms {
             backend.set_wait_timeout_ms(ms)?;
         }
         let place = RunPlace {
             device: gpu.describe(),
-            path: args.common.path.name(),
+            path: path.name(),
         };
         return finish(args, &model, &mut backend, &ids, max_tokens, params, place);
     }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
@@ -11,7 +11,7 @@ use cudarc::nvrtc::Ptx;
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
-use super::model::{DeviceModel, KvCache};
+use super::model::{enqueue_qkv_extras, DeviceModel, KvCache};
 use super::sources;
 use super::stepping::{self, Sequence, Steps};
 use crate::kargs;
@@ -42,6 +42,7 @@ struct Kernels {
     attention: Kernel,
     attention_part: Kernel,
     attention_merge: Kernel,
+    qkv_extras: Kernel,
     argmax: Kernel,
 }
 
@@ -94,9 +95,6 @@ pub struct BaselinePath<'g> {
 impl<'g> BaselinePath<'g> {
     pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, mode: Mode, max_seq: usize) -> Result<Self> {
         let c = &model.config;
-        if let Some(msg) = c.gpu_unsupported() {
-            bail!("graph baseline: {msg}");
-        }
         let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
         let module = gpu
             .ctx
@@ -109,6 +107,7 @@ impl<'g> BaselinePath<'g> {
             attention: Kernel::load(&module, "bl_attention")?,
             attention_part: Kernel::load(&module, "bl_attention_part")?,
             attention_merge: Kernel::load(&module, "bl_attention_merge")?,
+            qkv_extras: Kernel::load(&module, "qkv_extras")?,
             argmax: Kernel::load(&module, "bl_argmax")?,
         };
         // Enough blocks to cover every SM twice, at most one part per 32 positions.
@@ -233,6 +232,7 @@ impl<'g> BaselinePath<'g> {
                 false,
                 GemvIn::Norm(ptr(&lw.attn_norm, s)),
             )?;
+            enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
             // SAFETY: the arguments are the values bl_rope_kv declares, in order (see

@@ -73,7 +73,7 @@ impl<'g> MegakernelPath<'g> {
         max_seq: usize,
     ) -> Result<Self> {
         let c = &model.config;
-        if let Some(msg) = c.gpu_unsupported() {
+        if let Some(msg) = c.megakernel_unsupported() {
             bail!("megakernel: {msg}");
         }
         if schedule.streams.len() != gpu.sm_count {

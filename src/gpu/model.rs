@@ -24,6 +24,57 @@ pub struct DeviceLayer {
     /// `[2 * intermediate, hidden]`: gate rows, then up rows.
     pub w_gu: CudaSlice<u16>,
     pub w_down: CudaSlice<u16>,
+    /// Qwen2's q/k/v biases, `[q_dim + 2 * kv_dim]` (Q, then K, then V).
+    pub qkv_bias: Option<CudaSlice<u16>>,
+    /// Qwen3's per-head RMS norms of q and k, `[head_dim]` each.
+    pub q_norm: Option<CudaSlice<u16>>,
+    pub k_norm: Option<CudaSlice<u16>>,
+}
+
+/// Enqueues `qkv_extras` (kernels/qkv_extras.cuh, loaded as `kernel`) on `rows` rows of the
+/// f32 QKV product at `qkv` for layer `lw`; nothing for a layer without biases or q/k norms.
+pub fn enqueue_qkv_extras(
+    kernel: &super::launch::Kernel,
+    gpu: &Gpu,
+    config: &Config,
+    lw: &DeviceLayer,
+    qkv: u64,
+    rows: usize,
+    pdl: bool,
+) -> Result<()> {
+    let Some([bias, q_norm, k_norm]) = lw.qkv_extras(gpu) else {
+        return Ok(());
+    };
+    let (nh, nkv, hd) = (
+        config.num_heads as i32,
+        config.num_kv_heads as i32,
+        config.head_dim as i32,
+    );
+    let eps = config.rms_norm_eps;
+    let blocks = rows * (config.num_heads + 2 * config.num_kv_heads);
+    // SAFETY: the arguments are qkv_extras' parameters, in order; qkv holds `rows` rows of
+    // (heads + 2 * kv_heads) * head_dim floats, and bias / q_norm / k_norm are this layer's
+    // buffers of the widths the kernel reads, or 0 where the model has none.
+    unsafe {
+        kernel.launch(
+            &gpu.stream,
+            blocks as u32,
+            config.head_dim as u32,
+            0,
+            pdl,
+            &mut crate::kargs![&qkv, &nh, &nkv, &hd, &bias, &q_norm, &k_norm, &eps],
+        )
+    }
+}
+
+impl DeviceLayer {
+    /// Device pointers (bias, q_norm, k_norm; 0 where absent) for `qkv_extras`
+    /// (kernels/qkv_extras.cuh), or `None` when the layer has none of them (Llama).
+    pub fn qkv_extras(&self, gpu: &Gpu) -> Option<[u64; 3]> {
+        let p = |b: &Option<CudaSlice<u16>>| b.as_ref().map_or(0, |b| ptr(b, &gpu.stream));
+        let ptrs = [p(&self.qkv_bias), p(&self.q_norm), p(&self.k_norm)];
+        ptrs.iter().any(|&x| x != 0).then_some(ptrs)
+    }
 }
 
 pub struct DeviceModel {
@@ -40,9 +91,6 @@ pub struct DeviceModel {
 
 impl DeviceModel {
     pub fn upload(gpu: &Gpu, config: &Config, w: &Weights) -> Result<Self> {
-        if let Some(msg) = config.gpu_unsupported() {
-            bail!("{msg}");
-        }
         if !config.hidden_size.is_multiple_of(8)
             || !config.intermediate_size.is_multiple_of(8)
             || !config.q_dim().is_multiple_of(8)
@@ -71,6 +119,21 @@ impl DeviceModel {
                         &format!("layer {i} gate/up"),
                     )?,
                     w_down: gpu.upload(raw(&l.w_down), &format!("layer {i} down_proj"))?,
+                    qkv_bias: match &l.qkv_bias {
+                        Some(b) => Some(gpu.upload(
+                            &concat(&[&b.q, &b.k, &b.v]),
+                            &format!("layer {i} qkv bias"),
+                        )?),
+                        None => None,
+                    },
+                    q_norm: match &l.q_norm {
+                        Some(n) => Some(gpu.upload(raw(n), &format!("layer {i} q_norm"))?),
+                        None => None,
+                    },
+                    k_norm: match &l.k_norm {
+                        Some(n) => Some(gpu.upload(raw(n), &format!("layer {i} k_norm"))?),
+                        None => None,
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;

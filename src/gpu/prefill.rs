@@ -22,7 +22,7 @@ use cudarc::nvrtc::Ptx;
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
-use super::model::{DeviceModel, KvCache};
+use super::model::{enqueue_qkv_extras, DeviceModel, KvCache};
 use crate::kargs;
 use crate::model::Config;
 
@@ -91,6 +91,7 @@ struct Kernels {
     rope_kv: Kernel,
     silu_mul: Kernel,
     attention: Kernel,
+    qkv_extras: Kernel,
 }
 
 /// A chunk's activations, `cap` tokens wide.
@@ -146,9 +147,6 @@ pub fn cublas_present() -> bool {
 
 impl Prefill {
     pub fn new(gpu: &Gpu, c: &Config) -> Result<Self> {
-        if let Some(msg) = c.gpu_unsupported() {
-            bail!("GPU prefill: {msg}");
-        }
         if c.head_dim != 64 && c.head_dim != 128 {
             bail!("prefill supports head_dim 64 or 128, not {}", c.head_dim);
         }
@@ -181,6 +179,7 @@ impl Prefill {
                 rope_kv: Kernel::load(&module, "pf_rope_kv")?,
                 silu_mul: Kernel::load(&module, "pf_silu_mul")?,
                 attention,
+                qkv_extras: Kernel::load(&module, "qkv_extras")?,
             },
             _module: module,
             attn_smem,
@@ -365,6 +364,7 @@ impl Prefill {
             let (kc, vc) = (kv.k + off, kv.v + off);
             self.rmsnorm(gpu, x, ptr(&lw.attn_norm, s), xn, h, 0, t, eps)?;
             self.gemm(ptr(&lw.w_qkv, s), xn, qkv, qd + 2 * kvd, h, t, false)?;
+            enqueue_qkv_extras(&self.k.qkv_extras, gpu, c, lw, qkv, t, false)?;
             // SAFETY: the arguments are pf_rope_kv's parameters in kernels/prefill/prefill.cu, in
             // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
             unsafe {

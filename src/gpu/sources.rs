@@ -5,6 +5,8 @@ use super::megakernel::{abi, layout};
 const COMMON: &str = include_str!("../../megakernel/common.cuh");
 /// RoPE's angle, shared by every path (and tested alone against f64: tests/gpu_rope.rs).
 pub const ROPE: &str = include_str!("../../kernels/rope.cuh");
+/// Qwen's q/k/v bias and q/k norm, shared by the graph baseline and prefill.
+const QKV_EXTRAS: &str = include_str!("../../kernels/qkv_extras.cuh");
 const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
@@ -29,12 +31,12 @@ const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
 pub fn baseline() -> String {
-    [COMMON, ROPE, BASELINE_ATTENTION, BASELINE].join("\n")
+    [COMMON, ROPE, QKV_EXTRAS, BASELINE_ATTENTION, BASELINE].join("\n")
 }
 
 /// Batched prefill's kernels (src/gpu/prefill.rs).
 pub fn prefill() -> String {
-    [ROPE, PREFILL].join("\n")
+    [ROPE, QKV_EXTRAS, PREFILL].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention

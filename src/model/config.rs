@@ -95,9 +95,9 @@ impl Config {
         Ok(())
     }
 
-    /// The first feature of this model the GPU paths cannot run yet, as a message that says
-    /// what to do instead; `None` when every path runs it.
-    pub fn gpu_unsupported(&self) -> Option<String> {
+    /// The first feature of this model the megakernel cannot run yet (the graph paths, prefill
+    /// and the CPU run every supported architecture), as a message; `None` when it runs it.
+    pub fn megakernel_unsupported(&self) -> Option<String> {
         let feature = if self.qk_norm {
             "q/k norm (Qwen3)"
         } else if self.qkv_bias {
@@ -106,7 +106,7 @@ impl Config {
             return None;
         };
         Some(format!(
-            "{feature} is not supported on the GPU yet; use --device cpu"
+            "the megakernel has no {feature} step yet (the graph paths and the CPU have)"
         ))
     }
 

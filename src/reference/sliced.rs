@@ -67,7 +67,7 @@ impl<'a> SlicedMachine<'a> {
         max_seq: usize,
     ) -> Result<Self> {
         // The schedule's instruction set has no q/k/v bias or per-head norm step yet.
-        if let Some(msg) = cfg.gpu_unsupported() {
+        if let Some(msg) = cfg.megakernel_unsupported() {
             bail!("sliced executor: {msg}");
         }
         if schedule.model != shape_of(cfg) {
