@@ -90,19 +90,24 @@ fi
 # BENCH=long (not in BENCH=1): 64 new tokens after a prompt filling the context to 8K, 32K and
 # (LONG_128K=1) 128K on the Llama-3.2-1B shape and to 8K on SmolLM2, megakernel (profiled) and
 # graph, with the (weights + KV) floor; LONG_LENS overrides the Llama lengths.
-# BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long picks.
+# BENCH=qwen (not in BENCH=1): the Qwen3-0.6B and Qwen2.5-0.5B shapes on every path.
+# AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
+# BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
 if [ "${BENCH:-0}" != 0 ]; then
   echo
   echo "=== benchmarks ==="
   row() { grep -E "^\| *$2 " "$1" | head -1; }
+  AB_PATHS=${AB_PATHS:-megakernel}
   for preset in llama-3.2-1b smollm2-135m; do
     bench_on ab || continue
     for i in 1 2; do
       for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
         log="$OUT/bench-ab-$preset-$(basename "$bin")-$i.log"
-        "$bin" bench --preset "$preset" --paths megakernel --reps 5 > "$log" 2>&1
-        echo "$preset $(basename "$bin") run $i: $(row "$log" megakernel)"
+        "$bin" bench --preset "$preset" --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
+        for p in ${AB_PATHS//,/ }; do
+          echo "$preset $(basename "$bin") run $i: $(row "$log" "$p")"
+        done
       done
     done
   done
@@ -133,9 +138,16 @@ if [ "${BENCH:-0}" != 0 ]; then
       preset=${spec%%:*}; len=${spec##*:}
       log="$OUT/bench-long-$preset-$len.log"
       "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len $((len - 65)) --gen 64 --reps 3 \
-        --paths megakernel,graph --profile > "$log" 2>&1
+        --paths "${LONG_PATHS:-megakernel,graph}" --profile > "$log" 2>&1
       echo "$preset context $len: $(grep -E '^device' "$log" | grep -oE 'floor [0-9.]+ ms/token')"
-      grep -E "^\| (megakernel|graph) " "$log"
+      grep -E "^\| (megakernel|graph|graph-pdl|eager) " "$log"
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",qwen,"* ]]; then
+    for preset in qwen3-0.6b qwen2.5-0.5b; do
+      log="$OUT/bench-qwen-$preset.log"
+      "$MEGAINFER_BIN" bench --preset "$preset" --reps 3 --paths all > "$log" 2>&1
+      echo "$preset:"; grep -E "^\| |skipping" "$log" | grep -v "^| path\|^| ---"
     done
   fi
   if [ "${PEERS:-0}" = 1 ]; then
