@@ -15,6 +15,34 @@ extern "C" __global__ void bl_embed(const bf16_t* embed, const TokenMeta* meta, 
         x[i] = bf16_to_f32(row[i]);
 }
 
+// One block: out = x / rms(x) * w (when the norm is not folded into bl_gemv).
+extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
+    __shared__ float partial[32];
+    pdl_launch_next();
+    pdl_wait();
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = rsqrtf(v / n + eps);
+    }
+    __syncthreads();
+    float scale = partial[0];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * bf16_to_f32(w[i]);
+}
+
+// act = silu(gate) * up, with gu = [gate; up] (when not folded into bl_gemv).
+extern "C" __global__ void bl_silu_mul(const float* gu, float* act, int inter) {
+    pdl_launch_next();
+    pdl_wait();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < inter; i += gridDim.x * blockDim.x)
+        act[i] = silu(gu[i]) * gu[inter + i];
+}
+
 #define GEMV_ROWS_PER_WARP 2
 #define GEMV_UNROLL 4
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
@@ -37,6 +37,8 @@ impl Mode {
 
 struct Kernels {
     embed: Kernel,
+    rmsnorm: Kernel,
+    silu_mul: Kernel,
     gemv: Kernel,
     rope_kv: Kernel,
     attention: Kernel,
@@ -54,6 +56,36 @@ const ATT_THREADS: u32 = 128;
 const SPLIT_KV_FROM: usize = 2048;
 /// Split-KV parts per head at most.
 const MAX_ATT_PARTS: usize = 64;
+
+/// Which elementwise steps `bl_gemv` folds into its input staging instead of running them as
+/// kernels of their own. Both by default; `MEGAINFER_BASELINE_FUSION` (`norm,silu`, `norm`,
+/// `silu` or `none`) picks, for measuring the variants.
+#[derive(Clone, Copy, Debug)]
+struct Fusion {
+    norm: bool,
+    silu: bool,
+}
+
+impl Fusion {
+    fn from_env() -> Result<Self> {
+        let v = std::env::var("MEGAINFER_BASELINE_FUSION").unwrap_or_else(|_| "norm,silu".into());
+        let mut f = Fusion {
+            norm: false,
+            silu: false,
+        };
+        for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part {
+                "norm" => f.norm = true,
+                "silu" => f.silu = true,
+                "none" => {}
+                other => {
+                    bail!("MEGAINFER_BASELINE_FUSION: unknown step '{other}' (norm, silu or none)")
+                }
+            }
+        }
+        Ok(f)
+    }
+}
 
 /// How `bl_gemv` forms its input vector (GEMV_IN_* in kernels/baseline/baseline.cu).
 #[derive(Clone, Copy)]
@@ -73,6 +105,10 @@ pub struct BaselinePath<'g> {
     _module: Arc<CudaModule>,
     kv: KvCache,
     x: CudaSlice<f32>,
+    /// The normed hidden and the MLP activation, for the steps not folded into bl_gemv.
+    xn: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    fusion: Fusion,
     qkv: CudaSlice<f32>,
     attn: CudaSlice<f32>,
     gu: CudaSlice<f32>,
@@ -102,6 +138,8 @@ impl<'g> BaselinePath<'g> {
             .context("loading the baseline CUBIN")?;
         let k = Kernels {
             embed: Kernel::load(&module, "bl_embed")?,
+            rmsnorm: Kernel::load(&module, "bl_rmsnorm")?,
+            silu_mul: Kernel::load(&module, "bl_silu_mul")?,
             gemv: Kernel::load(&module, "bl_gemv")?,
             rope_kv: Kernel::load(&module, "bl_rope_kv")?,
             attention: Kernel::load(&module, "bl_attention")?,
@@ -110,9 +148,10 @@ impl<'g> BaselinePath<'g> {
             qkv_extras: Kernel::load(&module, "qkv_extras")?,
             argmax: Kernel::load(&module, "bl_argmax")?,
         };
-        // Enough blocks to cover every SM twice, at most one part per 32 positions.
+        // Enough blocks for eight per SM (the warps' loads are latency-bound, so the more in
+        // flight the better), at most one part per 32 positions.
         let att_parts = if max_seq > SPLIT_KV_FROM {
-            (2 * gpu.sm_count)
+            (8 * gpu.sm_count)
                 .div_ceil(c.num_heads)
                 .clamp(2, MAX_ATT_PARTS)
                 .min(max_seq.div_ceil(32))
@@ -125,6 +164,9 @@ impl<'g> BaselinePath<'g> {
         let mut p = Self {
             kv: KvCache::new(gpu, c, max_seq)?,
             x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
+            xn: gpu.alloc_zeros(c.hidden_size, "normed hidden")?,
+            act: gpu.alloc_zeros(c.intermediate_size, "mlp activation")?,
+            fusion: Fusion::from_env()?,
             qkv: gpu.alloc_zeros(qkv_rows, "qkv")?,
             attn: gpu.alloc_zeros(c.q_dim(), "attention output")?,
             gu: gpu.alloc_zeros(2 * c.intermediate_size, "gate/up")?,
@@ -187,6 +229,53 @@ impl<'g> BaselinePath<'g> {
         }
     }
 
+    /// The input of a mat-vec that reads the RMS norm of x: x itself with the norm folded in,
+    /// or xn after a norm kernel.
+    fn normed(&self, x: u64, norm: u64) -> Result<(u64, GemvIn)> {
+        if self.fusion.norm {
+            return Ok((x, GemvIn::Norm(norm)));
+        }
+        let c = &self.model.config;
+        let (hidden, eps) = (c.hidden_size as i32, c.rms_norm_eps);
+        let xn = ptr(&self.xn, &self.gpu.stream);
+        // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; x, norm and xn hold hidden elements.
+        unsafe {
+            self.k.rmsnorm.launch(
+                &self.gpu.stream,
+                1,
+                1024,
+                0,
+                self.pdl(),
+                &mut kargs![&x, &norm, &xn, &hidden, &eps],
+            )
+        }?;
+        Ok((xn, GemvIn::Plain))
+    }
+
+    /// The input of the down projection: gu = [gate; up] with SiLU·up folded in, or act after
+    /// a kernel of its own.
+    fn silu_up(&self, gu: u64) -> Result<(u64, GemvIn)> {
+        if self.fusion.silu {
+            return Ok((gu, GemvIn::SiluUp));
+        }
+        let inter = self.model.config.intermediate_size as i32;
+        let act = ptr(&self.act, &self.gpu.stream);
+        // SAFETY: the arguments are the values bl_silu_mul declares, in order (see
+        // kernels/baseline/baseline.cu), each a live local; gu holds 2 * inter floats, act inter.
+        unsafe {
+            self.k.silu_mul.launch(
+                &self.gpu.stream,
+                (inter as u32).div_ceil(256),
+                256,
+                0,
+                self.pdl(),
+                &mut kargs![&gu, &act, &inter],
+            )
+        }?;
+        Ok((act, GemvIn::Plain))
+    }
+
     fn pdl(&self) -> bool {
         self.mode == Mode::GraphPdl
     }
@@ -223,14 +312,15 @@ impl<'g> BaselinePath<'g> {
         }?;
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
+            let (input, how) = self.normed(x, ptr(&lw.attn_norm, s))?;
             self.gemv(
                 ptr(&lw.w_qkv, s),
-                x,
+                input,
                 qkv,
                 c.q_dim() + 2 * c.kv_dim(),
                 c.hidden_size,
                 false,
-                GemvIn::Norm(ptr(&lw.attn_norm, s)),
+                how,
             )?;
             enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
             let off = (l * self.kv.layer_stride * 2) as u64;
@@ -297,33 +387,36 @@ impl<'g> BaselinePath<'g> {
                 true,
                 GemvIn::Plain,
             )?;
+            let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
             self.gemv(
                 ptr(&lw.w_gu, s),
-                x,
+                input,
                 gu,
                 2 * c.intermediate_size,
                 c.hidden_size,
                 false,
-                GemvIn::Norm(ptr(&lw.ffn_norm, s)),
+                how,
             )?;
+            let (input, how) = self.silu_up(gu)?;
             self.gemv(
                 ptr(&lw.w_down, s),
-                gu,
+                input,
                 x,
                 c.hidden_size,
                 c.intermediate_size,
                 true,
-                GemvIn::SiluUp,
+                how,
             )?;
         }
+        let (input, how) = self.normed(x, ptr(&self.model.final_norm, s))?;
         self.gemv(
             self.model.lm_head_ptr(g),
-            x,
+            input,
             logits,
             c.vocab_size,
             c.hidden_size,
             false,
-            GemvIn::Norm(ptr(&self.model.final_norm, s)),
+            how,
         )?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
