@@ -165,6 +165,57 @@ fn split_kv_attention_matches_reference_at_long_positions() {
     }
 }
 
+fn qwen_cases() -> [(&'static str, Config); 3] {
+    let mut qwen3 = tiny(256, 4, 2, 64, 520);
+    qwen3.qk_norm = true;
+    let mut qwen2 = tiny(192, 3, 1, 64, 520);
+    qwen2.qkv_bias = true;
+    let mut both = tiny(256, 2, 1, 128, 520);
+    both.qk_norm = true;
+    both.qkv_bias = true;
+    [
+        ("qwen3-qknorm", qwen3),
+        ("qwen2-bias", qwen2),
+        ("both-hd128", both),
+    ]
+}
+
+fn qwen_tokens() -> Vec<u32> {
+    vec![3, 17, 999, 250, 4, 4, 61, 800, 12]
+}
+
+/// The Qwen cases below can tell a path with the extra steps from one without: on the CPU
+/// reference, dropping the q/k norms and biases changes their logits by far more than the
+/// tolerance. Runs without a GPU.
+#[test]
+fn qwen_cases_depend_on_their_extra_steps() {
+    for (label, cfg) in qwen_cases() {
+        let w = random_weights(&cfg, 5);
+        let want = CpuForward::new(&cfg, &w, 64)
+            .forward_all(&qwen_tokens())
+            .unwrap();
+        let mut plain_cfg = cfg.clone();
+        plain_cfg.qk_norm = false;
+        plain_cfg.qkv_bias = false;
+        let mut plain_w = w.clone();
+        for l in &mut plain_w.layers {
+            l.q_norm = None;
+            l.k_norm = None;
+            l.qkv_bias = None;
+        }
+        let without = CpuForward::new(&plain_cfg, &plain_w, 64)
+            .forward_all(&qwen_tokens())
+            .unwrap();
+        let worst = want
+            .iter()
+            .zip(&without)
+            .map(|(a, b)| rel_l2(b, a))
+            .fold(0f64, f64::max);
+        println!("{label}: without the extra steps, worst rel L2 {worst:.2e}");
+        assert!(worst > 10.0 * TOL_SMALL, "{label}: {worst:.2e}");
+    }
+}
+
 /// Qwen's extra steps on the graph paths and in batched prefill (kernels/qkv_extras.cuh): q/k
 /// norm (Qwen3) and q/k/v bias (Qwen2) on small random models, every baseline mode
 /// teacher-forced token by token, then a 40-token prompt through batched prefill, against the
@@ -173,20 +224,9 @@ fn split_kv_attention_matches_reference_at_long_positions() {
 #[ignore = "needs a GPU"]
 fn qwen_steps_on_the_graph_paths_and_prefill_match_reference() {
     let gpu = gpu();
-    let mut qwen3 = tiny(256, 4, 2, 64, 520);
-    qwen3.qk_norm = true;
-    let mut qwen2 = tiny(192, 3, 1, 64, 520);
-    qwen2.qkv_bias = true;
-    let mut both = tiny(256, 2, 1, 128, 520);
-    both.qk_norm = true;
-    both.qkv_bias = true;
-    let tokens: Vec<u32> = vec![3, 17, 999, 250, 4, 4, 61, 800, 12];
+    let tokens = qwen_tokens();
     let prompt: Vec<u32> = (0..40u32).map(|k| (k * 53 + 7) % 1000).collect();
-    for (label, cfg) in [
-        ("qwen3-qknorm", qwen3),
-        ("qwen2-bias", qwen2),
-        ("both-hd128", both),
-    ] {
+    for (label, cfg) in qwen_cases() {
         let w = random_weights(&cfg, 5);
         check_teacher_forced(&gpu, &cfg, &w, &tokens, label, TOL_SMALL);
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
