@@ -41,6 +41,9 @@ pub struct ChatArgs {
     pub json: bool,
 }
 
+/// The longest conversation the megakernel's schedule is costed for (see `run`).
+const CHAT_SCHEDULE_CONTEXT: usize = 4096;
+
 pub fn run(args: &ChatArgs) -> Result<()> {
     let params = args.common.sampling.params(args.common.seed)?;
     if args.max_tokens == 0 {
@@ -75,8 +78,12 @@ pub fn run(args: &ChatArgs) -> Result<()> {
             KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
-        // A conversation grows towards its context, so the schedule is costed at all of it.
-        let mut backend = GpuPath::new(path, &gpu, &dm, max_context, max_context)?;
+        // The megakernel's schedule is costed at the length a conversation is expected to reach:
+        // all of the context, up to CHAT_SCHEDULE_CONTEXT. Costed at a 128K-token context, every
+        // short turn would pay for attention split into many parts; a conversation that runs
+        // longer stays correct, with fewer parts than its length would want.
+        let expected = max_context.min(CHAT_SCHEDULE_CONTEXT);
+        let mut backend = GpuPath::new(path, &gpu, &dm, max_context, expected)?;
         return session.run(&mut backend, stdin.lock(), interactive);
     }
     eprintln!(
