@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use half::bf16;
 use rayon::prelude::*;
 
-use super::ops::{attend, qkv_extras, rope, round_bf16, silu, widen};
+use super::ops::{attend, has_avx2_fma, qkv_extras, rope, round_bf16, silu, widen};
 use super::CpuForward;
 
 /// Default tokens per chunk: activations of a chunk stay a few MB for 1B-class models, and a
@@ -97,17 +97,6 @@ mod avx2 {
             }
         }
         out
-    }
-}
-
-fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }
 
