@@ -287,9 +287,9 @@ mod tests {
             let (_, x) = data(n, 7 * n as u32);
             let one = matmul(&w, n, std::slice::from_ref(&x)).remove(0);
             let many = matmul(&w, n, &[x.clone(), x.clone(), x.clone()]);
-            for t in 0..3 {
+            for (t, m) in many.iter().enumerate() {
                 let a: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
-                let b: Vec<u32> = many[t].iter().map(|v| v.to_bits()).collect();
+                let b: Vec<u32> = m.iter().map(|v| v.to_bits()).collect();
                 assert_eq!(a, b, "n = {n}, vector {t}");
             }
             for (r, got) in one.iter().enumerate() {
