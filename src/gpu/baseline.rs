@@ -137,7 +137,23 @@ pub struct BaselinePath<'g> {
 }
 
 impl<'g> BaselinePath<'g> {
+    /// A path whose KV cache holds `max_seq` positions, its attention chosen for sequences
+    /// that may reach all of them.
     pub fn new(gpu: &'g Gpu, model: &'g DeviceModel, mode: Mode, max_seq: usize) -> Result<Self> {
+        Self::new_for(gpu, model, mode, max_seq, max_seq)
+    }
+
+    /// As [`Self::new`], the attention chosen for sequences expected to reach `expected_len`
+    /// positions: split-KV only when that is over SPLIT_KV_FROM, since at short lengths the
+    /// merge kernel costs more than the split gains. Longer sequences still run, on one block
+    /// per head.
+    pub fn new_for(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        mode: Mode,
+        max_seq: usize,
+        expected_len: usize,
+    ) -> Result<Self> {
         let c = &model.config;
         let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
         let module = gpu
@@ -157,7 +173,7 @@ impl<'g> BaselinePath<'g> {
             argmax: Kernel::load(&module, "bl_argmax")?,
         };
         // Enough blocks to cover every SM twice, at most one part per 32 positions.
-        let att_parts = if max_seq > SPLIT_KV_FROM {
+        let att_parts = if expected_len.min(max_seq) > SPLIT_KV_FROM {
             (2 * gpu.sm_count)
                 .div_ceil(c.num_heads)
                 .clamp(2, MAX_ATT_PARTS)

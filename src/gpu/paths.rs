@@ -69,8 +69,9 @@ pub enum GpuPath<'g> {
 
 impl<'g> GpuPath<'g> {
     /// `max_seq` sizes the KV cache; `expected_len` is the length the sequence is expected to
-    /// reach, which the megakernel's schedule is costed at: splitting attention for a 4096-token
-    /// cache costs a 40-token answer a reduction stage per layer for nothing.
+    /// reach, which the megakernel's schedule is costed at and the graph paths choose their
+    /// attention for: splitting attention for a 4096-token cache costs a 40-token answer a
+    /// reduction stage per layer for nothing.
     pub fn new(
         kind: PathKind,
         gpu: &'g Gpu,
@@ -90,8 +91,12 @@ impl<'g> GpuPath<'g> {
             PathKind::Graph => Mode::Graph,
             PathKind::Eager => Mode::Eager,
         };
-        Ok(Self::Baseline(Box::new(BaselinePath::new(
-            gpu, model, mode, max_seq,
+        Ok(Self::Baseline(Box::new(BaselinePath::new_for(
+            gpu,
+            model,
+            mode,
+            max_seq,
+            expected_len,
         )?)))
     }
 
