@@ -5,13 +5,13 @@
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu, tiny};
+use gpu_common::{check_positions, gpu, prompt_then_steps, tiny};
 
 use megainfer::generate::Backend;
 use megainfer::gpu::model::DeviceModel;
 use megainfer::gpu::paths::{GpuPath, PathKind};
 use megainfer::model::random::random_weights;
-use megainfer::reference::{rel_l2, CpuForward};
+use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
 
 /// The prompt goes through batched prefill (its K/V rounded as prefill computes them), as in
@@ -33,27 +33,11 @@ fn teacher_forced_past_16k_positions() {
     let prompt: Vec<u32> = (0..LEN as u32).map(|k| (k * 131 + 17) % 1000).collect();
     let steps = [5u32, 600, 999, 1];
     let mut cpu = CpuForward::new(&cfg, &w, MAX_SEQ);
-    let mut want = vec![cpu.forward(&prompt).unwrap()];
-    for &t in &steps {
-        want.push(cpu.forward(&[t]).unwrap());
-    }
+    let want = prompt_then_steps(&mut cpu, &prompt, &steps);
     for kind in PathKind::ALL {
         let mut path = GpuPath::new(kind, &gpu, &dm, MAX_SEQ, MAX_SEQ).unwrap();
-        let mut got = vec![path.feed(&prompt).unwrap()];
-        for &t in &steps {
-            got.push(path.feed(&[t]).unwrap());
-        }
-        let mut worst = 0f64;
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            let err = rel_l2(g, w);
-            worst = worst.max(err);
-            assert!(
-                err <= TOL_LONG,
-                "{} at position {}: rel L2 {err:.2e} > {TOL_LONG:.0e}",
-                kind.name(),
-                LEN - 1 + i
-            );
-        }
+        let got = prompt_then_steps(&mut path, &prompt, &steps);
+        let worst = check_positions(kind.name(), &got, &want, LEN - 1, TOL_LONG);
         println!(
             "{} positions {}..{}: worst rel L2 {worst:.2e} (tolerance {TOL_LONG:.0e})",
             kind.name(),

@@ -4,7 +4,7 @@
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
 mod gpu_common;
-use gpu_common::{gpu, small_cases, tiny};
+use gpu_common::{check_positions, gpu, prompt_then_steps, small_cases, tiny};
 use megainfer::reference::rel_l2;
 
 use megainfer::generate::Backend;
@@ -125,39 +125,16 @@ fn split_kv_attention_matches_reference_at_long_positions() {
         let w = random_weights(&cfg, 31);
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
         let prompt: Vec<u32> = (0..LEN as u32).map(|k| (k * 37 + 11) % 1000).collect();
-        let mut cpu = CpuForward::new(&cfg, &w, MAX_SEQ);
-        let mut want = vec![cpu.forward(&prompt).unwrap()];
         let steps: Vec<u32> = vec![7, 300, 999, 42];
-        for &t in &steps {
-            want.push(cpu.forward(&[t]).unwrap());
-        }
+        let mut cpu = CpuForward::new(&cfg, &w, MAX_SEQ);
+        let want = prompt_then_steps(&mut cpu, &prompt, &steps);
         for mode in MODES {
             let mut path = BaselinePath::new(&gpu, &dm, mode, MAX_SEQ).unwrap();
-            let mut got = vec![path.feed(&prompt).unwrap()];
-            for &t in &steps {
-                got.push(path.feed(&[t]).unwrap());
-            }
-            let mut worst = 0f64;
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let err = rel_l2(g, w);
-                worst = worst.max(err);
-                assert!(
-                    err <= TOL_SPLIT_KV,
-                    "{label} {}: position {} rel L2 {err:.2e} > {TOL_SPLIT_KV:.0e}",
-                    mode.name(),
-                    LEN - 1 + i
-                );
-                assert_eq!(
-                    argmax(g),
-                    argmax(w),
-                    "{label} {}: argmax differs at position {}",
-                    mode.name(),
-                    LEN - 1 + i
-                );
-            }
+            let got = prompt_then_steps(&mut path, &prompt, &steps);
+            let label = format!("{label} {}", mode.name());
+            let worst = check_positions(&label, &got, &want, LEN - 1, TOL_SPLIT_KV);
             println!(
-                "{label} {} split-KV, positions {}..{}: worst rel L2 {worst:.2e} (tolerance {TOL_SPLIT_KV:.0e})",
-                mode.name(),
+                "{label} split-KV, positions {}..{}: worst rel L2 {worst:.2e} (tolerance {TOL_SPLIT_KV:.0e})",
                 LEN - 1,
                 LEN - 1 + steps.len()
             );

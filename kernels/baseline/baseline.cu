@@ -15,13 +15,10 @@ extern "C" __global__ void bl_embed(const bf16_t* embed, const TokenMeta* meta, 
         x[i] = bf16_to_f32(row[i]);
 }
 
-// One block: out = x / rms(x) * w (when the norm is not folded into bl_gemv).
-extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
-    __shared__ float partial[32];
-    pdl_launch_next();
-    pdl_wait();
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+// 1 / sqrt(mean of squares + eps) over n elements, from each thread's partial sum of squares
+// `ss`: warp sums, then the first warp over them; every thread gets the result. `partial`: 32
+// floats of shared memory.
+__device__ __forceinline__ float block_inv_rms(float ss, int n, float eps, float* partial) {
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
     __syncthreads();
@@ -31,7 +28,17 @@ extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* ou
         if (threadIdx.x == 0) partial[0] = rsqrtf(v / n + eps);
     }
     __syncthreads();
-    float scale = partial[0];
+    return partial[0];
+}
+
+// One block: out = x / rms(x) * w (when the norm is not folded into bl_gemv).
+extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
+    __shared__ float partial[32];
+    pdl_launch_next();
+    pdl_wait();
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    const float scale = block_inv_rms(ss, n, eps, partial);
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * bf16_to_f32(w[i]);
 }
 
@@ -77,17 +84,7 @@ extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, in
             ss += v * v;
         }
         if (mode == GEMV_IN_NORM) {
-            // Warp sums, then the first warp over them.
-            ss = warp_sum(ss);
-            if (lane == 0) partial[warp] = ss;
-            __syncthreads();
-            if (threadIdx.x < 32) {
-                float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-                v = warp_sum(v);
-                if (threadIdx.x == 0) partial[0] = rsqrtf(v / cols + eps);
-            }
-            __syncthreads();
-            const float scale = partial[0];
+            const float scale = block_inv_rms(ss, cols, eps, partial);
             for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = xs[i] * scale * bf16_to_f32(norm[i]);
         }
     }

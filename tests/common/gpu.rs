@@ -47,3 +47,45 @@ pub fn small_cases() -> Vec<(String, Config, megainfer::model::Weights, Vec<u32>
     })
     .collect()
 }
+
+/// Logits after `prompt` (one call: batched prefill on the GPU paths) and after each of
+/// `steps` fed one at a time.
+pub fn prompt_then_steps(
+    path: &mut dyn megainfer::generate::Backend,
+    prompt: &[u32],
+    steps: &[u32],
+) -> Vec<Vec<f32>> {
+    let mut out = vec![path.feed(prompt).unwrap()];
+    for &t in steps {
+        out.push(path.feed(&[t]).unwrap());
+    }
+    out
+}
+
+/// Checks each of `got` against `want` (the logits at positions `first_pos`, `first_pos + 1`,
+/// …) within `tol`, with equal argmax; returns the worst relative L2 error.
+pub fn check_positions(
+    label: &str,
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+    first_pos: usize,
+    tol: f64,
+) -> f64 {
+    let mut worst = 0f64;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = megainfer::reference::rel_l2(g, w);
+        worst = worst.max(err);
+        assert!(
+            err <= tol,
+            "{label}: position {} rel L2 {err:.2e} > {tol:.0e}",
+            first_pos + i
+        );
+        assert_eq!(
+            megainfer::sampling::argmax(g),
+            megainfer::sampling::argmax(w),
+            "{label}: argmax differs at position {}",
+            first_pos + i
+        );
+    }
+    worst
+}
