@@ -60,6 +60,8 @@ pub struct GenerationStats {
     /// Time spent producing tokens 2..n (one forward step each).
     pub decode_time: Duration,
     pub stopped_on_eos: bool,
+    /// Stopped by Ctrl-C (see [`crate::interrupt`]).
+    pub interrupted: bool,
 }
 
 impl GenerationStats {
@@ -114,11 +116,13 @@ pub fn generate_after(
         time_to_first_token: Duration::ZERO,
         decode_time: Duration::ZERO,
         stopped_on_eos: false,
+        interrupted: false,
     };
     if max_tokens == 0 {
         return Ok(stats);
     }
     let greedy = sampler.params().is_greedy();
+    let generating = crate::interrupt::Generating::begin();
     sampler.reset();
     sampler.accept(cached);
     sampler.accept(prompt);
@@ -134,6 +138,10 @@ pub fn generate_after(
             break;
         }
         if stats.generated == max_tokens {
+            break;
+        }
+        if generating.stop_requested() {
+            stats.interrupted = true;
             break;
         }
         sampler.accept(&[token]);

@@ -35,8 +35,18 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Run(a) => cli::run::run(a),
-        Command::Chat(a) => cli::chat::run(a),
+        Command::Run(a) => {
+            megainfer::interrupt::install();
+            cli::run::run(a).map(|()| {
+                if megainfer::interrupt::was_interrupted() {
+                    std::process::exit(130);
+                }
+            })
+        }
+        Command::Chat(a) => {
+            megainfer::interrupt::install();
+            cli::chat::run(a)
+        }
         Command::Bench(a) => cli::bench::run(a),
         Command::Schedule(a) => cli::schedule::run(a),
         Command::Soak(a) => cli::soak::run(a),

@@ -52,7 +52,6 @@ fn teacher_forced_past_16k_positions() {
 #[test]
 #[ignore = "needs a GPU"]
 fn passkey_in_7000_tokens_gets_the_reference_answer_on_every_path() {
-    let gpu = gpu();
     let path = megainfer::fetch::default_model().expect("default model");
     let model = megainfer::model::load(&path).expect("loading the default model");
     let tok = model.tokenizer.as_ref().unwrap();
@@ -81,6 +80,7 @@ fn passkey_in_7000_tokens_gets_the_reference_answer_on_every_path() {
         tok.decode(&want).unwrap_or_default(),
         want
     );
+    let gpu = gpu();
     let dm = DeviceModel::upload(&gpu, &model.config, &model.weights).unwrap();
     for kind in PathKind::ALL {
         let mut p = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq).unwrap();

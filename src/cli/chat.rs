@@ -251,6 +251,8 @@ impl<'a> Session<'a> {
         let used = ids.len() + generated.len();
         let stop_reason = if stats.stopped_on_eos {
             "eos"
+        } else if stats.interrupted {
+            "interrupted"
         } else if budget < self.args.max_tokens {
             "context_full"
         } else {

@@ -279,7 +279,13 @@ fn finish(
         "prompt_ids": ids,
         "generated_ids": generated,
         "text": tok.decode(&text_ids)?,
-        "stop_reason": if stats.stopped_on_eos { "eos" } else { "max_tokens" },
+        "stop_reason": if stats.stopped_on_eos {
+            "eos"
+        } else if stats.interrupted {
+            "interrupted"
+        } else {
+            "max_tokens"
+        },
         "ttft_ms": stats.time_to_first_token.as_secs_f64() * 1e3,
         "decode_tok_s": stats.decode_tokens_per_s(),
         "device": place.device,
@@ -334,6 +340,8 @@ pub fn stream(
         stats.decode_tokens_per_s(),
         if stats.stopped_on_eos {
             " | stopped at eos"
+        } else if stats.interrupted {
+            " | interrupted (Ctrl-C)"
         } else {
             ""
         }
