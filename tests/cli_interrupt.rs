@@ -92,3 +92,57 @@ fn ctrl_c_ends_the_generation_with_its_statistics_and_status_130() {
         "stopped {took:?} after Ctrl-C"
     );
 }
+
+/// In `chat`, Ctrl-C during a reply ends the reply and the chat goes on: the next message is
+/// read and answered, and `/exit` ends it with status 0.
+#[test]
+fn ctrl_c_in_chat_ends_the_reply_and_the_chat_goes_on() {
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("megainfer-interrupt-chat-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    write_model_dir(&dir);
+    let template = "{% for m in messages %}<s> {{ m.content }} {% endfor %}";
+    let cfg_path = dir.join("tokenizer_config.json");
+    write_json(
+        &cfg_path,
+        &json!({"bos_token": "<s>", "eos_token": EOS.0, "chat_template": template}),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megainfer"))
+        .args(["chat", "--device", "cpu", "-n", "1000000"])
+        .args(["--max-context", "1000010", "-m"])
+        .arg(&dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"hello world\n").unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 16];
+    assert!(
+        stdout.read(&mut first).unwrap() > 0,
+        "no reply before the interrupt"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: kill with a live child's pid and a signal number.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    std::thread::sleep(Duration::from_millis(300));
+    // The chat is back at its prompt: /exit ends it normally.
+    stdin.write_all(b"/exit\n").unwrap();
+    drop(stdin);
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    println!("exit {status:?}; stderr: {stderr}");
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("[reply interrupted (Ctrl-C)"), "{stderr}");
+}

@@ -288,6 +288,9 @@ impl<'a> Session<'a> {
             );
         }
         eprintln!("[context: {used}/{} tokens]", self.max_context);
+        if stop_reason == "interrupted" {
+            eprintln!("[reply interrupted (Ctrl-C); Ctrl-C at the prompt ends the chat]");
+        }
         if stop_reason == "context_full" {
             eprintln!(
                 "[the reply was cut off: the context of {} tokens is full (--max-context). Type \
