@@ -82,6 +82,31 @@ mod simd {
         s
     }
 
+    /// `out += a * x`, eight lanes at a time with FMA, the tail one by one.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `out` and `x` have the same length.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
+        let n = out.len();
+        debug_assert_eq!(n, x.len());
+        let (op, xp) = (out.as_mut_ptr(), x.as_ptr());
+        let av = _mm256_set1_ps(a);
+        let mut c = 0;
+        // SAFETY: c + 8 <= n, within both slices.
+        while c + 8 <= n {
+            let o = _mm256_loadu_ps(op.add(c));
+            _mm256_storeu_ps(
+                op.add(c),
+                _mm256_fmadd_ps(av, _mm256_loadu_ps(xp.add(c)), o),
+            );
+            c += 8;
+        }
+        for i in c..n {
+            out[i] += a * x[i];
+        }
+    }
+
     /// Eight bf16 at `p` widened to f32 lanes (bf16 is the top half of an f32).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn widen8(p: *const bf16) -> __m256 {
@@ -246,8 +271,9 @@ pub fn attend(
 ) -> Vec<f32> {
     let d = q.len();
     let scale = 1.0 / (d as f32).sqrt();
+    let avx = has_avx2_fma();
     let scores: Vec<f32> = (0..len)
-        .map(|p| dot_portable(q, &k[p * kv_dim + kv_off..p * kv_dim + kv_off + d]) * scale)
+        .map(|p| dot(q, &k[p * kv_dim + kv_off..p * kv_dim + kv_off + d], avx) * scale)
         .collect();
     let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -256,6 +282,12 @@ pub fn attend(
     for (p, e) in exps.iter().enumerate() {
         let w = e / sum;
         let row = &v[p * kv_dim + kv_off..p * kv_dim + kv_off + d];
+        #[cfg(target_arch = "x86_64")]
+        if avx {
+            // SAFETY: avx2 + fma detected; out and row both hold d elements.
+            unsafe { simd::axpy(&mut out, w, row) };
+            continue;
+        }
         for (o, x) in out.iter_mut().zip(row) {
             *o += w * x;
         }
