@@ -125,6 +125,11 @@ fn pre_tokenizers_split_as_named() {
     let gpt2 = tiny_with_pre("gpt2");
     assert_eq!(encode(&gpt2, "1234"), vec![8, 6]);
     assert_eq!(encode(&gpt2, "!a"), vec![0, 1]);
+    // Qwen2: Llama 3's split with every digit on its own.
+    let qwen2 = tiny_with_pre("qwen2");
+    assert_eq!(encode(&qwen2, "1234"), vec![3, 4, 5, 6]);
+    assert_eq!(encode(&qwen2, "!a"), vec![2]);
+    assert_eq!(encode(&qwen2, "!a<|eot|>"), vec![2, 31]);
     // SmolLM: GPT-2 with every digit on its own.
     let smollm = tiny_with_pre("smollm");
     assert_eq!(encode(&smollm, "1234"), vec![3, 4, 5, 6]);
@@ -532,9 +537,12 @@ fn unsupported_tokenizers() {
 
     let mut g = tiny_llama();
     add_tiny_tokenizer(&mut g);
-    g.set("tokenizer.ggml.pre", Val::Str("qwen2".into()));
-    let e = load_error("qwen_pre.gguf", &g.to_bytes());
-    assert_contains(&e, &["tokenizer.ggml.pre 'qwen2' is not supported"]);
+    g.set("tokenizer.ggml.pre", Val::Str("tekken".into()));
+    let e = load_error("tekken_pre.gguf", &g.to_bytes());
+    assert_contains(
+        &e,
+        &["tokenizer.ggml.pre 'tekken' is not supported", "qwen2"],
+    );
 
     let mut g = tiny_llama();
     add_tiny_tokenizer(&mut g);

@@ -126,28 +126,51 @@ fn control_tokens(file: &GgufFile, tokens: &[String]) -> Result<Vec<AddedToken>>
         .collect()
 }
 
+/// Qwen2's (and Qwen2.5's, Qwen3's): Llama 3's with every digit on its own (`\p{N}` where
+/// Llama 3 has `\p{N}{1,3}`).
+fn qwen2_pattern() -> String {
+    LLAMA3_PATTERN.replace(r"|\p{N}{1,3}", r"|\p{N}")
+}
+
+/// A regex split (matches kept as pre-tokens) followed by byte-level mapping without its own
+/// regex: how Llama 3's and Qwen2's `tokenizer.json` pre-tokenize.
+fn regex_then_bytes(pattern: String, name: &str) -> Result<PreTokenizerWrapper> {
+    let split = Split::new(
+        SplitPattern::Regex(pattern),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| anyhow!("cannot compile the {name} pre-tokenizer regex: {e}"))?;
+    Ok(Sequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, true, false).into(),
+    ])
+    .into())
+}
+
 /// The pre-tokenizer `tokenizer.ggml.pre` names.
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     let gpt2 = ByteLevel::new(false, true, true);
     Ok(match pre {
         "gpt2" | "default" => gpt2.into(),
         "smollm" => Sequence::new(vec![Digits::new(true).into(), gpt2.into()]).into(),
-        "llama-bpe" => {
-            let split = Split::new(
-                SplitPattern::Regex(LLAMA3_PATTERN.to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(|e| anyhow!("cannot compile the Llama 3 pre-tokenizer regex: {e}"))?;
-            Sequence::new(vec![
-                split.into(),
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into()
-        }
+        "llama-bpe" => regex_then_bytes(LLAMA3_PATTERN.to_string(), "Llama 3")?,
+        "qwen2" => regex_then_bytes(qwen2_pattern(), "Qwen2")?,
         other => bail!(
-            "tokenizer.ggml.pre '{other}' is not supported (supported: smollm, llama-bpe, gpt2, \
-             default)"
+            "tokenizer.ggml.pre '{other}' is not supported (supported: smollm, llama-bpe, qwen2, \
+             gpt2, default)"
         ),
     })
+}
+
+#[cfg(test)]
+mod pattern_tests {
+    /// The pattern Qwen2's `tokenizer.json` gives its Split pre-tokenizer, written out.
+    #[test]
+    fn qwen2_pattern_is_qwen2s_tokenizer_json_regex() {
+        assert_eq!(
+            super::qwen2_pattern(),
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        );
+    }
 }
