@@ -65,6 +65,17 @@ pub struct GenerationStats {
 }
 
 impl GenerationStats {
+    /// Why the generation ended: `eos`, `interrupted` (Ctrl-C) or `max_tokens` (the budget).
+    pub fn stop_reason(&self) -> &'static str {
+        if self.stopped_on_eos {
+            "eos"
+        } else if self.interrupted {
+            "interrupted"
+        } else {
+            "max_tokens"
+        }
+    }
+
     /// Prompt tokens per second of the time to first token (prefill, LM head and the first
     /// sample).
     pub fn prefill_tokens_per_s(&self) -> f64 {

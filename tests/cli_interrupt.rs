@@ -8,12 +8,10 @@ mod hf_writer;
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use hf_writer::{tiny_config, tokenizer_json, write_json, write_model, EOS};
-use megainfer::model::random::random_weights;
-use safetensors::Dtype;
+use hf_writer::{tiny_config, write_json, write_word_model_dir, EOS};
 use serde_json::json;
 
 fn write_model_dir(dir: &Path) {
@@ -21,15 +19,36 @@ fn write_model_dir(dir: &Path) {
     cfg.max_position_embeddings = 1 << 20;
     // No eos in the vocabulary's reach: the generation runs until stopped.
     cfg.eos_token_ids = vec![];
-    write_model(dir, &cfg, &random_weights(&cfg, 23), Dtype::BF16);
-    let mut words = vec!["hello".to_string(), "world".to_string()];
-    words.extend((5..cfg.vocab_size).map(|i| format!("w{i}")));
-    let words: Vec<&str> = words.iter().map(String::as_str).collect();
-    write_json(&dir.join("tokenizer.json"), &tokenizer_json(&words, true));
-    write_json(
-        &dir.join("tokenizer_config.json"),
-        &json!({"bos_token": "<s>", "eos_token": EOS.0}),
+    write_word_model_dir(dir, &cfg, 23);
+}
+
+/// Waits for the child's first output on `stdout`, lets it run a little longer, and sends it
+/// SIGINT; returns when the signal went.
+fn interrupt_after_first_output(child: &Child, stdout: &mut ChildStdout) -> Instant {
+    let mut first = [0u8; 16];
+    assert!(
+        stdout.read(&mut first).unwrap() > 0,
+        "no output before the interrupt"
     );
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: kill with a live child's pid and a signal number.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    Instant::now()
+}
+
+/// Drains the child's stdout, waits for it, and returns its exit status and stderr.
+fn finish(mut child: Child, mut stdout: ChildStdout) -> (ExitStatus, String) {
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status, stderr)
 }
 
 #[test]
@@ -53,26 +72,10 @@ fn ctrl_c_ends_the_generation_with_its_statistics_and_status_130() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Wait for the first generated text, then interrupt.
     let mut stdout = child.stdout.take().unwrap();
-    let mut first = [0u8; 16];
-    let n = stdout.read(&mut first).unwrap();
-    assert!(n > 0, "no output before the interrupt");
-    std::thread::sleep(Duration::from_millis(200));
-    let sent = Instant::now();
-    // SAFETY: kill with a live child's pid and a signal number.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
-    let mut rest = Vec::new();
-    stdout.read_to_end(&mut rest).unwrap();
-    let status = child.wait().unwrap();
+    let sent = interrupt_after_first_output(&child, &mut stdout);
+    let (status, stderr) = finish(child, stdout);
     let took = sent.elapsed();
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
     std::fs::remove_dir_all(&dir).ok();
     println!("exit {status:?} {took:?} after the signal; stderr: {stderr}");
     assert_eq!(status.code(), Some(130), "{stderr}");
@@ -93,8 +96,8 @@ fn ctrl_c_ends_the_generation_with_its_statistics_and_status_130() {
     );
 }
 
-/// In `chat`, Ctrl-C during a reply ends the reply and the chat goes on: the next message is
-/// read and answered, and `/exit` ends it with status 0.
+/// In `chat`, Ctrl-C during a reply ends the reply and the chat goes on: it is back at its
+/// prompt, where `/exit` ends it with status 0.
 #[test]
 fn ctrl_c_in_chat_ends_the_reply_and_the_chat_goes_on() {
     use std::io::Write;
@@ -119,28 +122,12 @@ fn ctrl_c_in_chat_ends_the_reply_and_the_chat_goes_on() {
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(b"hello world\n").unwrap();
     let mut stdout = child.stdout.take().unwrap();
-    let mut first = [0u8; 16];
-    assert!(
-        stdout.read(&mut first).unwrap() > 0,
-        "no reply before the interrupt"
-    );
-    std::thread::sleep(Duration::from_millis(200));
-    // SAFETY: kill with a live child's pid and a signal number.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    interrupt_after_first_output(&child, &mut stdout);
     std::thread::sleep(Duration::from_millis(300));
     // The chat is back at its prompt: /exit ends it normally.
     stdin.write_all(b"/exit\n").unwrap();
     drop(stdin);
-    let mut rest = Vec::new();
-    stdout.read_to_end(&mut rest).unwrap();
-    let status = child.wait().unwrap();
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
+    let (status, stderr) = finish(child, stdout);
     std::fs::remove_dir_all(&dir).ok();
     println!("exit {status:?}; stderr: {stderr}");
     assert_eq!(status.code(), Some(0), "{stderr}");

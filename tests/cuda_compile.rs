@@ -15,32 +15,26 @@ fn require_nvrtc() {
     );
 }
 
-#[test]
-fn baseline_kernels_compile_for_sm90a() {
-    require_nvrtc();
-    let cubin = compile::compile_cubin("baseline", &sources::baseline(), "sm_90a", &[]).unwrap();
+/// Compiles `src` with NVRTC for sm_90a and checks that the result is a CUBIN (an ELF image).
+fn assert_compiles(name: &str, src: &str, defines: &[String], what: &str) {
+    let cubin = compile::compile_cubin(name, src, "sm_90a", defines).unwrap();
     assert_eq!(
         &cubin[..4],
         b"\x7fELF",
-        "NVRTC output is not a CUBIN (ELF) image"
+        "NVRTC output is not a CUBIN (ELF) image{what}"
     );
+}
+
+#[test]
+fn baseline_kernels_compile_for_sm90a() {
+    require_nvrtc();
+    assert_compiles("baseline", &sources::baseline(), &[], "");
 }
 
 #[test]
 fn sampling_kernels_compile_for_sm90a() {
     require_nvrtc();
-    let cubin = compile::compile_cubin(
-        "sampling",
-        &megainfer::sampling::device::source(),
-        "sm_90a",
-        &[],
-    )
-    .unwrap();
-    assert_eq!(
-        &cubin[..4],
-        b"\x7fELF",
-        "NVRTC output is not a CUBIN (ELF) image"
-    );
+    assert_compiles("sampling", &megainfer::sampling::device::source(), &[], "");
 }
 
 /// megakernel/ops/sample.cuh is not called by the interpreter yet: compile it with the
@@ -67,8 +61,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
         harness.to_string(),
     ]
     .join("\n");
-    let cubin = compile::compile_cubin("megakernel-sample", &src, "sm_90a", &defines).unwrap();
-    assert_eq!(&cubin[..4], b"\x7fELF");
+    assert_compiles("megakernel-sample", &src, &defines, "");
 }
 
 #[test]
@@ -82,14 +75,8 @@ fn megakernel_compiles_for_sm90a() {
         cfg.num_kv_heads = 1;
         cfg.num_heads = group;
         let defines = sources::megakernel_defines(&cfg);
-        let cubin =
-            compile::compile_cubin("megakernel", &sources::megakernel(), "sm_90a", &defines)
-                .unwrap();
-        assert_eq!(
-            &cubin[..4],
-            b"\x7fELF",
-            "NVRTC output is not a CUBIN (ELF) image (head_dim {hd}, group {group})"
-        );
+        let what = format!(" (head_dim {hd}, group {group})");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
     }
 }
 
@@ -166,16 +153,5 @@ fn abi_mismatches_are_compile_errors() {
 #[test]
 fn prefill_kernels_compile_for_sm90a() {
     require_nvrtc();
-    let cubin = compile::compile_cubin(
-        "prefill",
-        &megainfer::gpu::sources::prefill(),
-        "sm_90a",
-        &[],
-    )
-    .unwrap();
-    assert_eq!(
-        &cubin[..4],
-        b"\x7fELF",
-        "NVRTC output is not a CUBIN (ELF) image"
-    );
+    assert_compiles("prefill", &megainfer::gpu::sources::prefill(), &[], "");
 }

@@ -7,27 +7,15 @@ mod hf_writer;
 use std::path::Path;
 use std::process::Command;
 
-use hf_writer::{tiny_config, tokenizer_json, write_json, write_model, EOS};
-use megainfer::model::random::random_weights;
+use hf_writer::{tiny_config, write_word_model_dir, EOS};
 use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
-use safetensors::Dtype;
 use serde_json::{json, Value};
 
 fn write_model_dir(dir: &Path) {
     // An untied LM head: with tied embeddings this random model repeats one token whatever the
     // context, and a wrong position or cache would go unnoticed.
-    let cfg = tiny_config(false);
-    write_model(dir, &cfg, &random_weights(&cfg, 17), Dtype::BF16);
-    // Every id of the 32-token vocabulary is a word, so any generated id decodes.
-    let mut words = vec!["hello".to_string(), "world".to_string()];
-    words.extend((5..cfg.vocab_size).map(|i| format!("w{i}")));
-    let words: Vec<&str> = words.iter().map(String::as_str).collect();
-    write_json(&dir.join("tokenizer.json"), &tokenizer_json(&words, true));
-    write_json(
-        &dir.join("tokenizer_config.json"),
-        &json!({"bos_token": "<s>", "eos_token": EOS.0}),
-    );
+    write_word_model_dir(dir, &tiny_config(false), 17);
 }
 
 fn run_json(dir: &Path, n: usize) -> Value {

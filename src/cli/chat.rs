@@ -249,14 +249,9 @@ impl<'a> Session<'a> {
         self.messages
             .push(ChatMessage::new("assistant", reply.clone()));
         let used = ids.len() + generated.len();
-        let stop_reason = if stats.stopped_on_eos {
-            "eos"
-        } else if stats.interrupted {
-            "interrupted"
-        } else if budget < self.args.max_tokens {
-            "context_full"
-        } else {
-            "max_tokens"
+        let stop_reason = match stats.stop_reason() {
+            "max_tokens" if budget < self.args.max_tokens => "context_full",
+            reason => reason,
         };
         if self.args.json {
             println!(

@@ -279,13 +279,7 @@ fn finish(
         "prompt_ids": ids,
         "generated_ids": generated,
         "text": tok.decode(&text_ids)?,
-        "stop_reason": if stats.stopped_on_eos {
-            "eos"
-        } else if stats.interrupted {
-            "interrupted"
-        } else {
-            "max_tokens"
-        },
+        "stop_reason": stats.stop_reason(),
         "ttft_ms": stats.time_to_first_token.as_secs_f64() * 1e3,
         "decode_tok_s": stats.decode_tokens_per_s(),
         "device": place.device,
@@ -338,12 +332,10 @@ pub fn stream(
         stats.prefill_tokens_per_s(),
         stats.generated,
         stats.decode_tokens_per_s(),
-        if stats.stopped_on_eos {
-            " | stopped at eos"
-        } else if stats.interrupted {
-            " | interrupted (Ctrl-C)"
-        } else {
-            ""
+        match stats.stop_reason() {
+            "eos" => " | stopped at eos",
+            "interrupted" => " | interrupted (Ctrl-C)",
+            _ => "",
         }
     );
     Ok(())

@@ -71,12 +71,13 @@ struct Fusion {
 
 impl Fusion {
     fn choose(config: &crate::model::Config) -> Result<Self> {
-        let default = if config.hidden_size < 1024 {
-            "norm,silu"
-        } else {
-            "none"
+        let Ok(v) = std::env::var("MEGAINFER_BASELINE_FUSION") else {
+            let narrow = config.hidden_size < 1024;
+            return Ok(Fusion {
+                norm: narrow,
+                silu: narrow,
+            });
         };
-        let v = std::env::var("MEGAINFER_BASELINE_FUSION").unwrap_or_else(|_| default.into());
         let mut f = Fusion {
             norm: false,
             silu: false,
@@ -526,14 +527,11 @@ impl Steps for BaselinePath<'_> {
     }
 
     fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
-        if self.sampler.is_none() {
-            self.sampler = Some(DeviceSampler::new(self.gpu, self.model.config.vocab_size)?);
-        }
+        let vocab = self.model.config.vocab_size;
+        DeviceSampler::prepared(&mut self.sampler, self.gpu, vocab, p)?;
         if self.mode != Mode::Eager && self.sampled_graph.is_none() {
             self.sampled_graph = Some(self.capture_step(true)?);
         }
-        let stream = self.gpu.stream.clone();
-        self.sampler.as_mut().unwrap().set_params(&stream, p)?;
         Ok(true)
     }
 

@@ -313,11 +313,8 @@ impl Steps for MegakernelPath<'_> {
     }
 
     fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
-        if self.sampler.is_none() {
-            self.sampler = Some(DeviceSampler::new(self.gpu, self.model.config.vocab_size)?);
-        }
-        let stream = self.gpu.stream.clone();
-        self.sampler.as_mut().unwrap().set_params(&stream, p)?;
+        let vocab = self.model.config.vocab_size;
+        DeviceSampler::prepared(&mut self.sampler, self.gpu, vocab, p)?;
         Ok(true)
     }
 

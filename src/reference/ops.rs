@@ -50,37 +50,57 @@ mod simd {
         lanes.iter().sum()
     }
 
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; `w` and `x` have the same length.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
-        let n = w.len();
-        debug_assert_eq!(n, x.len());
-        let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut c = 0;
-        // SAFETY (all loads): c + 32 <= n, then c + 8 <= n, within both slices.
-        while c + 32 <= n {
-            for (k, a) in acc.iter_mut().enumerate() {
-                let o = c + 8 * k;
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
+    /// Defines `$name(w: &[$elem], x: &[f32]) -> f32`: w's lanes loaded by `$load8`, its
+    /// tail elements converted by `$to_f32`. One body for both element types, so both sum in
+    /// exactly the same order.
+    macro_rules! avx2_dot {
+        ($name:ident, $elem:ty, $load8:ident, $to_f32:expr) => {
+            /// # Safety
+            /// The CPU must have AVX2 and FMA; `w` and `x` have the same length.
+            #[target_feature(enable = "avx2,fma")]
+            pub unsafe fn $name(w: &[$elem], x: &[f32]) -> f32 {
+                let n = w.len();
+                debug_assert_eq!(n, x.len());
+                let (wp, xp) = (w.as_ptr(), x.as_ptr());
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                // SAFETY (all loads): c + 32 <= n, then c + 8 <= n, within both slices.
+                while c + 32 <= n {
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        let o = c + 8 * k;
+                        *a = _mm256_fmadd_ps($load8(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
+                    }
+                    c += 32;
+                }
+                while c + 8 <= n {
+                    acc[0] = _mm256_fmadd_ps($load8(wp.add(c)), _mm256_loadu_ps(xp.add(c)), acc[0]);
+                    c += 8;
+                }
+                let mut s = reduce(acc);
+                let to_f32 = $to_f32;
+                for i in c..n {
+                    s += to_f32(w[i]) * x[i];
+                }
+                s
             }
-            c += 32;
-        }
-        while c + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(wp.add(c)),
-                _mm256_loadu_ps(xp.add(c)),
-                acc[0],
-            );
-            c += 8;
-        }
-        let mut s = reduce(acc);
-        for i in c..n {
-            s += w[i] * x[i];
-        }
-        s
+        };
     }
+
+    /// Eight f32 at `p`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+
+    /// Eight bf16 at `p` widened to f32 lanes (bf16 is the top half of an f32).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn widen8(p: *const bf16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+
+    avx2_dot!(dot_f32, f32, load8, |v: f32| v);
+    avx2_dot!(dot_bf16, bf16, widen8, super::widen);
 
     /// `out += a * x`, eight lanes at a time with FMA, the tail one by one.
     ///
@@ -105,41 +125,6 @@ mod simd {
         for i in c..n {
             out[i] += a * x[i];
         }
-    }
-
-    /// Eight bf16 at `p` widened to f32 lanes (bf16 is the top half of an f32).
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn widen8(p: *const bf16) -> __m256 {
-        let h = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-    }
-
-    /// # Safety
-    /// As [`dot_f32`].
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_bf16(w: &[bf16], x: &[f32]) -> f32 {
-        let n = w.len();
-        debug_assert_eq!(n, x.len());
-        let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut c = 0;
-        // SAFETY (all loads): as in dot_f32; 8 bf16 are 16 bytes.
-        while c + 32 <= n {
-            for (k, a) in acc.iter_mut().enumerate() {
-                let o = c + 8 * k;
-                *a = _mm256_fmadd_ps(widen8(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
-            }
-            c += 32;
-        }
-        while c + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(widen8(wp.add(c)), _mm256_loadu_ps(xp.add(c)), acc[0]);
-            c += 8;
-        }
-        let mut s = reduce(acc);
-        for i in c..n {
-            s += super::widen(w[i]) * x[i];
-        }
-        s
     }
 }
 

@@ -124,6 +124,22 @@ impl DeviceSampler {
             .collect())
     }
 
+    /// The sampler a path keeps in `slot`, made on first use, with `p` the parameters of the
+    /// steps enqueued next.
+    pub fn prepared<'a>(
+        slot: &'a mut Option<Self>,
+        gpu: &Gpu,
+        vocab: usize,
+        p: &SamplingParams,
+    ) -> Result<&'a Self> {
+        if slot.is_none() {
+            *slot = Some(Self::new(gpu, vocab)?);
+        }
+        let sampler = slot.as_mut().expect("made above");
+        sampler.set_params(&gpu.stream, p)?;
+        Ok(sampler)
+    }
+
     /// Makes `p` the parameters of the steps enqueued after this call (stream-ordered).
     pub fn set_params(&mut self, stream: &Arc<CudaStream>, p: &SamplingParams) -> Result<()> {
         if self.current.as_ref() != Some(p) {

@@ -222,6 +222,26 @@ pub fn write_model(dir: &Path, cfg: &Config, w: &Weights, dtype: Dtype) {
 }
 
 /// Special tokens of [`tokenizer_json`], with their ids.
+/// A model directory for `megainfer run` tests: `cfg` with random weights from `seed`, a
+/// tokenizer in which every id of the vocabulary is a word (so any generated id decodes), and a
+/// `tokenizer_config.json` naming `<s>` and `</s>`.
+pub fn write_word_model_dir(dir: &Path, cfg: &Config, seed: u64) {
+    write_model(
+        dir,
+        cfg,
+        &megainfer::model::random::random_weights(cfg, seed),
+        Dtype::BF16,
+    );
+    let mut words = vec!["hello".to_string(), "world".to_string()];
+    words.extend((5..cfg.vocab_size).map(|i| format!("w{i}")));
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    write_json(&dir.join("tokenizer.json"), &tokenizer_json(&words, true));
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &json!({"bos_token": "<s>", "eos_token": EOS.0}),
+    );
+}
+
 pub const UNK: (&str, u32) = ("<unk>", 0);
 pub const BOS: (&str, u32) = ("<s>", 1);
 pub const EOS: (&str, u32) = ("</s>", 2);
