@@ -105,7 +105,7 @@ __device__ __forceinline__ float op_scale(u32 op, const MkParams& p, const float
 __device__ __forceinline__ void op_post(u32 op, const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm,
                                         float scale, const OpEarly& early) {
     switch (op) {
-        case OP_QKV: post_qkv(p, w, m, sm.res, scale, early.rope); break;
+        case OP_QKV: post_qkv(p, w, m, sm.lw[w[W_LAYER]], sm.res, scale, early.rope); break;
         case OP_OPROJ: post_oproj(p, w, sm.res); break;
         case OP_UPGATE: post_upgate(p, w, sm.res, scale); break;
         case OP_DOWN: post_down(p, w, sm.res); break;

@@ -45,6 +45,9 @@ struct LayerW {
     const bf16_t* ffn_norm;
     const bf16_t* w_gu;
     const bf16_t* w_down;
+    const bf16_t* qkv_bias;  // Qwen2: [q | k | v] widths; null for other models
+    const bf16_t* q_norm;    // Qwen3: head_dim each; null for other models
+    const bf16_t* k_norm;
 };
 
 struct MkParams {

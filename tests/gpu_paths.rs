@@ -220,3 +220,48 @@ fn qwen_steps_on_the_graph_paths_and_prefill_match_reference() {
         );
     }
 }
+
+/// Qwen's extra steps in the megakernel (megakernel/ops/rms_qkv_rope.cuh, post_qkv): the same
+/// cases token by token against the CPU reference, then greedy tokens chained on the device
+/// against the reference's greedy ids.
+#[test]
+#[ignore = "needs a GPU"]
+fn qwen_steps_in_the_megakernel_match_reference() {
+    use megainfer::gpu::paths::{GpuPath, PathKind};
+    let gpu = gpu();
+    let tokens = qwen_tokens();
+    for (label, cfg) in qwen_cases() {
+        let w = random_weights(&cfg, 5);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let want = CpuForward::new(&cfg, &w, 64).forward_all(&tokens).unwrap();
+        let mut path = GpuPath::new(PathKind::Megakernel, &gpu, &dm, 64, 64).unwrap();
+        let mut worst = 0f64;
+        for (i, t) in tokens.iter().enumerate() {
+            let err = rel_l2(&path.feed(&[*t]).unwrap(), &want[i]);
+            worst = worst.max(err);
+            assert!(
+                err <= TOL_SMALL,
+                "{label} megakernel: step {i} rel L2 {err:.2e}"
+            );
+        }
+        println!("{label} megakernel: teacher-forced worst rel L2 {worst:.2e} (tolerance {TOL_SMALL:.0e})");
+        // Greedy: the first token from the prompt's logits, then 12 chained on the device.
+        let mut cpu = CpuForward::new(&cfg, &w, 64);
+        let mut logits = cpu.forward(&tokens[..3]).unwrap();
+        let mut expect = Vec::new();
+        for _ in 0..13 {
+            let t = argmax(&logits);
+            expect.push(t);
+            logits = cpu.forward(&[t]).unwrap();
+        }
+        path.reset();
+        let first = argmax(&path.feed(&tokens[..3]).unwrap());
+        let mut got = vec![first];
+        got.extend(path.decode_greedy(first, 12).unwrap());
+        println!("{label} megakernel greedy: {got:?} (reference {expect:?})");
+        assert_eq!(
+            got, expect,
+            "{label}: megakernel greedy ids differ from the reference"
+        );
+    }
+}

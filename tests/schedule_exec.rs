@@ -184,6 +184,51 @@ fn random_models_match_reference_over_tokens() {
     }
 }
 
+/// Qwen's steps inside the QKV instruction: Qwen3's per-head q/k norms (whole heads per
+/// instruction, q_dim twice hidden as in Qwen3-0.6B) and Qwen2's q/k/v biases (any cut).
+#[test]
+fn qwen_models_match_reference_over_tokens() {
+    let qwen3 = Config {
+        architecture: "Qwen3ForCausalLM".into(),
+        qk_norm: true,
+        ..tiny(72, 100, 4, 2, 64, false)
+    };
+    let qwen2 = Config {
+        architecture: "Qwen2ForCausalLM".into(),
+        qkv_bias: true,
+        ..tiny(88, 130, 3, 1, 64, false)
+    };
+    for (ci, cfg) in [qwen3, qwen2].into_iter().enumerate() {
+        let c = case(cfg, 40 + ci as u64, 6);
+        for sms in [1, 7, 132] {
+            let gpu = GpuShape::with_sms(sms);
+            let whole = c.cfg.head_dim / 2;
+            for mut opts in [fine(&c.cfg), auto(&c.cfg, &gpu)] {
+                if c.cfg.qk_norm {
+                    opts.qkv_pairs = whole;
+                }
+                let s = build(&shape_of(&c.cfg), &gpu, &opts).unwrap();
+                let exact = in_global_order(&c, &s);
+                for seed in 0..4 {
+                    run_case(&c, &s, &exact, seed);
+                }
+            }
+        }
+    }
+    // Part of a head for a model with q/k norms is refused, not computed wrong.
+    let c = case(
+        Config {
+            qk_norm: true,
+            ..tiny(72, 100, 4, 2, 64, false)
+        },
+        3,
+        1,
+    );
+    let s = build(&shape_of(&c.cfg), &GpuShape::with_sms(3), &fine(&c.cfg)).unwrap();
+    let err = SlicedMachine::new(&c.cfg, &c.w, &s, MAX_SEQ).err().unwrap();
+    assert!(err.to_string().contains("needs whole heads"), "{err}");
+}
+
 /// Every attention partition count from 1 to past the sequence length.
 #[test]
 fn attention_partitions_match_reference() {

@@ -30,13 +30,37 @@ __device__ __forceinline__ Rope rope_of(const MkParams& p, const u32* w, u32 pos
     return r;
 }
 
-__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const float* res, float scale,
-                         Rope rope) {
+// Qwen's steps before RoPE: the q/k/v biases (Qwen2), then a q or k head's RMS norm over
+// head_dim (Qwen3). The host gives models with q/k norms whole heads per instruction
+// (pair_start 0, pairs head_dim / 2), so the sum of squares is over this instruction's rows.
+// Every consumer warp sums the squares itself from res, which needs no barrier between warps.
+__device__ __forceinline__ float qkv_bias_at(const LayerW& L, int head, int row, int hd) {
+    return L.qkv_bias ? bf16_to_f32(L.qkv_bias[head * hd + row]) : 0.f;
+}
+
+__device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const LayerW& L, const float* res,
+                         float scale, Rope rope) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
     const int hd = p.head_dim, half = hd / 2;
+    const bf16_t* norm = head < p.heads ? L.q_norm : head < p.heads + p.kv_heads ? L.k_norm : nullptr;
+    float inv_rms = 1.f;
+    if (norm) {
+        float ss = 0.f;
+        for (int r = threadIdx.x & 31; r < 2 * pc; r += 32) {
+            const int row = r < pc ? ps + r : half + ps + r - pc;
+            const float v = scale * res_at(res, r) + qkv_bias_at(L, head, row, hd);
+            ss += v * v;
+        }
+        inv_rms = rsqrtf(warp_sum(ss) / hd + p.eps);
+    }
     if (ct < pc) {
         const int j = ct, i = ps + j;
-        const float x = scale * res_at(res, j), y = scale * res_at(res, pc + j);
+        float x = scale * res_at(res, j) + qkv_bias_at(L, head, i, hd);
+        float y = scale * res_at(res, pc + j) + qkv_bias_at(L, head, half + i, hd);
+        if (norm) {
+            x *= inv_rms * bf16_to_f32(norm[i]);
+            y *= inv_rms * bf16_to_f32(norm[half + i]);
+        }
         const float a = x * rope.c - y * rope.s, b = y * rope.c + x * rope.s;
         const u32 tag = launch_tag(p);
         if (head < p.heads) {

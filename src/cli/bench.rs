@@ -194,10 +194,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut results = Vec::new();
     let mut profile = None;
     for kind in paths {
-        if let (PathKind::Megakernel, Some(why)) = (kind, config.megakernel_unsupported()) {
-            eprintln!("bench: skipping the megakernel: {why}");
-            continue;
-        }
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
         if let Some(ms) = args.wait_timeout_ms {

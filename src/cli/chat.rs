@@ -67,10 +67,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));
     if let Some(gpu) = gpu {
-        let (path, why) = args.common.path.for_model(&model.config);
-        if let Some(why) = why {
-            eprintln!("megainfer: {why}");
-        }
+        let path = args.common.path;
         eprintln!(
             "megainfer: chat on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),

@@ -211,10 +211,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(gpu) = gpu {
-        let (path, why) = args.common.path.for_model(&model.config);
-        if let Some(why) = why {
-            eprintln!("megainfer: {why}");
-        }
+        let path = args.common.path;
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),

@@ -67,9 +67,6 @@ pub fn run(args: &SoakArgs) -> Result<()> {
         .tokenizer
         .as_ref()
         .context("soak needs a model with a tokenizer (for its prompts)")?;
-    if let Some(why) = model.config.megakernel_unsupported() {
-        bail!("soak compares the megakernel with another path: {why}");
-    }
     let context = args.context.min(model.config.max_position_embeddings);
     let prompts = PROMPTS
         .iter()

@@ -73,8 +73,12 @@ impl<'g> MegakernelPath<'g> {
         max_seq: usize,
     ) -> Result<Self> {
         let c = &model.config;
-        if let Some(msg) = c.megakernel_unsupported() {
-            bail!("megakernel: {msg}");
+        if c.qk_norm {
+            if let Some(op) = schedule.instrs.iter().find(|op| {
+                matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != c.head_dim / 2)
+            }) {
+                bail!("schedule: {op:?} covers part of a head; a model with q/k norms needs whole heads (qkv_pairs = {})", c.head_dim / 2);
+            }
         }
         if schedule.streams.len() != gpu.sm_count {
             bail!(
@@ -169,6 +173,9 @@ impl<'g> MegakernelPath<'g> {
                 ffn_norm: ptr(&lw.ffn_norm, s),
                 w_gu: ptr(&lw.w_gu, s),
                 w_down: ptr(&lw.w_down, s),
+                qkv_bias: lw.qkv_bias.as_ref().map_or(0, |b| ptr(b, s)),
+                q_norm: lw.q_norm.as_ref().map_or(0, |b| ptr(b, s)),
+                k_norm: lw.k_norm.as_ref().map_or(0, |b| ptr(b, s)),
             })
             .collect();
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
@@ -417,7 +424,19 @@ pub fn megakernel_schedule(
     overrides: &scheduler::Overrides,
 ) -> Result<Schedule> {
     let shape = crate::reference::sliced::shape_of(config);
-    scheduler::plan(&shape, gpu, cost, overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+    // A head's q/k norm needs the whole head's sum of squares: such models get one
+    // instruction per head, so that the sum is local to it.
+    let mut overrides = *overrides;
+    if config.qk_norm {
+        let whole = config.head_dim / 2;
+        match overrides.qkv_pairs {
+            Some(n) if n != whole => anyhow::bail!(
+                "--qkv-pairs {n}: a model with q/k norms (Qwen3) needs whole heads, qkv_pairs = {whole}"
+            ),
+            _ => overrides.qkv_pairs = Some(whole),
+        }
+    }
+    scheduler::plan(&shape, gpu, cost, &overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
 }
 
 /// The schedule the megakernel runs for `config` on `gpu`, attention costed at `context`

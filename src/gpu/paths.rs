@@ -45,18 +45,6 @@ impl PathKind {
             })
             .collect()
     }
-
-    /// The path that runs `config` when `self` is asked for: the megakernel hands a model it
-    /// has no step for (Qwen's q/k norm or q/k/v bias) to the graph path, and says why.
-    pub fn for_model(self, config: &crate::model::Config) -> (PathKind, Option<String>) {
-        match (self, config.megakernel_unsupported()) {
-            (PathKind::Megakernel, Some(why)) => (
-                PathKind::Graph,
-                Some(format!("{why}; running on the graph path")),
-            ),
-            _ => (self, None),
-        }
-    }
 }
 
 /// The longest wait a user may set: ten minutes.

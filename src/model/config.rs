@@ -95,21 +95,6 @@ impl Config {
         Ok(())
     }
 
-    /// The first feature of this model the megakernel cannot run yet (the graph paths, prefill
-    /// and the CPU run every supported architecture), as a message; `None` when it runs it.
-    pub fn megakernel_unsupported(&self) -> Option<String> {
-        let feature = if self.qk_norm {
-            "q/k norm (Qwen3)"
-        } else if self.qkv_bias {
-            "q/k/v bias (Qwen2)"
-        } else {
-            return None;
-        };
-        Some(format!(
-            "the megakernel has no {feature} step yet (the graph paths and the CPU have)"
-        ))
-    }
-
     /// RoPE inverse frequencies, one per rotated pair, with llama3 scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;

@@ -66,9 +66,12 @@ impl<'a> SlicedMachine<'a> {
         schedule: &Schedule,
         max_seq: usize,
     ) -> Result<Self> {
-        // The schedule's instruction set has no q/k/v bias or per-head norm step yet.
-        if let Some(msg) = cfg.megakernel_unsupported() {
-            bail!("sliced executor: {msg}");
+        if cfg.qk_norm {
+            if let Some(op) = schedule.instrs.iter().find(|op| {
+                matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != cfg.head_dim / 2)
+            }) {
+                bail!("sliced executor: {op:?} covers part of a head; a model with q/k norms needs whole heads");
+            }
         }
         if schedule.model != shape_of(cfg) {
             bail!(
@@ -183,6 +186,33 @@ impl<'a> SlicedMachine<'a> {
         };
         let mut out = rows(lo);
         out.extend(rows(hi));
+        // Qwen's steps before RoPE on these rows: the biases, then (the schedule gives models
+        // with q/k norms whole heads, checked in `new`) the head's RMS norm.
+        if let Some(b) = &lw.qkv_bias {
+            let bias = if head < c.num_heads {
+                &b.q
+            } else if rotate {
+                &b.k
+            } else {
+                &b.v
+            };
+            let at = |r: usize| widen(bias[r]);
+            for (i, o) in out.iter_mut().enumerate() {
+                *o += at(if i < pair_count {
+                    lo + i
+                } else {
+                    hi + i - pair_count
+                });
+            }
+        }
+        let norm = match (head < c.num_heads, rotate) {
+            (true, _) => lw.q_norm.as_ref(),
+            (false, true) => lw.k_norm.as_ref(),
+            _ => None,
+        };
+        if let Some(w) = norm {
+            out = rmsnorm(&out, w, c.rms_norm_eps);
+        }
         if rotate {
             // A head of 2·pair_count elements pairs i with i + pair_count: exactly the pairs
             // pair_start + i of the full head, with their frequencies.

@@ -150,10 +150,14 @@ abi_struct! {
         ffn_norm: u64,
         w_gu: u64,
         w_down: u64,
+        /// Qwen2's q/k/v biases, Qwen3's per-head q and k norms: 0 where the model has none.
+        qkv_bias: u64,
+        q_norm: u64,
+        k_norm: u64,
     }
 }
 
-// SAFETY: LayerW is #[repr(C)], six u64 and no padding: any bit pattern is valid on both sides.
+// SAFETY: LayerW is #[repr(C)], nine u64 and no padding: any bit pattern is valid on both sides.
 unsafe impl cudarc::driver::DeviceRepr for LayerW {}
 
 abi_struct! {
@@ -299,6 +303,6 @@ mod tests {
         )));
         // The parameter block: 23 pointers, 14 four-byte fields and the timeout, no padding.
         assert_eq!(std::mem::size_of::<MkParams>(), 23 * 8 + 14 * 4 + 8);
-        assert_eq!(std::mem::size_of::<LayerW>(), 48);
+        assert_eq!(std::mem::size_of::<LayerW>(), 72);
     }
 }
