@@ -283,7 +283,7 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 }
 
 // A warp covers columns c0 + 512 i of every row (c0: its lane's 8 columns within its half of a
-// 512-column step). With rows of at most 4 steps, x stays in registers for all the tiles of an
+// 512-column step). With rows of at most MK_X_REG_STEPS steps (4 unless set), x stays in registers for all the tiles of an
 // instruction and the tiles' loop reads only weights from shared memory: x read there as well
 // would double the traffic, and one chain at a time would serialise the rows.
 
@@ -379,13 +379,16 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
 }
 
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
-// they are at most 4 steps long, else read from shared memory.
+// they are at most MK_X_REG_STEPS steps long, else read from shared memory.
+#ifndef MK_X_REG_STEPS
+#define MK_X_REG_STEPS 4
+#endif
 template <int COLS>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                const bf16_t* pages, u64* full, u64* empty, const float* xs,
                                                float* res) {
     constexpr int S = (COLS + 511) / 512;
-    if constexpr (S <= 4) return tiles_x_in_registers<S>(p, instr, seq, g, pages, full, empty, xs, res);
+    if constexpr (S <= MK_X_REG_STEPS) return tiles_x_in_registers<S>(p, instr, seq, g, pages, full, empty, xs, res);
     else return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, xs, res);
 }
 

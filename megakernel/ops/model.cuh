@@ -11,95 +11,85 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
-// Its parts are read at once (one round trip, not one each) when there are few enough.
-#define PREP_CHUNKS 2
+// Its parts are read RESID_GROUP at a time (one round trip for up to two k-chunks, not one
+// each), and summed in order.
+#define RESID_GROUP 3
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
     const int l = layer - 1;
     const u64* base = p.resid_attn + (size_t)l * p.hidden + i;
     const u64* parts = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
-    if (p.chunks <= PREP_CHUNKS) {
-        auto addr = [&](int k) { return k == 0 ? base : parts + (size_t)(k - 1) * p.hidden; };
-        u64 raw[1 + PREP_CHUNKS];
+    auto addr = [&](int k) { return k == 0 ? base : parts + (size_t)(k - 1) * p.hidden; };
+    float v = 0.f;
+    for (int k0 = 0; k0 <= p.chunks; k0 += RESID_GROUP) {
+        const int n = min(RESID_GROUP, p.chunks + 1 - k0);
+        u64 raw[RESID_GROUP];
 #pragma unroll
-        for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= p.chunks ? ld_tagged(addr(k)) : 0;
-        settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + p.chunks);
-        float v = tagged_float(raw[0]);
+        for (int k = 0; k < RESID_GROUP; k++) raw[k] = k < n ? ld_tagged(addr(k0 + k)) : 0;
+        settle<RESID_GROUP>(p, raw, [&](int k) { return addr(k0 + k); }, n);
 #pragma unroll
-        for (int k = 1; k <= PREP_CHUNKS; k++)
-            if (k <= p.chunks) v += tagged_float(raw[k]);
-        return v;
+        for (int k = 0; k < RESID_GROUP; k++)
+            if (k < n) v += tagged_float(raw[k]);
     }
-    float v = ld_value(p, base);
-    for (int c = 0; c < p.chunks; c++) v += ld_value(p, parts + (size_t)c * p.hidden);
     return v;
 }
 
 // xs = src * g, src given by resid_in(layer) or resid_attn[l] (after_attn), and the sums of
 // squares in ss: the norm's scale is one number, applied to the mat-vec's results (W(x·s·g) =
 // s·W(x·g)), so the tiles need not wait for the sum to be reduced.
-// Each thread first issues every L2 load it needs (PREP_MAX elements of each source and of g),
-// then sums: one round trip in all, where a round trip per source or per element would add up
-// on the critical path of every layer.
+// The sources are the residual entering the layer and the down projection's k-chunk partial
+// sums. A thread takes PREP_MAX elements at a time (a round: PREP_MAX * CONSUMERS elements of
+// the vector) and PREP_SRC sources at a time, and issues every L2 load of a round's sources
+// before it waits for any: one round trip for hidden sizes up to 2048 and three sources, where
+// a round trip per element would add up on the critical path of every layer (hidden 3072 and
+// 4096 take two rounds, four k-chunks two trips a round).
 #define PREP_MAX 8
+#define PREP_SRC 3
 __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* ss) {
     const int ct = threadIdx.x - 32;
     const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
-    if (p.hidden <= PREP_MAX * CONSUMERS && nparts <= PREP_CHUNKS) {
-        u64 raw[PREP_MAX], rawp[PREP_CHUNKS][PREP_MAX];
+    const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
+                      : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
+    const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
+    const int nsrc = (base ? 1 : 0) + nparts;
+    auto src = [&](int s) -> const u64* {
+        return base ? (s == 0 ? base : parts + (size_t)(s - 1) * p.hidden) : parts + (size_t)s * p.hidden;
+    };
+    float sq = 0.f;
+    for (int first = ct; first - ct < p.hidden; first += PREP_MAX * CONSUMERS) {
+        const int mine = p.hidden > first ? min(PREP_MAX, (p.hidden - first + CONSUMERS - 1) / CONSUMERS) : 0;
         float gw[PREP_MAX], v[PREP_MAX];
-        const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
-                          : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
-        const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
         // The norm's weights (and layer 0's embedding row) do not depend on this step: they
         // are issued first, so they are in flight while the inputs are waited for.
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            const bool in = i < p.hidden;
-            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
-            gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
+            const int i = first + k * CONSUMERS;
+            v[k] = k < mine && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
+            gw[k] = k < mine ? bf16_to_f32(g[i]) : 0.f;
+        }
+        for (int s0 = 0; s0 < nsrc; s0 += PREP_SRC) {
+            u64 raw[PREP_SRC][PREP_MAX];
+#pragma unroll
+            for (int s = 0; s < PREP_SRC; s++)
+#pragma unroll
+                for (int k = 0; k < PREP_MAX; k++)
+                    raw[s][k] = s0 + s < nsrc && k < mine ? ld_tagged(src(s0 + s) + first + k * CONSUMERS) : 0;
+#pragma unroll
+            for (int s = 0; s < PREP_SRC; s++)
+                if (s0 + s < nsrc)
+                    settle<PREP_MAX>(p, raw[s], [&](int k) { return src(s0 + s) + first + k * CONSUMERS; }, mine);
+#pragma unroll
+            for (int s = 0; s < PREP_SRC; s++)
+#pragma unroll
+                for (int k = 0; k < PREP_MAX; k++)
+                    if (s0 + s < nsrc && k < mine) v[k] += tagged_float(raw[s][k]);
         }
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            const bool in = i < p.hidden;
-            raw[k] = in && base ? ld_tagged(base + i) : 0;
-#pragma unroll
-            for (int c = 0; c < PREP_CHUNKS; c++)
-                rawp[c][k] = in && c < nparts ? ld_tagged(parts + (size_t)c * p.hidden + i) : 0;
-        }
-        const int mine = p.hidden > ct ? (p.hidden - ct + CONSUMERS - 1) / CONSUMERS : 0;
-        if (base) settle<PREP_MAX>(p, raw, [&](int k) { return base + ct + k * CONSUMERS; }, mine);
-#pragma unroll
-        for (int c = 0; c < PREP_CHUNKS; c++)
-            if (c < nparts)
-                settle<PREP_MAX>(p, rawp[c], [&](int k) { return parts + (size_t)c * p.hidden + ct + k * CONSUMERS; }, mine);
-        float sq = 0.f;
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            if (k < mine) {
-                if (base) v[k] = tagged_float(raw[k]);
-#pragma unroll
-                for (int c = 0; c < PREP_CHUNKS; c++)
-                    if (c < nparts) v[k] += tagged_float(rawp[c][k]);
-            }
             sq += v[k] * v[k];
+            if (k < mine) xs[first + k * CONSUMERS] = v[k] * gw[k];
         }
-        consumers_partial_sum(sq, ss);
-#pragma unroll
-        for (int k = 0; k < PREP_MAX; k++) {
-            const int i = ct + k * CONSUMERS;
-            if (i < p.hidden) xs[i] = v[k] * gw[k];
-        }
-        return;
-    }
-    float sq = 0.f;
-    for (int i = ct; i < p.hidden; i += CONSUMERS) {
-        float v = after_attn ? ld_value(p, p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
-        xs[i] = v * bf16_to_f32(g[i]);
-        sq += v * v;
     }
     consumers_partial_sum(sq, ss);
 }
