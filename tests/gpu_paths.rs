@@ -265,3 +265,25 @@ fn qwen_steps_in_the_megakernel_match_reference() {
         );
     }
 }
+
+/// Weights larger than the GPU's free memory fail before any upload, with the sizes: the
+/// GPU is filled up to 64 MiB short, then the SmolLM2 shape (269 MB) is uploaded.
+#[test]
+#[ignore = "needs a GPU"]
+fn weights_larger_than_free_memory_get_a_clear_error() {
+    let gpu = gpu();
+    let cfg = presets::by_name("smollm2-135m").unwrap();
+    let w = random_weights(&cfg, 1);
+    let free = gpu.free_memory().unwrap();
+    let _filler = gpu.alloc_zeros::<u8>(free - (64 << 20), "filler").unwrap();
+    let err = DeviceModel::upload(&gpu, &cfg, &w)
+        .err()
+        .expect("the upload must fail");
+    let msg = format!("{err:#}");
+    println!("{msg}");
+    assert!(
+        msg.contains("the model's weights need 0.25 GiB of GPU memory")
+            && msg.contains("GiB free of"),
+        "{msg}"
+    );
+}

@@ -103,6 +103,20 @@ impl DeviceModel {
                 config.head_dim
             );
         }
+        // Asked before anything is uploaded, so that a model too large for the GPU fails with
+        // the sizes, not at whichever tensor happens to run out.
+        let need = w.bytes_per_token() + w.lm_head.as_ref().map_or(0, |_| 2 * w.embed.len());
+        let free = gpu.free_memory()?;
+        if need > free {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            bail!(
+                "the model's weights need {:.2} GiB of GPU memory, and {} has {:.2} GiB free of {:.2} GiB; use a smaller model or --device cpu",
+                gib(need),
+                gpu.name,
+                gib(free),
+                gib(gpu.total_memory)
+            );
+        }
         let layers = w
             .layers
             .iter()
