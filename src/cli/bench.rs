@@ -11,7 +11,7 @@ use crate::gpu::baseline::measure_read_bandwidth;
 use crate::gpu::device::Gpu;
 use crate::gpu::model::DeviceModel;
 use crate::gpu::paths::{GpuPath, PathKind};
-use crate::model::{self, presets, random::random_weights};
+use crate::model::{self, presets, random::random_weights, WeightType};
 use crate::sampling::{argmax, Sampler, SamplingArgs, SamplingParams};
 
 #[derive(clap::Args, Debug)]
@@ -44,6 +44,11 @@ pub struct BenchArgs {
     /// chrome://tracing): a track per SM, a slice per instruction with its phases.
     #[arg(long, requires = "profile")]
     pub trace: Option<PathBuf>,
+    /// Storage of the weight matrices: with --preset, the random bf16 weights quantised with
+    /// the project's quantiser (or left bf16); with a model file, as --dtype of `run` (default:
+    /// as the file stores them).
+    #[arg(long, value_enum)]
+    pub dtype: Option<WeightType>,
     /// Seed of the random weights, the prompt and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -150,21 +155,30 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "bench: generating random weights of the {p} shape (seed {})",
                 args.seed
             );
-            let w = random_weights(&c, args.seed);
-            (c, w, format!("{p} (random bf16 weights)"))
+            let mut w = random_weights(&c, args.seed);
+            let ty = args.dtype.unwrap_or(WeightType::Bf16);
+            w.convert_to(ty)?;
+            (c, w, format!("{p} (random {ty} weights)"))
         }
         (Some(m), None) => {
-            let m2 = model::load(m)?;
+            let mut m2 = model::load(m)?;
+            if let Some(ty) = args.dtype {
+                m2.weights.convert_to(ty)?;
+            }
             (m2.config, m2.weights, m.display().to_string())
         }
         (None, None) => {
             let path = crate::fetch::default_model()?;
-            let m2 = model::load(&path)?;
-            (
-                m2.config,
-                m2.weights,
-                "SmolLM2-135M-Instruct Q4_1 (default, as bf16)".to_string(),
-            )
+            let mut m2 = model::load(&path)?;
+            if let Some(ty) = args.dtype {
+                m2.weights.convert_to(ty)?;
+            }
+            let name = format!(
+                "SmolLM2-135M-Instruct Q4_1 (default, {})",
+                args.dtype
+                    .map_or("as stored".to_string(), |t| format!("as {t}"))
+            );
+            (m2.config, m2.weights, name)
         }
     };
     let max_seq = args.prompt_len + args.gen + 1;
@@ -174,6 +188,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             config.max_position_embeddings
         );
     }
+    eprintln!("bench: {}", weights.describe_memory());
+    let quantized = weights.is_quantized();
     let dm = DeviceModel::upload(&gpu, &config, &weights)?;
     drop(weights);
     let bw = measure_read_bandwidth(&gpu).context("measuring the read bandwidth")?;
@@ -196,6 +212,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for kind in paths {
         if let (PathKind::Megakernel, Some(why)) = (kind, config.megakernel_unsupported()) {
             eprintln!("bench: skipping the megakernel: {why}");
+            continue;
+        }
+        if kind == PathKind::Megakernel && quantized {
+            eprintln!(
+                "bench: skipping the megakernel: {}",
+                crate::gpu::megakernel::QUANTIZED_UNSUPPORTED
+            );
             continue;
         }
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)

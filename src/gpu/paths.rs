@@ -59,6 +59,27 @@ impl PathKind {
     }
 }
 
+impl PathKind {
+    /// As [`Self::for_model`], and also the graph path when the megakernel is asked for weights
+    /// it cannot read (quantised matrices).
+    pub fn for_weights(
+        self,
+        config: &crate::model::Config,
+        weights: &crate::model::Weights,
+    ) -> (PathKind, Option<String>) {
+        match self.for_model(config) {
+            (PathKind::Megakernel, None) if weights.is_quantized() => (
+                PathKind::Graph,
+                Some(format!(
+                    "{}; running on the graph path",
+                    super::megakernel::QUANTIZED_UNSUPPORTED
+                )),
+            ),
+            other => other,
+        }
+    }
+}
+
 /// The longest wait a user may set: ten minutes.
 pub const MAX_WAIT_TIMEOUT_MS: u64 = 600_000;
 
