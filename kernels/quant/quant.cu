@@ -94,7 +94,7 @@ extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u16* sca
 // so a warp's loads of one row are 256 (Q8_0) or 128 (Q4) contiguous bytes. The input vector
 // is staged in shared memory permuted so that lane L's two float4 of chunk c sit at float4
 // slots (2c + p) * 32 + L: every shared load is conflict-free, and a lane's inputs are loaded
-// once and used for all of its rows. Rows per block: 8 warps * QG_ROWS (GEMV_ROWS_PER_BLOCK in
+// once and used for all of its rows. Rows per block: 8 warps * QG_ROWS (QUANT_ROWS_PER_BLOCK in
 // src/gpu/baseline.rs). A lane's loads are small (4 or 8 bytes), so QG_UNROLL chunks of every
 // row are loaded before any is used: 8 keeps as many bytes in flight per lane as bl_gemv's
 // 16-byte loads do for Q8_0, half as many for Q4.

@@ -60,6 +60,11 @@ const SPLIT_KV_FROM: usize = 2048;
 /// Split-KV parts per head at most.
 const MAX_ATT_PARTS: usize = 64;
 
+/// Threads and rows per block of the quantised mat-vecs: 8 warps × QG_ROWS rows
+/// (kernels/quant/quant.cu).
+const QUANT_THREADS: u32 = 256;
+const QUANT_ROWS_PER_BLOCK: u32 = 16;
+
 /// Shared memory of a quantised mat-vec over rows of `cols`: the input vector, padded to
 /// whole 256-element chunks (QG_CHUNK in kernels/quant/quant.cu).
 fn quant_smem(cols: usize) -> u32 {
@@ -270,12 +275,13 @@ impl<'g> BaselinePath<'g> {
         }
         let sp = w.scales_ptr(self.gpu);
         let kernel = &self.k.gemv_q[w.type_code() as usize - 1];
+        let grid = (rows as u32).div_ceil(QUANT_ROWS_PER_BLOCK);
         let mut a = kargs![&wp, &sp, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
         // SAFETY: the arguments are the values bl_gemv_q8_0/q4_0/q4_1 declare, in order (see
         // kernels/quant/quant.cu), each a live local; the pointers are device buffers of this
         // path or the model that outlive the launch (W and scales hold `rows` rows of `cols`
         // elements of w's type; x 2 * cols floats for SiluUp; norm, cols weights).
-        unsafe { kernel.launch(stream, grid, GEMV_THREADS, quant_smem(cols), pdl, &mut a) }
+        unsafe { kernel.launch(stream, grid, QUANT_THREADS, quant_smem(cols), pdl, &mut a) }
     }
 
     /// The input of a mat-vec that reads the RMS norm of x: x itself with the norm folded in,
