@@ -113,6 +113,8 @@ struct Report {
     /// "greedy", or the sampling parameters.
     sampling: String,
     weight_bytes_per_token: usize,
+    /// The weights' memory by storage type (bf16, Q8_0, Q4_0, Q4_1).
+    weight_memory: String,
     /// K and V bytes a timed step reads, at the mean context of the timed steps.
     kv_bytes_per_token: usize,
     /// (weights + KV) / read bandwidth: the step time no path can beat.
@@ -188,7 +190,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             config.max_position_embeddings
         );
     }
-    eprintln!("bench: {}", weights.describe_memory());
+    let weight_memory = weights.describe_memory();
+    eprintln!("bench: {weight_memory}");
     let quantized = weights.is_quantized();
     let dm = DeviceModel::upload(&gpu, &config, &weights)?;
     drop(weights);
@@ -345,6 +348,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             reps: args.reps,
             sampling,
             weight_bytes_per_token: dm.bytes_per_token,
+            weight_memory,
             kv_bytes_per_token: kv_bytes,
             floor_ms,
             read_bandwidth_gbps: bw,
