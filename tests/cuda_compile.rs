@@ -31,6 +31,14 @@ fn baseline_kernels_compile_for_sm90a() {
     assert_compiles("baseline", &sources::baseline(), &[], "");
 }
 
+/// kernels/quant/quant.cu alone: the prefill unit includes it without the baseline's helpers,
+/// so it must need none of them.
+#[test]
+fn quant_kernels_compile_alone_for_sm90a() {
+    require_nvrtc();
+    assert_compiles("quant", sources::QUANT, &[], "");
+}
+
 #[test]
 fn sampling_kernels_compile_for_sm90a() {
     require_nvrtc();

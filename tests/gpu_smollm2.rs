@@ -31,7 +31,10 @@ const TOL_BASELINE: f64 = 4e-2;
 fn setup() -> Setup {
     let gpu = gpu();
     let path = megainfer::fetch::default_model().expect("default model");
-    let model = megainfer::model::load(&path).expect("loading the default model");
+    let mut model = megainfer::model::load(&path).expect("loading the default model");
+    // As `--dtype bf16`: the megakernel reads bf16 weights (tests/gpu_quant.rs runs the file's
+    // Q4_1/Q8_0 matrices as stored on the graph paths).
+    model.weights.widen_to_bf16();
     let prompt = model
         .tokenizer
         .as_ref()

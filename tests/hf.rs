@@ -11,7 +11,7 @@ use half::bf16;
 use hf_writer::*;
 use megainfer::model::hf::{self, parse_config};
 use megainfer::model::random::random_weights;
-use megainfer::model::{Config, Llama3RopeScaling, Model, Weights};
+use megainfer::model::{Config, Llama3RopeScaling, Matrix, Model, Weights};
 use megainfer::reference::CpuForward;
 use megainfer::tokenizer::chat::{render, ChatMessage};
 use safetensors::Dtype;
@@ -206,23 +206,24 @@ fn assert_weights_eq(got: &Weights, want: &Weights, dtype: Dtype) {
         let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert!(bits(a) == bits(&b), "{what}: values differ ({dtype})");
     };
-    same(&got.embed, &want.embed, "embed");
+    let m = |x: &'_ Matrix| -> Vec<bf16> { x.as_bf16().expect("bf16 weights").to_vec() };
+    same(&m(&got.embed), &m(&want.embed), "embed");
     same(&got.final_norm, &want.final_norm, "final_norm");
     assert_eq!(got.layers.len(), want.layers.len());
     for (i, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
         same(&g.attn_norm, &w.attn_norm, &format!("layer {i} attn_norm"));
-        same(&g.wq, &w.wq, &format!("layer {i} wq"));
-        same(&g.wk, &w.wk, &format!("layer {i} wk"));
-        same(&g.wv, &w.wv, &format!("layer {i} wv"));
-        same(&g.wo, &w.wo, &format!("layer {i} wo"));
+        same(&m(&g.wq), &m(&w.wq), &format!("layer {i} wq"));
+        same(&m(&g.wk), &m(&w.wk), &format!("layer {i} wk"));
+        same(&m(&g.wv), &m(&w.wv), &format!("layer {i} wv"));
+        same(&m(&g.wo), &m(&w.wo), &format!("layer {i} wo"));
         same(&g.ffn_norm, &w.ffn_norm, &format!("layer {i} ffn_norm"));
-        same(&g.w_gate, &w.w_gate, &format!("layer {i} w_gate"));
-        same(&g.w_up, &w.w_up, &format!("layer {i} w_up"));
-        same(&g.w_down, &w.w_down, &format!("layer {i} w_down"));
+        same(&m(&g.w_gate), &m(&w.w_gate), &format!("layer {i} w_gate"));
+        same(&m(&g.w_up), &m(&w.w_up), &format!("layer {i} w_up"));
+        same(&m(&g.w_down), &m(&w.w_down), &format!("layer {i} w_down"));
     }
     match (&got.lm_head, &want.lm_head) {
         (None, None) => {}
-        (Some(g), Some(w)) => same(g, w, "lm_head"),
+        (Some(g), Some(w)) => same(&m(g), &m(w), "lm_head"),
         _ => panic!("lm_head presence differs"),
     }
 }
@@ -244,10 +245,11 @@ fn f16_and_f32_weights_convert_to_bf16() {
     let mut w = random_weights(&cfg, 7);
     // Values F16 cannot hold exactly: below its normal range (rounded to a subnormal) and above
     // its largest finite value (infinity). Converting through f32 must reproduce both.
-    w.embed[0] = bf16::from_f32(3.0e-7);
-    w.embed[1] = bf16::from_f32(-7.0e4);
-    let f16_view = expected_after(&w.embed[..2], Dtype::F16);
-    assert!(f16_view[0] != w.embed[0] && f16_view[1] == bf16::NEG_INFINITY);
+    let embed = w.embed.as_bf16_mut().unwrap();
+    embed[0] = bf16::from_f32(3.0e-7);
+    embed[1] = bf16::from_f32(-7.0e4);
+    let f16_view = expected_after(&embed[..2], Dtype::F16);
+    assert!(f16_view[0] != embed[0] && f16_view[1] == bf16::NEG_INFINITY);
     for dtype in [Dtype::F16, Dtype::F32] {
         let model = write_and_load(&cfg, &w, dtype, 1);
         assert_weights_eq(&model.weights, &w, dtype);
@@ -292,7 +294,7 @@ fn tied_checkpoint_may_carry_lm_head_and_inv_freq_buffers() {
         "lm_head.weight",
         vec![cfg.vocab_size, cfg.hidden_size],
         Dtype::BF16,
-        encode(&other_head, Dtype::BF16),
+        encode(other_head.as_bf16().unwrap(), Dtype::BF16),
     ));
     tensors.push(Tensor::new(
         "model.layers.0.self_attn.rotary_emb.inv_freq",

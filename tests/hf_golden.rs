@@ -423,22 +423,30 @@ fn qwen_gguf_files_match_transformers_goldens() {
             g.add_tensor(&name, &dims, 0, data);
         };
         let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        add("token_embd.weight".into(), &w.embed, c.vocab_size);
+        add(
+            "token_embd.weight".into(),
+            w.embed.as_bf16().unwrap(),
+            c.vocab_size,
+        );
         add("output_norm.weight".into(), &w.final_norm, 1);
         if let Some(head) = &w.lm_head {
-            add("output.weight".into(), head, c.vocab_size);
+            add(
+                "output.weight".into(),
+                head.as_bf16().unwrap(),
+                c.vocab_size,
+            );
         }
         for (l, lw) in w.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{l}.{s}");
             add(n("attn_norm.weight"), &lw.attn_norm, 1);
-            add(n("attn_q.weight"), &lw.wq, q);
-            add(n("attn_k.weight"), &lw.wk, kv);
-            add(n("attn_v.weight"), &lw.wv, kv);
-            add(n("attn_output.weight"), &lw.wo, h);
+            add(n("attn_q.weight"), lw.wq.as_bf16().unwrap(), q);
+            add(n("attn_k.weight"), lw.wk.as_bf16().unwrap(), kv);
+            add(n("attn_v.weight"), lw.wv.as_bf16().unwrap(), kv);
+            add(n("attn_output.weight"), lw.wo.as_bf16().unwrap(), h);
             add(n("ffn_norm.weight"), &lw.ffn_norm, 1);
-            add(n("ffn_gate.weight"), &lw.w_gate, f);
-            add(n("ffn_up.weight"), &lw.w_up, f);
-            add(n("ffn_down.weight"), &lw.w_down, h);
+            add(n("ffn_gate.weight"), lw.w_gate.as_bf16().unwrap(), f);
+            add(n("ffn_up.weight"), lw.w_up.as_bf16().unwrap(), f);
+            add(n("ffn_down.weight"), lw.w_down.as_bf16().unwrap(), h);
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 add(n("attn_q_norm.weight"), qn, 1);
                 add(n("attn_k_norm.weight"), kn, 1);

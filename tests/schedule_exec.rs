@@ -332,7 +332,9 @@ fn check_every_edge(
 #[test]
 fn smollm2_real_weights_match_reference() {
     let path = megainfer::fetch::default_model().expect("default model");
-    let model = megainfer::model::load(&path).expect("load the default model");
+    let mut model = megainfer::model::load(&path).expect("load the default model");
+    // The schedule's instructions read bf16 weights: widen the file's Q4_1/Q8_0 matrices.
+    model.weights.widen_to_bf16();
     let (cfg, w) = (&model.config, &model.weights);
     let tokens = [1u32, 504, 3458, 314];
     let mut fwd = CpuForward::new(cfg, w, MAX_SEQ);

@@ -11,7 +11,7 @@ use crate::gpu::baseline::measure_read_bandwidth;
 use crate::gpu::device::Gpu;
 use crate::gpu::model::DeviceModel;
 use crate::gpu::paths::{GpuPath, PathKind};
-use crate::model::{self, presets, random::random_weights};
+use crate::model::{self, presets, random::random_weights, WeightType};
 use crate::sampling::{argmax, Sampler, SamplingArgs, SamplingParams};
 
 #[derive(clap::Args, Debug)]
@@ -44,6 +44,11 @@ pub struct BenchArgs {
     /// chrome://tracing): a track per SM, a slice per instruction with its phases.
     #[arg(long, requires = "profile")]
     pub trace: Option<PathBuf>,
+    /// Storage of the weight matrices: with --preset, the random bf16 weights quantised with
+    /// the project's quantiser (or left bf16); with a model file, as --dtype of `run` (default:
+    /// as the file stores them).
+    #[arg(long, value_enum)]
+    pub dtype: Option<WeightType>,
     /// Seed of the random weights, the prompt and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -108,6 +113,8 @@ struct Report {
     /// "greedy", or the sampling parameters.
     sampling: String,
     weight_bytes_per_token: usize,
+    /// The weights' memory by storage type (bf16, Q8_0, Q4_0, Q4_1).
+    weight_memory: String,
     /// K and V bytes a timed step reads, at the mean context of the timed steps.
     kv_bytes_per_token: usize,
     /// (weights + KV) / read bandwidth: the step time no path can beat.
@@ -143,28 +150,37 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     let gpu = Gpu::new(0)?;
-    let (config, weights, model_name) = match (&args.model, &args.preset) {
+    let (config, weights, mut model_name) = match (&args.model, &args.preset) {
         (_, Some(p)) => {
             let c = presets::by_name(p)?;
             eprintln!(
                 "bench: generating random weights of the {p} shape (seed {})",
                 args.seed
             );
-            let w = random_weights(&c, args.seed);
-            (c, w, format!("{p} (random bf16 weights)"))
+            let mut w = random_weights(&c, args.seed);
+            let ty = args.dtype.unwrap_or(WeightType::Bf16);
+            w.convert_to(ty)?;
+            (c, w, format!("{p} (random {ty} weights)"))
         }
         (Some(m), None) => {
-            let m2 = model::load(m)?;
+            let mut m2 = model::load(m)?;
+            if let Some(ty) = args.dtype {
+                m2.weights.convert_to(ty)?;
+            }
             (m2.config, m2.weights, m.display().to_string())
         }
         (None, None) => {
             let path = crate::fetch::default_model()?;
-            let m2 = model::load(&path)?;
-            (
-                m2.config,
-                m2.weights,
-                "SmolLM2-135M-Instruct Q4_1 (default, as bf16)".to_string(),
-            )
+            let mut m2 = model::load(&path)?;
+            if let Some(ty) = args.dtype {
+                m2.weights.convert_to(ty)?;
+            }
+            let name = format!(
+                "SmolLM2-135M-Instruct Q4_1 (default, {})",
+                args.dtype
+                    .map_or("as stored".to_string(), |t| format!("as {t}"))
+            );
+            (m2.config, m2.weights, name)
         }
     };
     let max_seq = args.prompt_len + args.gen + 1;
@@ -174,6 +190,20 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             config.max_position_embeddings
         );
     }
+    let mut weights = weights;
+    // As `run`: the file's quantised matrices are widened for the megakernel (all paths then
+    // compare on the same weights); a quantisation asked for with --dtype keeps its bytes and
+    // the megakernel is skipped.
+    if args.dtype.is_none() && paths.contains(&PathKind::Megakernel) && weights.is_quantized() {
+        weights.widen_to_bf16();
+        model_name = format!("{model_name}, widened to bf16");
+        eprintln!(
+            "bench: the megakernel reads bf16 weights only: the file's quantised matrices are widened to bf16 for every path (--dtype q4_1 or --paths graph,… bench them as stored)"
+        );
+    }
+    let weight_memory = weights.describe_memory();
+    eprintln!("bench: {weight_memory}");
+    let quantized = weights.is_quantized();
     let dm = DeviceModel::upload(&gpu, &config, &weights)?;
     drop(weights);
     let bw = measure_read_bandwidth(&gpu).context("measuring the read bandwidth")?;
@@ -194,6 +224,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut results = Vec::new();
     let mut profile = None;
     for kind in paths {
+        if kind == PathKind::Megakernel && quantized {
+            eprintln!(
+                "bench: skipping the megakernel: {}",
+                crate::gpu::megakernel::QUANTIZED_UNSUPPORTED
+            );
+            continue;
+        }
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
         if let Some(ms) = args.wait_timeout_ms {
@@ -318,6 +355,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             reps: args.reps,
             sampling,
             weight_bytes_per_token: dm.bytes_per_token,
+            weight_memory,
             kv_bytes_per_token: kv_bytes,
             floor_ms,
             read_bandwidth_gbps: bw,

@@ -11,11 +11,10 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::{bail, Context, Result};
 
-use super::run::{choose_gpu, context_limit, resolve_model_path, ModelArgs};
+use super::run::{choose_gpu, context_limit, ModelArgs};
 use crate::generate::{generate_after, Backend};
 use crate::gpu::model::{DeviceModel, KvCache};
 use crate::gpu::paths::GpuPath;
-use crate::model;
 use crate::reference::CpuForward;
 use crate::sampling::Sampler;
 use crate::tokenizer::chat::{render_ids, ChatMessage};
@@ -49,8 +48,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1 for a chat");
     }
-    let path = resolve_model_path(&args.common.model)?;
-    let model = model::load(&path)?;
+    let mut model = args.common.load_model()?;
     let tok = model
         .tokenizer
         .as_ref()
@@ -67,7 +65,13 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));
     if let Some(gpu) = gpu {
-        let path = args.common.path;
+        let (path, why) = args
+            .common
+            .path
+            .for_weights(&mut model.weights, args.common.dtype.is_some());
+        if let Some(why) = why {
+            eprintln!("megainfer: {why}");
+        }
         eprintln!(
             "megainfer: chat on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),

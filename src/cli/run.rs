@@ -9,7 +9,7 @@ use crate::generate::generate;
 use crate::gpu::device::Gpu;
 use crate::gpu::model::{DeviceModel, KvCache};
 use crate::gpu::paths::{GpuPath, PathKind};
-use crate::model::{self, Model};
+use crate::model::{self, Model, WeightType};
 use crate::reference::CpuForward;
 use crate::sampling::{Sampler, SamplingArgs, SamplingParams};
 use crate::tokenizer::chat::{self, ChatMessage};
@@ -42,6 +42,24 @@ pub struct ModelArgs {
     /// GPU decode path.
     #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
     pub path: PathKind,
+    /// Storage of the weight matrices. Default: as the file stores them (GGUF Q8_0, Q4_0 and
+    /// Q4_1 stay quantised; everything else is bf16). `bf16` widens them; a quantised type
+    /// quantises every matrix with the project's quantiser.
+    #[arg(long, value_enum)]
+    pub dtype: Option<WeightType>,
+}
+
+impl ModelArgs {
+    /// Loads the model, converts its matrices per `--dtype` and says how much memory they use.
+    pub fn load_model(&self) -> Result<Model> {
+        let path = resolve_model_path(&self.model)?;
+        let mut model = model::load(&path)?;
+        if let Some(ty) = self.dtype {
+            model.weights.convert_to(ty)?;
+        }
+        eprintln!("megainfer: {}", model.weights.describe_memory());
+        Ok(model)
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -113,7 +131,7 @@ pub(crate) fn context_limit(
         return Ok(n);
     };
     let free = gpu.free_memory()?;
-    let weights = model.weights.bytes_per_token() + 2 * config.vocab_size * config.hidden_size;
+    let weights: usize = model.weights.bytes_by_type().iter().map(|(_, b)| b).sum();
     let budget = free
         .saturating_sub(weights)
         .saturating_sub(GPU_RESERVE_BYTES + free / 10);
@@ -189,8 +207,7 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
 
 pub fn run(args: &RunArgs) -> Result<()> {
     let params = args.common.sampling.params(args.common.seed)?;
-    let path = resolve_model_path(&args.common.model)?;
-    let model = model::load(&path)?;
+    let mut model = args.common.load_model()?;
     let ids = render_prompt(&model, &args.prompt, args.chat)?;
     if ids.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
@@ -211,7 +228,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(gpu) = gpu {
-        let path = args.common.path;
+        let (path, why) = args
+            .common
+            .path
+            .for_weights(&mut model.weights, args.common.dtype.is_some());
+        if let Some(why) = why {
+            eprintln!("megainfer: {why}");
+        }
         eprintln!(
             "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
             gpu.describe(),

@@ -62,7 +62,9 @@ pub fn run(args: &SoakArgs) -> Result<()> {
         bail!("--tokens and --chunk must be at least 1");
     }
     let path = crate::cli::run::resolve_model_path(&args.model)?;
-    let model = model::load(&path)?;
+    let mut model = model::load(&path)?;
+    // The megakernel reads bf16 only: both sides of the comparison run the widened weights.
+    model.weights.widen_to_bf16();
     let tok = model
         .tokenizer
         .as_ref()

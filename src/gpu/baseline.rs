@@ -11,7 +11,7 @@ use cudarc::nvrtc::Ptx;
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
-use super::model::{enqueue_qkv_extras, DeviceModel, KvCache};
+use super::model::{enqueue_qkv_extras, DeviceMatrix, DeviceModel, KvCache};
 use super::sources;
 use super::stepping::{self, Sequence, Steps};
 use crate::kargs;
@@ -46,6 +46,9 @@ struct Kernels {
     attention_merge: Kernel,
     qkv_extras: Kernel,
     argmax: Kernel,
+    embed_q: Kernel,
+    /// kernels/quant/quant.cu's mat-vecs, by storage: Q8_0, Q4_0, Q4_1.
+    gemv_q: [Kernel; 3],
 }
 
 const GEMV_THREADS: u32 = 256;
@@ -56,6 +59,17 @@ const ATT_THREADS: u32 = 128;
 const SPLIT_KV_FROM: usize = 2048;
 /// Split-KV parts per head at most.
 const MAX_ATT_PARTS: usize = 64;
+
+/// Threads and rows per block of the quantised mat-vecs: 8 warps × QG_ROWS rows
+/// (kernels/quant/quant.cu).
+const QUANT_THREADS: u32 = 256;
+const QUANT_ROWS_PER_BLOCK: u32 = 16;
+
+/// Shared memory of a quantised mat-vec over rows of `cols`: the input vector, padded to
+/// whole 256-element chunks (QG_CHUNK in kernels/quant/quant.cu).
+fn quant_smem(cols: usize) -> u32 {
+    (cols.div_ceil(256) * 256 * 4) as u32
+}
 
 /// Which elementwise steps `bl_gemv` folds into its input staging instead of running them as
 /// kernels of their own. Folding both saved 5% a token on the SmolLM2 shape (hidden 576, 30
@@ -172,6 +186,12 @@ impl<'g> BaselinePath<'g> {
             attention_merge: Kernel::load(&module, "bl_attention_merge")?,
             qkv_extras: Kernel::load(&module, "qkv_extras")?,
             argmax: Kernel::load(&module, "bl_argmax")?,
+            embed_q: Kernel::load(&module, "bl_embed_q")?,
+            gemv_q: [
+                Kernel::load(&module, "bl_gemv_q8_0")?,
+                Kernel::load(&module, "bl_gemv_q4_0")?,
+                Kernel::load(&module, "bl_gemv_q4_1")?,
+            ],
         };
         // Enough blocks to cover every SM twice, at most one part per 32 positions.
         let att_parts = if expected_len.min(max_seq) > SPLIT_KV_FROM {
@@ -184,6 +204,9 @@ impl<'g> BaselinePath<'g> {
         };
         let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
         k.gemv.allow_smem(max_cols * 4)?;
+        for g in &k.gemv_q {
+            g.allow_smem(quant_smem(max_cols) as usize)?;
+        }
         let qkv_rows = c.q_dim() + 2 * c.kv_dim();
         let mut p = Self {
             kv: KvCache::new(gpu, c, max_seq)?,
@@ -218,17 +241,17 @@ impl<'g> BaselinePath<'g> {
         Ok(p)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// `y (+)= W · in` over `w`'s rows, `in` formed from x per `input`: bl_gemv for bf16
+    /// weights, the quantised mat-vecs (kernels/quant/quant.cu) for blocks.
     fn gemv(
         &self,
-        w: u64,
+        w: &DeviceMatrix,
         x: u64,
         y: u64,
-        rows: usize,
-        cols: usize,
         accumulate: bool,
         input: GemvIn,
     ) -> Result<()> {
+        let (rows, cols) = (w.rows, w.cols);
         let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
         let (mode, norm) = match input {
             GemvIn::Plain => (0i32, 0u64),
@@ -237,20 +260,28 @@ impl<'g> BaselinePath<'g> {
         };
         let eps = self.model.config.rms_norm_eps;
         let grid = (rows as u32).div_ceil(GEMV_ROWS_PER_BLOCK);
-        let mut a = kargs![&w, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
-        // SAFETY: the arguments are the values bl_gemv declares, in order (see
-        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-        // path that outlive the launch (x holds 2 * cols floats for SiluUp; norm, cols weights).
-        unsafe {
-            self.k.gemv.launch(
-                &self.gpu.stream,
-                grid,
-                GEMV_THREADS,
-                (cols * 4) as u32,
-                self.pdl(),
-                &mut a,
-            )
+        let (wp, pdl, stream) = (w.ptr(self.gpu), self.pdl(), &self.gpu.stream);
+        if w.type_code() == 0 {
+            let mut a = kargs![&wp, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
+            // SAFETY: the arguments are the values bl_gemv declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers
+            // of this path or the model that outlive the launch (x holds 2 * cols floats for
+            // SiluUp; norm, cols weights).
+            return unsafe {
+                self.k
+                    .gemv
+                    .launch(stream, grid, GEMV_THREADS, (cols * 4) as u32, pdl, &mut a)
+            };
         }
+        let sp = w.scales_ptr(self.gpu);
+        let kernel = &self.k.gemv_q[w.type_code() as usize - 1];
+        let grid = (rows as u32).div_ceil(QUANT_ROWS_PER_BLOCK);
+        let mut a = kargs![&wp, &sp, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
+        // SAFETY: the arguments are the values bl_gemv_q8_0/q4_0/q4_1 declare, in order (see
+        // kernels/quant/quant.cu), each a live local; the pointers are device buffers of this
+        // path or the model that outlive the launch (W and scales hold `rows` rows of `cols`
+        // elements of w's type; x 2 * cols floats for SiluUp; norm, cols weights).
+        unsafe { kernel.launch(stream, grid, QUANT_THREADS, quant_smem(cols), pdl, &mut a) }
     }
 
     /// The input of a mat-vec that reads the RMS norm of x: x itself with the norm folded in,
@@ -320,32 +351,43 @@ impl<'g> BaselinePath<'g> {
         );
         let hidden = c.hidden_size as i32;
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
-        let embed = ptr(&self.model.embed, s);
-        // SAFETY: the arguments are the values bl_embed declares, in order (see
-        // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-        // path that outlive the launch.
-        unsafe {
-            self.k.embed.launch(
-                s,
-                (hidden as u32).div_ceil(256),
-                256,
-                0,
-                pdl,
-                &mut kargs![&embed, &meta, &x, &hidden],
-            )
-        }?;
+        let em = &self.model.embed;
+        let embed = em.ptr(g);
+        let blocks = (hidden as u32).div_ceil(256);
+        if em.type_code() == 0 {
+            // SAFETY: the arguments are the values bl_embed declares, in order (see
+            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers
+            // of this path that outlive the launch.
+            unsafe {
+                self.k.embed.launch(
+                    s,
+                    blocks,
+                    256,
+                    0,
+                    pdl,
+                    &mut kargs![&embed, &meta, &x, &hidden],
+                )
+            }?;
+        } else {
+            let (ty, sc) = (em.type_code(), em.scales_ptr(g));
+            // SAFETY: the arguments are the values bl_embed_q declares, in order (see
+            // kernels/quant/quant.cu), each a live local; the pointers are device buffers of
+            // this path or the model that outlive the launch.
+            unsafe {
+                self.k.embed_q.launch(
+                    s,
+                    blocks,
+                    256,
+                    0,
+                    pdl,
+                    &mut kargs![&ty, &embed, &sc, &meta, &x, &hidden],
+                )
+            }?;
+        }
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
             let (input, how) = self.normed(x, ptr(&lw.attn_norm, s))?;
-            self.gemv(
-                ptr(&lw.w_qkv, s),
-                input,
-                qkv,
-                c.q_dim() + 2 * c.kv_dim(),
-                c.hidden_size,
-                false,
-                how,
-            )?;
+            self.gemv(&lw.w_qkv, input, qkv, false, how)?;
             enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
@@ -402,46 +444,14 @@ impl<'g> BaselinePath<'g> {
                     )
                 }?;
             }
-            self.gemv(
-                ptr(&lw.wo, s),
-                attn,
-                x,
-                c.hidden_size,
-                c.q_dim(),
-                true,
-                GemvIn::Plain,
-            )?;
+            self.gemv(&lw.wo, attn, x, true, GemvIn::Plain)?;
             let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
-            self.gemv(
-                ptr(&lw.w_gu, s),
-                input,
-                gu,
-                2 * c.intermediate_size,
-                c.hidden_size,
-                false,
-                how,
-            )?;
+            self.gemv(&lw.w_gu, input, gu, false, how)?;
             let (input, how) = self.silu_up(gu)?;
-            self.gemv(
-                ptr(&lw.w_down, s),
-                input,
-                x,
-                c.hidden_size,
-                c.intermediate_size,
-                true,
-                how,
-            )?;
+            self.gemv(&lw.w_down, input, x, true, how)?;
         }
         let (input, how) = self.normed(x, ptr(&self.model.final_norm, s))?;
-        self.gemv(
-            self.model.lm_head_ptr(g),
-            input,
-            logits,
-            c.vocab_size,
-            c.hidden_size,
-            false,
-            how,
-        )?;
+        self.gemv(self.model.lm_head(), input, logits, false, how)?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
             return sampler.enqueue(s, logits, meta, meta, history, pdl);

@@ -65,6 +65,11 @@ pub struct MegakernelPath<'g> {
     sampler: Option<DeviceSampler>,
 }
 
+/// Why the megakernel refuses a model with quantised matrices.
+pub const QUANTIZED_UNSUPPORTED: &str = "the megakernel reads bf16 weights only, and this model \
+     keeps quantised (Q8_0/Q4_0/Q4_1) matrices (--dtype bf16 widens them; the graph paths run them \
+     as stored)";
+
 impl<'g> MegakernelPath<'g> {
     pub fn new(
         gpu: &'g Gpu,
@@ -79,6 +84,9 @@ impl<'g> MegakernelPath<'g> {
             }) {
                 bail!("schedule: {op:?} covers part of a head; a model with q/k norms needs whole heads (qkv_pairs = {})", c.head_dim / 2);
             }
+        }
+        if model.is_quantized() {
+            bail!("megakernel: {QUANTIZED_UNSUPPORTED}");
         }
         if schedule.streams.len() != gpu.sm_count {
             bail!(
@@ -168,11 +176,11 @@ impl<'g> MegakernelPath<'g> {
             .iter()
             .map(|lw| LayerW {
                 attn_norm: ptr(&lw.attn_norm, s),
-                w_qkv: ptr(&lw.w_qkv, s),
-                wo: ptr(&lw.wo, s),
+                w_qkv: ptr(&lw.w_qkv.data, s),
+                wo: ptr(&lw.wo.data, s),
                 ffn_norm: ptr(&lw.ffn_norm, s),
-                w_gu: ptr(&lw.w_gu, s),
-                w_down: ptr(&lw.w_down, s),
+                w_gu: ptr(&lw.w_gu.data, s),
+                w_down: ptr(&lw.w_down.data, s),
                 qkv_bias: lw.qkv_bias.as_ref().map_or(0, |b| ptr(b, s)),
                 q_norm: lw.q_norm.as_ref().map_or(0, |b| ptr(b, s)),
                 k_norm: lw.k_norm.as_ref().map_or(0, |b| ptr(b, s)),
@@ -196,7 +204,7 @@ impl<'g> MegakernelPath<'g> {
             meta: ptr(&meta, s),
             history: ptr(&history, s),
             layers: ptr(&layers, s),
-            embed: ptr(&model.embed, s),
+            embed: ptr(&model.embed.data, s),
             final_norm: ptr(&model.final_norm, s),
             lm_head: model.lm_head_ptr(gpu),
             inv_freq: ptr(&model.inv_freq, s),

@@ -5,7 +5,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::device::{ptr, Gpu};
-use crate::model::{Config, Weights};
+use crate::model::{Config, Matrix, WeightType, Weights};
 
 fn raw(x: &[bf16]) -> &[u16] {
     bytemuck::cast_slice(x)
@@ -15,15 +15,103 @@ fn concat(parts: &[&[bf16]]) -> Vec<u16> {
     parts.iter().flat_map(|p| raw(p).iter().copied()).collect()
 }
 
+/// A weight matrix in GPU memory. bf16 matrices are their values, row-major. Quantised ones
+/// are split at upload into the blocks' quants and their scales, so that the quants of a row
+/// are contiguous and 16-byte aligned (GGUF's 34-, 18- and 20-byte blocks are not) while the
+/// bytes a mat-vec streams stay exactly the blocks' bytes:
+/// - `data`: per block its quants, blocks in row-major order: Q8_0 32 `i8`; Q4_0 and Q4_1 the
+///   16 bytes of nibbles as GGUF stores them (byte `j`: element `j` low, `j + 16` high).
+/// - `scales`: per block f16 `d` (Q8_0, Q4_0), or f16 `d` then f16 `m` (Q4_1).
+pub struct DeviceMatrix {
+    pub ty: WeightType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: CudaSlice<u16>,
+    /// `None` for bf16.
+    pub scales: Option<CudaSlice<u16>>,
+}
+
+impl DeviceMatrix {
+    /// Uploads the rows of `parts` one after the other (Q|K|V, gate|up) as one matrix; they
+    /// share the column count and storage type (the loaders make sure of it).
+    fn upload(gpu: &Gpu, parts: &[&Matrix], what: &str) -> Result<Self> {
+        let (ty, cols) = (parts[0].ty(), parts[0].cols());
+        if parts.iter().any(|m| m.ty() != ty || m.cols() != cols) {
+            bail!("{what}: the matrices uploaded together differ in storage type or width");
+        }
+        let rows = parts.iter().map(|m| m.rows()).sum();
+        let Some(q) = ty.quant() else {
+            let vals: Vec<&[bf16]> = parts
+                .iter()
+                .map(|m| m.as_bf16().expect("type checked above"))
+                .collect();
+            return Ok(Self {
+                ty,
+                rows,
+                cols,
+                data: gpu.upload(&concat(&vals), what)?,
+                scales: None,
+            });
+        };
+        let (head, block) = (q.header_bytes(), q.block_bytes());
+        let mut quants = Vec::with_capacity(rows * cols);
+        let mut scales = Vec::with_capacity(rows * cols / 32 * head);
+        for m in parts {
+            let (_, bytes) = m.blocks().expect("type checked above");
+            for b in bytes.chunks_exact(block) {
+                scales.extend_from_slice(&b[..head]);
+                quants.extend_from_slice(&b[head..]);
+            }
+        }
+        let words = |b: Vec<u8>| -> Vec<u16> {
+            b.chunks_exact(2)
+                .map(|p| u16::from_le_bytes([p[0], p[1]]))
+                .collect()
+        };
+        Ok(Self {
+            ty,
+            rows,
+            cols,
+            data: gpu.upload(&words(quants), what)?,
+            scales: Some(gpu.upload(&words(scales), &format!("{what} scales"))?),
+        })
+    }
+
+    /// The values (bf16) or the quants.
+    pub fn ptr(&self, gpu: &Gpu) -> u64 {
+        ptr(&self.data, &gpu.stream)
+    }
+
+    /// The scales; 0 for bf16.
+    pub fn scales_ptr(&self, gpu: &Gpu) -> u64 {
+        self.scales.as_ref().map_or(0, |s| ptr(s, &gpu.stream))
+    }
+
+    /// Bytes the matrix occupies, which a mat-vec over it streams.
+    pub fn bytes(&self) -> usize {
+        self.ty.bytes(self.rows * self.cols)
+    }
+
+    /// The `WEIGHT_*` code of kernels/quant/quant.cuh.
+    pub fn type_code(&self) -> i32 {
+        match self.ty {
+            WeightType::Bf16 => 0,
+            WeightType::Q8_0 => 1,
+            WeightType::Q4_0 => 2,
+            WeightType::Q4_1 => 3,
+        }
+    }
+}
+
 pub struct DeviceLayer {
     pub attn_norm: CudaSlice<u16>,
     /// `[q_dim + 2 * kv_dim, hidden]`: Q rows, then K, then V.
-    pub w_qkv: CudaSlice<u16>,
-    pub wo: CudaSlice<u16>,
+    pub w_qkv: DeviceMatrix,
+    pub wo: DeviceMatrix,
     pub ffn_norm: CudaSlice<u16>,
     /// `[2 * intermediate, hidden]`: gate rows, then up rows.
-    pub w_gu: CudaSlice<u16>,
-    pub w_down: CudaSlice<u16>,
+    pub w_gu: DeviceMatrix,
+    pub w_down: DeviceMatrix,
     /// Qwen2's q/k/v biases, `[q_dim + 2 * kv_dim]` (Q, then K, then V).
     pub qkv_bias: Option<CudaSlice<u16>>,
     /// Qwen3's per-head RMS norms of q and k, `[head_dim]` each.
@@ -79,11 +167,11 @@ impl DeviceLayer {
 
 pub struct DeviceModel {
     pub config: Config,
-    pub embed: CudaSlice<u16>,
+    pub embed: DeviceMatrix,
     pub layers: Vec<DeviceLayer>,
     pub final_norm: CudaSlice<u16>,
     /// `None` when tied to `embed`.
-    pub lm_head: Option<CudaSlice<u16>>,
+    pub lm_head: Option<DeviceMatrix>,
     pub inv_freq: CudaSlice<f32>,
     /// Weight bytes one decode step reads (embedding row aside).
     pub bytes_per_token: usize,
@@ -124,15 +212,23 @@ impl DeviceModel {
             .map(|(i, l)| {
                 Ok(DeviceLayer {
                     attn_norm: gpu.upload(raw(&l.attn_norm), &format!("layer {i} attn_norm"))?,
-                    w_qkv: gpu
-                        .upload(&concat(&[&l.wq, &l.wk, &l.wv]), &format!("layer {i} qkv"))?,
-                    wo: gpu.upload(raw(&l.wo), &format!("layer {i} o_proj"))?,
+                    w_qkv: DeviceMatrix::upload(
+                        gpu,
+                        &[&l.wq, &l.wk, &l.wv],
+                        &format!("layer {i} qkv"),
+                    )?,
+                    wo: DeviceMatrix::upload(gpu, &[&l.wo], &format!("layer {i} o_proj"))?,
                     ffn_norm: gpu.upload(raw(&l.ffn_norm), &format!("layer {i} ffn_norm"))?,
-                    w_gu: gpu.upload(
-                        &concat(&[&l.w_gate, &l.w_up]),
+                    w_gu: DeviceMatrix::upload(
+                        gpu,
+                        &[&l.w_gate, &l.w_up],
                         &format!("layer {i} gate/up"),
                     )?,
-                    w_down: gpu.upload(raw(&l.w_down), &format!("layer {i} down_proj"))?,
+                    w_down: DeviceMatrix::upload(
+                        gpu,
+                        &[&l.w_down],
+                        &format!("layer {i} down_proj"),
+                    )?,
                     qkv_bias: match &l.qkv_bias {
                         Some(b) => Some(gpu.upload(
                             &concat(&[&b.q, &b.k, &b.v]),
@@ -153,11 +249,11 @@ impl DeviceModel {
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             config: config.clone(),
-            embed: gpu.upload(raw(&w.embed), "embedding")?,
+            embed: DeviceMatrix::upload(gpu, &[&w.embed], "embedding")?,
             layers,
             final_norm: gpu.upload(raw(&w.final_norm), "final norm")?,
             lm_head: match &w.lm_head {
-                Some(h) => Some(gpu.upload(raw(h), "lm_head")?),
+                Some(h) => Some(DeviceMatrix::upload(gpu, &[h], "lm_head")?),
                 None => None,
             },
             inv_freq: gpu.upload(&config.rope_inv_freq(), "rope frequencies")?,
@@ -165,8 +261,24 @@ impl DeviceModel {
         })
     }
 
+    pub fn lm_head(&self) -> &DeviceMatrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// The LM head's values (bf16) or quants.
     pub fn lm_head_ptr(&self, gpu: &Gpu) -> u64 {
-        ptr(self.lm_head.as_ref().unwrap_or(&self.embed), &gpu.stream)
+        self.lm_head().ptr(gpu)
+    }
+
+    /// True when any matrix is stored as blocks.
+    pub fn is_quantized(&self) -> bool {
+        self.embed.ty != WeightType::Bf16
+            || self.lm_head().ty != WeightType::Bf16
+            || self.layers.iter().any(|l| {
+                [&l.w_qkv, &l.wo, &l.w_gu, &l.w_down]
+                    .iter()
+                    .any(|m| m.ty != WeightType::Bf16)
+            })
     }
 }
 

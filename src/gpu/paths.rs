@@ -47,6 +47,40 @@ impl PathKind {
     }
 }
 
+impl PathKind {
+    /// The path that runs `weights` when `self` is asked for, and what was done about it. The
+    /// megakernel reads bf16 matrices only: quantised matrices the file stores are widened to
+    /// bf16 for it (it is faster on them than the graph paths on the quantised bytes), while
+    /// a quantisation asked for with `--dtype` (`dtype_asked`) keeps its bytes and goes to the
+    /// graph path.
+    pub fn for_weights(
+        self,
+        weights: &mut crate::model::Weights,
+        dtype_asked: bool,
+    ) -> (PathKind, Option<String>) {
+        if self != PathKind::Megakernel || !weights.is_quantized() {
+            return (self, None);
+        }
+        if dtype_asked {
+            return (
+                PathKind::Graph,
+                Some(format!(
+                    "{}; running on the graph path",
+                    super::megakernel::QUANTIZED_UNSUPPORTED
+                )),
+            );
+        }
+        weights.widen_to_bf16();
+        (
+            self,
+            Some(format!(
+                "the megakernel reads bf16 weights only: the quantised matrices are widened to bf16 ({}); --path graph runs them as stored",
+                weights.describe_memory()
+            )),
+        )
+    }
+}
+
 /// The longest wait a user may set: ten minutes.
 pub const MAX_WAIT_TIMEOUT_MS: u64 = 600_000;
 

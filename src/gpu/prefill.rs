@@ -22,9 +22,9 @@ use cudarc::nvrtc::Ptx;
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
-use super::model::{enqueue_qkv_extras, DeviceModel, KvCache};
+use super::model::{enqueue_qkv_extras, DeviceMatrix, DeviceModel, KvCache};
 use crate::kargs;
-use crate::model::Config;
+use crate::model::{Config, WeightType};
 
 /// Tokens per chunk by default: large enough that every product runs near the tensor cores'
 /// peak, small enough that a chunk's activations stay a few hundred MB for 1B-class models.
@@ -92,6 +92,9 @@ struct Kernels {
     silu_mul: Kernel,
     attention: Kernel,
     qkv_extras: Kernel,
+    /// kernels/quant/quant.cu: quantised matrices to bf16, embedding rows of quantised tables.
+    dequant: Kernel,
+    embed_q: Kernel,
 }
 
 /// A chunk's activations, `cap` tokens wide.
@@ -137,6 +140,10 @@ pub struct Prefill {
     _module: Arc<CudaModule>,
     attn_smem: u32,
     bufs: Option<Buffers>,
+    /// A quantised matrix decoded to bf16 just before its product (prefill is compute-bound,
+    /// so decoding a layer's weights once per chunk costs little); sized for the largest
+    /// quantised matrix, absent for bf16 models.
+    wide: Option<CudaSlice<u16>>,
 }
 
 /// Whether libcublas can be loaded (cudarc panics on first use when it cannot).
@@ -180,10 +187,13 @@ impl Prefill {
                 silu_mul: Kernel::load(&module, "pf_silu_mul")?,
                 attention,
                 qkv_extras: Kernel::load(&module, "qkv_extras")?,
+                dequant: Kernel::load(&module, "q_dequant_bf16")?,
+                embed_q: Kernel::load(&module, "q_embed_rows")?,
             },
             _module: module,
             attn_smem,
             bufs: None,
+            wide: None,
         })
     }
 
@@ -217,6 +227,21 @@ impl Prefill {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
         }
+        let widest = model
+            .layers
+            .iter()
+            .flat_map(|l| [&l.w_qkv, &l.wo, &l.w_gu, &l.w_down])
+            .chain([model.lm_head()])
+            .filter(|m| m.ty != WeightType::Bf16)
+            .map(|m| m.rows * m.cols)
+            .max();
+        if let Some(n) = widest {
+            if self.wide.as_ref().is_none_or(|w| w.len() < n) {
+                self.wide = None;
+                self.wide =
+                    Some(gpu.alloc_zeros(n, "prefill's bf16 copy of one quantised weight matrix")?);
+            }
+        }
         let cap = chunk.min(tokens.len());
         if self.bufs.as_ref().is_none_or(|b| b.cap < cap) {
             self.bufs = None; // free the old chunk buffers before allocating larger ones
@@ -243,6 +268,38 @@ impl Prefill {
                 Logits::Last => {}
             }
         }
+        Ok(out)
+    }
+
+    /// `m` as bf16 for a product: its own values, or its blocks decoded into `wide`.
+    fn bf16_weights(&self, gpu: &Gpu, m: &DeviceMatrix) -> Result<u64> {
+        if m.ty == WeightType::Bf16 {
+            return Ok(m.ptr(gpu));
+        }
+        let wide = self
+            .wide
+            .as_ref()
+            .context("prefill: no buffer for quantised weights")?;
+        let (ty, data, scales, out) = (
+            m.type_code(),
+            m.ptr(gpu),
+            m.scales_ptr(gpu),
+            ptr(wide, &gpu.stream),
+        );
+        let n = (m.rows * m.cols) as i64;
+        let grid = (m.rows * m.cols).div_ceil(256).min(65535) as u32;
+        // SAFETY: the arguments are q_dequant_bf16's parameters in kernels/quant/quant.cu, in
+        // order; data and scales hold m's n elements, `wide` at least n (sized in run).
+        unsafe {
+            self.k.dequant.launch(
+                &gpu.stream,
+                grid,
+                256,
+                0,
+                false,
+                &mut kargs![&ty, &data, &scales, &out, &n],
+            )
+        }?;
         Ok(out)
     }
 
@@ -341,18 +398,36 @@ impl Prefill {
             ptr(&b.act, s),
         );
         let (hid, eps) = (h as i32, c.rms_norm_eps);
-        // SAFETY: the arguments are pf_embed's parameters in kernels/prefill/prefill.cu, in
-        // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
-        unsafe {
-            self.k.embed.launch(
-                s,
-                t as u32,
-                256,
-                0,
-                false,
-                &mut kargs![&ptr(&model.embed, s), &tokens_p, &x, &hid],
-            )
-        }?;
+        let em = &model.embed;
+        if em.ty == WeightType::Bf16 {
+            // SAFETY: the arguments are pf_embed's parameters in kernels/prefill/prefill.cu, in
+            // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
+            unsafe {
+                self.k.embed.launch(
+                    s,
+                    t as u32,
+                    256,
+                    0,
+                    false,
+                    &mut kargs![&em.ptr(gpu), &tokens_p, &x, &hid],
+                )
+            }?;
+        } else {
+            let (ty, data, scales) = (em.type_code(), em.ptr(gpu), em.scales_ptr(gpu));
+            // SAFETY: the arguments are q_embed_rows's parameters in kernels/quant/quant.cu, in
+            // order, and every pointer is a live buffer of this engine or of the model, sized
+            // for the chunk.
+            unsafe {
+                self.k.embed_q.launch(
+                    s,
+                    t as u32,
+                    256,
+                    0,
+                    false,
+                    &mut kargs![&ty, &data, &scales, &tokens_p, &x, &hid],
+                )
+            }?;
+        }
         let inv_freq = ptr(&model.inv_freq, s);
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let (start_i, t_i) = (start as i32, t as i32);
@@ -363,7 +438,15 @@ impl Prefill {
             let off = (l * kv.layer_stride * 2) as u64;
             let (kc, vc) = (kv.k + off, kv.v + off);
             self.rmsnorm(gpu, x, ptr(&lw.attn_norm, s), xn, h, 0, t, eps)?;
-            self.gemm(ptr(&lw.w_qkv, s), xn, qkv, qd + 2 * kvd, h, t, false)?;
+            self.gemm(
+                self.bf16_weights(gpu, &lw.w_qkv)?,
+                xn,
+                qkv,
+                qd + 2 * kvd,
+                h,
+                t,
+                false,
+            )?;
             enqueue_qkv_extras(&self.k.qkv_extras, gpu, c, lw, qkv, t, false)?;
             // SAFETY: the arguments are pf_rope_kv's parameters in kernels/prefill/prefill.cu, in
             // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
@@ -413,9 +496,17 @@ impl Prefill {
                     ],
                 )
             }?;
-            self.gemm(ptr(&lw.wo, s), attn, x, h, qd, t, true)?;
+            self.gemm(self.bf16_weights(gpu, &lw.wo)?, attn, x, h, qd, t, true)?;
             self.rmsnorm(gpu, x, ptr(&lw.ffn_norm, s), xn, h, 0, t, eps)?;
-            self.gemm(ptr(&lw.w_gu, s), xn, gu, 2 * inter, h, t, false)?;
+            self.gemm(
+                self.bf16_weights(gpu, &lw.w_gu)?,
+                xn,
+                gu,
+                2 * inter,
+                h,
+                t,
+                false,
+            )?;
             let (inter_i, total) = (inter as i32, (t * inter) as i64);
             let grid = (t * inter).div_ceil(256).min(65535) as u32;
             // SAFETY: the arguments are pf_silu_mul's parameters in kernels/prefill/prefill.cu, in
@@ -430,7 +521,15 @@ impl Prefill {
                     &mut kargs![&gu, &act, &inter_i, &total],
                 )
             }?;
-            self.gemm(ptr(&lw.w_down, s), act, x, h, inter, t, true)?;
+            self.gemm(
+                self.bf16_weights(gpu, &lw.w_down)?,
+                act,
+                x,
+                h,
+                inter,
+                t,
+                true,
+            )?;
         }
         Ok(())
     }
@@ -453,7 +552,7 @@ impl Prefill {
         )?;
         if n == 1 {
             self.gemm(
-                model.lm_head_ptr(gpu),
+                self.bf16_weights(gpu, model.lm_head())?,
                 xn,
                 ptr(&b.logits, s),
                 c.vocab_size,
@@ -466,7 +565,7 @@ impl Prefill {
         let logits =
             gpu.alloc_zeros::<f32>(n * c.vocab_size, "prefill logits of every position")?;
         self.gemm(
-            model.lm_head_ptr(gpu),
+            self.bf16_weights(gpu, model.lm_head())?,
             xn,
             ptr(&logits, s),
             c.vocab_size,

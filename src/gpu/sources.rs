@@ -10,6 +10,9 @@ const QKV_EXTRAS: &str = include_str!("../../kernels/qkv_extras.cuh");
 const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
+/// Quantised weights' mat-vec, embedding and dequantisation (self-contained: both the
+/// baseline and the prefill units include it).
+pub const QUANT: &str = include_str!("../../kernels/quant/quant.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
 /// One header per instruction (model.cuh: what several of them read), in dependency order.
@@ -31,12 +34,20 @@ const MEGAKERNEL: &str = include_str!("../../megakernel/megakernel.cu");
 
 /// The one-kernel-per-operation path (graph, graph + PDL, eager).
 pub fn baseline() -> String {
-    [COMMON, ROPE, QKV_EXTRAS, BASELINE_ATTENTION, BASELINE].join("\n")
+    [
+        COMMON,
+        ROPE,
+        QKV_EXTRAS,
+        BASELINE_ATTENTION,
+        BASELINE,
+        QUANT,
+    ]
+    .join("\n")
 }
 
 /// Batched prefill's kernels (src/gpu/prefill.rs).
 pub fn prefill() -> String {
-    [ROPE, QKV_EXTRAS, PREFILL].join("\n")
+    [ROPE, QKV_EXTRAS, PREFILL, QUANT].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention

@@ -4,6 +4,7 @@ pub mod config;
 pub mod gguf;
 pub mod hf;
 pub mod presets;
+pub mod quant;
 pub mod random;
 pub mod weights;
 
@@ -12,7 +13,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 
 pub use config::{Config, Llama3RopeScaling};
-pub use weights::{LayerWeights, QkvBias, Weights};
+pub use weights::{LayerWeights, MatRef, Matrix, QkvBias, WeightType, Weights};
 
 use crate::tokenizer::Tokenizer;
 

@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use super::{Config, LayerWeights, QkvBias, Weights};
+use super::{Config, LayerWeights, Matrix, QkvBias, Weights};
 
 /// SplitMix64: tiny, fast and good enough to fill weight tensors reproducibly.
 struct SplitMix(u64);
@@ -28,6 +28,11 @@ fn tensor(rng: &mut SplitMix, n: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
+/// A `[rows, cols]` matrix of `tensor` values.
+fn matrix(rng: &mut SplitMix, rows: usize, cols: usize, scale: f32) -> Matrix {
+    Matrix::from_bf16(tensor(rng, rows * cols, scale), cols)
+}
+
 fn norm(rng: &mut SplitMix, n: usize) -> Vec<bf16> {
     (0..n)
         .map(|_| bf16::from_f32(1.0 + 0.1 * rng.next_unit()))
@@ -43,16 +48,17 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
     let layers = (0..cfg.num_layers)
         .map(|_| LayerWeights {
             attn_norm: norm(&mut rng, h),
-            wq: tensor(&mut rng, cfg.q_dim() * h, fan(h)),
-            wk: tensor(&mut rng, cfg.kv_dim() * h, fan(h)),
-            wv: tensor(&mut rng, cfg.kv_dim() * h, fan(h)),
-            wo: tensor(&mut rng, h * cfg.q_dim(), fan(cfg.q_dim())),
+            wq: matrix(&mut rng, cfg.q_dim(), h, fan(h)),
+            wk: matrix(&mut rng, cfg.kv_dim(), h, fan(h)),
+            wv: matrix(&mut rng, cfg.kv_dim(), h, fan(h)),
+            wo: matrix(&mut rng, h, cfg.q_dim(), fan(cfg.q_dim())),
             ffn_norm: norm(&mut rng, h),
-            w_gate: tensor(&mut rng, cfg.intermediate_size * h, fan(h)),
-            w_up: tensor(&mut rng, cfg.intermediate_size * h, fan(h)),
-            w_down: tensor(
+            w_gate: matrix(&mut rng, cfg.intermediate_size, h, fan(h)),
+            w_up: matrix(&mut rng, cfg.intermediate_size, h, fan(h)),
+            w_down: matrix(
                 &mut rng,
-                h * cfg.intermediate_size,
+                h,
+                cfg.intermediate_size,
                 fan(cfg.intermediate_size),
             ),
             q_norm: cfg.qk_norm.then(|| norm(&mut rng, cfg.head_dim)),
@@ -65,13 +71,13 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
         })
         .collect();
     Weights {
-        embed: tensor(&mut rng, cfg.vocab_size * h, 1.0),
+        embed: matrix(&mut rng, cfg.vocab_size, h, 1.0),
         layers,
         final_norm: norm(&mut rng, h),
         lm_head: if cfg.tie_word_embeddings {
             None
         } else {
-            Some(tensor(&mut rng, cfg.vocab_size * h, fan(h)))
+            Some(matrix(&mut rng, cfg.vocab_size, h, fan(h)))
         },
     }
 }

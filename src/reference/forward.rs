@@ -1,7 +1,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::ops::{attend, matmul, qkv_extras, rmsnorm, rope, round_bf16, silu, widen};
+use super::ops::{attend, matmul, qkv_extras, rmsnorm, rope, round_bf16, silu};
 use crate::model::{Config, Weights};
 
 /// A running sequence on the CPU: weights plus the KV cache of the tokens fed so far.
@@ -55,7 +55,7 @@ impl<'a> CpuForward<'a> {
             .iter()
             .map(|h| rmsnorm(h, &self.w.final_norm, self.cfg.rms_norm_eps))
             .collect();
-        Ok(matmul(self.w.lm_head(), self.cfg.hidden_size, &normed))
+        Ok(matmul(self.w.lm_head().view(), &normed))
     }
 
     /// Feeds `tokens` and returns the logits after the last one.
@@ -63,7 +63,7 @@ impl<'a> CpuForward<'a> {
         let hidden = self.run_layers(tokens)?;
         let last = hidden.last().expect("run_layers rejects empty input");
         let normed = rmsnorm(last, &self.w.final_norm, self.cfg.rms_norm_eps);
-        Ok(matmul(self.w.lm_head(), self.cfg.hidden_size, &[normed]).remove(0))
+        Ok(matmul(self.w.lm_head().view(), &[normed]).remove(0))
     }
 
     fn run_layers(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
@@ -87,10 +87,9 @@ impl<'a> CpuForward<'a> {
                 if t >= c.vocab_size {
                     bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
                 }
-                Ok(self.w.embed[t * c.hidden_size..(t + 1) * c.hidden_size]
-                    .iter()
-                    .map(|&v| widen(v))
-                    .collect())
+                let mut row = vec![0f32; c.hidden_size];
+                self.w.embed.view().row_f32(t, &mut row);
+                Ok(row)
             })
             .collect::<Result<_>>()?;
 
@@ -99,9 +98,9 @@ impl<'a> CpuForward<'a> {
                 .iter()
                 .map(|x| rmsnorm(x, &lw.attn_norm, c.rms_norm_eps))
                 .collect();
-            let mut q = matmul(&lw.wq, c.hidden_size, &normed);
-            let mut k = matmul(&lw.wk, c.hidden_size, &normed);
-            let mut v = matmul(&lw.wv, c.hidden_size, &normed);
+            let mut q = matmul(lw.wq.view(), &normed);
+            let mut k = matmul(lw.wk.view(), &normed);
+            let mut v = matmul(lw.wv.view(), &normed);
             for (i, ((qi, ki), vi)) in q.iter_mut().zip(k.iter_mut()).zip(&mut v).enumerate() {
                 let pos = start + i;
                 qkv_extras(lw, hd, c.rms_norm_eps, qi, ki, vi);
@@ -126,7 +125,7 @@ impl<'a> CpuForward<'a> {
                         .collect()
                 })
                 .collect();
-            let o = matmul(&lw.wo, c.q_dim(), &attn);
+            let o = matmul(lw.wo.view(), &attn);
             for (x, oi) in xs.iter_mut().zip(&o) {
                 x.iter_mut().zip(oi).for_each(|(a, b)| *a += b);
             }
@@ -134,14 +133,14 @@ impl<'a> CpuForward<'a> {
                 .iter()
                 .map(|x| rmsnorm(x, &lw.ffn_norm, c.rms_norm_eps))
                 .collect();
-            let gate = matmul(&lw.w_gate, c.hidden_size, &normed);
-            let up = matmul(&lw.w_up, c.hidden_size, &normed);
+            let gate = matmul(lw.w_gate.view(), &normed);
+            let up = matmul(lw.w_up.view(), &normed);
             let act: Vec<Vec<f32>> = gate
                 .iter()
                 .zip(&up)
                 .map(|(g, u)| g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect())
                 .collect();
-            let down = matmul(&lw.w_down, c.intermediate_size, &act);
+            let down = matmul(lw.w_down.view(), &act);
             for (x, di) in xs.iter_mut().zip(&down) {
                 x.iter_mut().zip(di).for_each(|(a, b)| *a += b);
             }

@@ -3,7 +3,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::model::LayerWeights;
+use crate::model::{LayerWeights, MatRef};
 
 #[inline]
 pub fn widen(x: bf16) -> f32 {
@@ -152,19 +152,16 @@ fn dot(w: &[f32], x: &[f32], avx: bool) -> f32 {
 
 /// `out[t][r] = W[r, :] · xs[t]` for every input vector `t`: each weight row is read once per
 /// call however many vectors there are (prefill reads the weights once, not once per token).
-pub fn matmul(w: &[bf16], cols: usize, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
-    assert_eq!(
-        w.len() % cols,
-        0,
-        "weight length is not a multiple of its row length"
-    );
+/// Quantised rows are decoded exactly to f32 first, so the sums are over the exact values.
+pub fn matmul(w: MatRef, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let (rows, cols) = (w.rows(), w.cols());
     assert!(
         xs.iter().all(|x| x.len() == cols),
         "input vector length differs from the weight row length"
     );
-    let rows = w.len() / cols;
     let t = xs.len();
     let avx = has_avx2_fma();
+    let bf16_rows = w.as_bf16();
     const BLOCK: usize = 16;
     let mut flat = vec![0f32; rows * t];
     flat.par_chunks_mut(BLOCK * t)
@@ -172,22 +169,20 @@ pub fn matmul(w: &[bf16], cols: usize, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
         .for_each(|(b, out)| {
             let mut row = vec![0f32; cols];
             for (i, r) in (b * BLOCK..rows.min((b + 1) * BLOCK)).enumerate() {
-                let wr = &w[r * cols..(r + 1) * cols];
                 #[cfg(target_arch = "x86_64")]
-                if avx && t == 1 {
+                if let (true, 1, Some(v)) = (avx, t, bf16_rows) {
                     // One vector (decode): straight from bf16, the same sum as below.
-                    // SAFETY: avx2 + fma detected; wr and xs[0] both hold `cols` elements.
-                    out[i] = unsafe { simd::dot_bf16(wr, &xs[0]) };
+                    // SAFETY: avx2 + fma detected; the row and xs[0] both hold `cols` elements.
+                    out[i] = unsafe { simd::dot_bf16(&v[r * cols..(r + 1) * cols], &xs[0]) };
                     continue;
                 }
-                for (d, s) in row.iter_mut().zip(wr) {
-                    *d = widen(*s);
-                }
+                w.row_f32(r, &mut row);
                 for (ti, x) in xs.iter().enumerate() {
                     out[i * t + ti] = dot(&row, x, avx);
                 }
             }
         });
+    let _ = bf16_rows;
     (0..t)
         .map(|ti| (0..rows).map(|r| flat[r * t + ti]).collect())
         .collect()
@@ -302,8 +297,9 @@ mod tests {
             let rows = 5;
             let (w, _) = data(n * rows, n as u32);
             let (_, x) = data(n, 7 * n as u32);
-            let one = matmul(&w, n, std::slice::from_ref(&x)).remove(0);
-            let many = matmul(&w, n, &[x.clone(), x.clone(), x.clone()]);
+            let m = MatRef::bf16(&w, n);
+            let one = matmul(m, std::slice::from_ref(&x)).remove(0);
+            let many = matmul(m, &[x.clone(), x.clone(), x.clone()]);
             for (t, m) in many.iter().enumerate() {
                 let a: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
                 let b: Vec<u32> = m.iter().map(|v| v.to_bits()).collect();

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::ops::{attend, has_avx2_fma, qkv_extras, rope, round_bf16, silu, widen};
 use super::CpuForward;
+use crate::model::MatRef;
 
 /// Default tokens per chunk: activations of a chunk stay a few MB for 1B-class models, and a
 /// chunk amortises each widened weight block over enough tokens.
@@ -148,19 +149,16 @@ fn block(wf: &[f32], x: &[f32], t: usize, cols: usize, avx: bool) -> Vec<f32> {
 
 /// `y[t, r] = W[r, :] · x[t, :]` for `x` of `t` rows of `cols` (row-major): `y` is `t` rows of
 /// `W`'s row count. Parallel over blocks of weight rows; each block is widened once.
-pub fn gemm(w: &[bf16], cols: usize, x: &[f32], t: usize) -> Vec<f32> {
-    assert_eq!(
-        w.len() % cols,
-        0,
-        "weight length is not a multiple of its row length"
-    );
+pub fn gemm(w: MatRef, x: &[f32], t: usize) -> Vec<f32> {
+    let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), t * cols, "input is not {t} rows of {cols}");
-    let rows = w.len() / cols;
     let avx = has_avx2_fma();
-    let blocks: Vec<Vec<f32>> = w
-        .par_chunks(ROW_BLOCK * cols)
-        .map(|wb| {
-            let wf: Vec<f32> = wb.iter().map(|&v| widen(v)).collect();
+    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(ROW_BLOCK))
+        .into_par_iter()
+        .map(|b| {
+            let wf = w
+                .row_range(b * ROW_BLOCK..rows.min((b + 1) * ROW_BLOCK))
+                .to_f32();
             block(&wf, x, t, cols, avx)
         })
         .collect();
@@ -217,7 +215,7 @@ impl CpuForward<'_> {
     fn logits_rows(&self, hidden: &[f32], n: usize) -> Vec<f32> {
         let c = self.cfg;
         let normed = rmsnorm_rows(hidden, c.hidden_size, &self.w.final_norm, c.rms_norm_eps);
-        gemm(self.w.lm_head(), c.hidden_size, &normed, n)
+        gemm(self.w.lm_head().view(), &normed, n)
     }
 
     /// Runs the layers over every chunk; returns every token's final hidden state when `keep`
@@ -267,16 +265,17 @@ impl CpuForward<'_> {
         let mut x: Vec<f32> = tokens
             .iter()
             .flat_map(|&tok| {
-                let row = &self.w.embed[tok as usize * h..(tok as usize + 1) * h];
-                row.iter().map(|&v| widen(v))
+                let mut row = vec![0f32; h];
+                self.w.embed.view().row_f32(tok as usize, &mut row);
+                row
             })
             .collect();
         for l in 0..c.num_layers {
             let lw = &self.w.layers[l];
             let normed = rmsnorm_rows(&x, h, &lw.attn_norm, c.rms_norm_eps);
-            let mut q = gemm(&lw.wq, h, &normed, t);
-            let mut k = gemm(&lw.wk, h, &normed, t);
-            let mut v = gemm(&lw.wv, h, &normed, t);
+            let mut q = gemm(lw.wq.view(), &normed, t);
+            let mut k = gemm(lw.wk.view(), &normed, t);
+            let mut v = gemm(lw.wv.view(), &normed, t);
             let inv_freq = &self.inv_freq;
             q.par_chunks_mut(q_dim)
                 .zip(k.par_chunks_mut(kv_dim))
@@ -298,13 +297,13 @@ impl CpuForward<'_> {
                 let o = attend(qh, kc, vc, kv_dim, (head / group) * hd, start + i + 1);
                 out.copy_from_slice(&o);
             });
-            let o = gemm(&lw.wo, q_dim, &attn, t);
+            let o = gemm(lw.wo.view(), &attn, t);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let normed = rmsnorm_rows(&x, h, &lw.ffn_norm, c.rms_norm_eps);
-            let gate = gemm(&lw.w_gate, h, &normed, t);
-            let up = gemm(&lw.w_up, h, &normed, t);
+            let gate = gemm(lw.w_gate.view(), &normed, t);
+            let up = gemm(lw.w_up.view(), &normed, t);
             let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
-            let down = gemm(&lw.w_down, c.intermediate_size, &act, t);
+            let down = gemm(lw.w_down.view(), &act, t);
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
         x
@@ -326,7 +325,7 @@ mod tests {
             let x: Vec<f32> = (0..t * cols)
                 .map(|i| ((i * 53 % 97) as f32 - 48.0) / 32.0)
                 .collect();
-            let y = gemm(&w, cols, &x, t);
+            let y = gemm(MatRef::bf16(&w, cols), &x, t);
             for ti in 0..t {
                 for r in 0..rows {
                     let want: f64 = (0..cols)

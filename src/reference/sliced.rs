@@ -15,7 +15,7 @@ use half::bf16;
 use scheduler::{Machine, ModelShape, Op, Schedule};
 
 use super::ops::{attend, matmul, rmsnorm, rope, round_bf16, silu, widen};
-use crate::model::{Config, Weights};
+use crate::model::{Config, MatRef, Matrix, Weights};
 
 /// `token_out` (and a block's argmax) when the value it depends on was never written.
 pub const POISON_TOKEN: u32 = u32::MAX;
@@ -72,6 +72,9 @@ impl<'a> SlicedMachine<'a> {
             }) {
                 bail!("sliced executor: {op:?} covers part of a head; a model with q/k norms needs whole heads");
             }
+        }
+        if w.is_quantized() {
+            bail!("sliced executor: the megakernel's instructions read bf16 weights only");
         }
         if schedule.model != shape_of(cfg) {
             bail!(
@@ -149,7 +152,7 @@ impl<'a> SlicedMachine<'a> {
     /// `resid_attn[l-1] + (mlp_part[l-1][0] + …)`.
     fn input(&self, layer: usize, r: usize) -> f32 {
         if layer == 0 {
-            return widen(self.w.embed[self.token as usize * self.cfg.hidden_size + r]);
+            return widen(bf(&self.w.embed)[self.token as usize * self.cfg.hidden_size + r]);
         }
         let down: f32 = self.mlp_part[layer - 1].iter().map(|p| p[r]).sum();
         self.resid_attn[layer - 1][r] + down
@@ -168,18 +171,17 @@ impl<'a> SlicedMachine<'a> {
         let lw = &self.w.layers[layer];
         let x = rmsnorm(&self.input_all(layer), &lw.attn_norm, c.rms_norm_eps);
         let (weights, local, rotate) = if head < c.num_heads {
-            (&lw.wq, head, true)
+            (bf(&lw.wq), head, true)
         } else if head < c.num_heads + c.num_kv_heads {
-            (&lw.wk, head - c.num_heads, true)
+            (bf(&lw.wk), head - c.num_heads, true)
         } else {
-            (&lw.wv, head - c.num_heads - c.num_kv_heads, false)
+            (bf(&lw.wv), head - c.num_heads - c.num_kv_heads, false)
         };
         let lo = local * hd + pair_start;
         let hi = lo + half;
         let rows = |r: usize| {
             matmul(
-                &weights[r * h..(r + pair_count) * h],
-                h,
+                MatRef::bf16(&weights[r * h..(r + pair_count) * h], h),
                 std::slice::from_ref(&x),
             )
             .remove(0)
@@ -290,8 +292,8 @@ impl<'a> SlicedMachine<'a> {
 
     fn o_proj(&mut self, layer: usize, rows: std::ops::Range<usize>) {
         let q_dim = self.cfg.q_dim();
-        let wo = &self.w.layers[layer].wo[rows.start * q_dim..rows.end * q_dim];
-        let o = matmul(wo, q_dim, &[self.attn_out[layer].clone()]).remove(0);
+        let wo = &bf(&self.w.layers[layer].wo)[rows.start * q_dim..rows.end * q_dim];
+        let o = matmul(MatRef::bf16(wo, q_dim), &[self.attn_out[layer].clone()]).remove(0);
         for (i, r) in rows.enumerate() {
             self.resid_attn[layer][r] = self.input(layer, r) + o[i];
         }
@@ -303,8 +305,12 @@ impl<'a> SlicedMachine<'a> {
         let lw = &self.w.layers[layer];
         let x = rmsnorm(&self.resid_attn[layer], &lw.ffn_norm, c.rms_norm_eps);
         let span = rows.start * h..rows.end * h;
-        let gate = matmul(&lw.w_gate[span.clone()], h, std::slice::from_ref(&x)).remove(0);
-        let up = matmul(&lw.w_up[span], h, &[x]).remove(0);
+        let gate = matmul(
+            MatRef::bf16(&bf(&lw.w_gate)[span.clone()], h),
+            std::slice::from_ref(&x),
+        )
+        .remove(0);
+        let up = matmul(MatRef::bf16(&bf(&lw.w_up)[span], h), &[x]).remove(0);
         for (i, r) in rows.enumerate() {
             self.act[layer][r] = silu(gate[i]) * up[i];
         }
@@ -318,7 +324,7 @@ impl<'a> SlicedMachine<'a> {
         cols: std::ops::Range<usize>,
     ) {
         let inter = self.cfg.intermediate_size;
-        let wd = &self.w.layers[layer].w_down;
+        let wd = bf(&self.w.layers[layer].w_down);
         let block: Vec<bf16> = rows
             .clone()
             .flat_map(|r| {
@@ -328,7 +334,7 @@ impl<'a> SlicedMachine<'a> {
             })
             .collect();
         let x = self.act[layer][cols.clone()].to_vec();
-        let out = matmul(&block, cols.len(), &[x]).remove(0);
+        let out = matmul(MatRef::bf16(&block, cols.len()), &[x]).remove(0);
         self.mlp_part[layer][chunk][rows].copy_from_slice(&out);
     }
 
@@ -340,7 +346,11 @@ impl<'a> SlicedMachine<'a> {
             &self.w.final_norm,
             c.rms_norm_eps,
         );
-        let logits = matmul(&self.w.lm_head()[rows.start * h..rows.end * h], h, &[x]).remove(0);
+        let logits = matmul(
+            MatRef::bf16(&bf(self.w.lm_head())[rows.start * h..rows.end * h], h),
+            &[x],
+        )
+        .remove(0);
         let mut best = (f32::NEG_INFINITY, POISON_TOKEN);
         for (i, &v) in logits.iter().enumerate() {
             if v.is_nan() {
@@ -458,4 +468,10 @@ impl Machine for SlicedMachine<'_> {
             Op::Argmax { blocks } => self.argmax(u(blocks)),
         }
     }
+}
+
+/// A matrix's bf16 values: `SlicedMachine::new` refuses weights with any other storage.
+fn bf(m: &Matrix) -> &[bf16] {
+    m.as_bf16()
+        .expect("SlicedMachine::new refuses quantised weights")
 }

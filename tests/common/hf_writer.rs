@@ -142,29 +142,61 @@ pub fn hf_tensors(cfg: &Config, w: &Weights, dtype: Dtype) -> Vec<Tensor> {
     let mut out = vec![t(
         "model.embed_tokens.weight".into(),
         vec![cfg.vocab_size, h],
-        &w.embed,
+        w.embed.as_bf16().expect("bf16 weights"),
     )];
     for (i, l) in w.layers.iter().enumerate() {
         let p = format!("model.layers.{i}");
         out.extend([
             t(format!("{p}.input_layernorm.weight"), vec![h], &l.attn_norm),
-            t(format!("{p}.self_attn.q_proj.weight"), vec![q, h], &l.wq),
-            t(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], &l.wk),
-            t(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], &l.wv),
-            t(format!("{p}.self_attn.o_proj.weight"), vec![h, q], &l.wo),
+            t(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![q, h],
+                l.wq.as_bf16().expect("bf16 weights"),
+            ),
+            t(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![kv, h],
+                l.wk.as_bf16().expect("bf16 weights"),
+            ),
+            t(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![kv, h],
+                l.wv.as_bf16().expect("bf16 weights"),
+            ),
+            t(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![h, q],
+                l.wo.as_bf16().expect("bf16 weights"),
+            ),
             t(
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],
                 &l.ffn_norm,
             ),
-            t(format!("{p}.mlp.gate_proj.weight"), vec![ff, h], &l.w_gate),
-            t(format!("{p}.mlp.up_proj.weight"), vec![ff, h], &l.w_up),
-            t(format!("{p}.mlp.down_proj.weight"), vec![h, ff], &l.w_down),
+            t(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![ff, h],
+                l.w_gate.as_bf16().expect("bf16 weights"),
+            ),
+            t(
+                format!("{p}.mlp.up_proj.weight"),
+                vec![ff, h],
+                l.w_up.as_bf16().expect("bf16 weights"),
+            ),
+            t(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, ff],
+                l.w_down.as_bf16().expect("bf16 weights"),
+            ),
         ]);
     }
     out.push(t("model.norm.weight".into(), vec![h], &w.final_norm));
     if let Some(head) = &w.lm_head {
-        out.push(t("lm_head.weight".into(), vec![cfg.vocab_size, h], head));
+        out.push(t(
+            "lm_head.weight".into(),
+            vec![cfg.vocab_size, h],
+            head.as_bf16().expect("bf16 weights"),
+        ));
     }
     out
 }

@@ -14,7 +14,7 @@ use anyhow::Result;
 pub use metadata::{Array, Metadata, Value};
 pub use quant::{dequantize, dequantize_f32, GgmlType};
 pub use reader::{GgufFile, TensorInfo};
-pub use tensors::unpermute_qk_rows;
+pub use tensors::{unpermute_qk, unpermute_qk_rows};
 
 use super::Model;
 use crate::tokenizer::gguf_bpe;

@@ -8,9 +8,10 @@ use anyhow::{anyhow, bail, Result};
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::quant::{dequantize, dequantize_f32, ensure_supported};
+use super::quant::{dequantize, dequantize_f32, ensure_supported, GgmlType};
 use super::reader::GgufFile;
-use crate::model::{Config, LayerWeights, QkvBias, Weights};
+use crate::model::quant::QuantType;
+use crate::model::{Config, LayerWeights, Matrix, QkvBias, Weights};
 
 const OUTPUT: &str = "output.weight";
 const ROPE_FREQS: &str = "rope_freqs.weight";
@@ -122,8 +123,9 @@ pub fn check(cfg: &Config, file: &GgufFile) -> Result<()> {
     Ok(())
 }
 
-/// Dequantizes every weight to bf16 in our layout; also returns `rope_freqs.weight` when the
-/// file has it. Call `check` first.
+/// Reads every weight into our layout: matrices stored as Q8_0, Q4_0 or Q4_1 keep their
+/// blocks, other matrices and every norm and bias become bf16. Also returns
+/// `rope_freqs.weight` when the file has it. Call `check` first.
 pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)> {
     let src = file.source();
     let progress = progress_bar(file);
@@ -139,33 +141,48 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         let (t, data) = raw(name)?;
         dequantize(t.ty, data, t.n_elements).map_err(|e| anyhow!("{src}: tensor '{name}': {e}"))
     };
-    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    // `check` held every matrix to its expected shape, so its row length is the dims' first.
+    let matrix = |name: &str| -> Result<Matrix> {
+        let (t, data) = raw(name)?;
+        let cols = t.dims.first().copied().unwrap_or(1).max(1);
+        let err = |e: anyhow::Error| anyhow!("{src}: tensor '{name}': {e}");
+        match native(t.ty) {
+            Some(q) => {
+                Matrix::from_blocks(q, t.n_elements / cols, cols, data.to_vec()).map_err(err)
+            }
+            None => Ok(Matrix::from_bf16(
+                dequantize(t.ty, data, t.n_elements).map_err(err)?,
+                cols,
+            )),
+        }
+    };
+    let hd = cfg.head_dim;
     // llama.cpp's converter permutes Q/K rows only for the `llama` architecture, whose RoPE
     // rotates adjacent pairs; qwen2/qwen3 use NEOX RoPE (pairs `i`, `i + head_dim/2`, HF's
     // order), so their rows are stored as HF has them.
     let permuted = cfg.architecture == "llama";
-    let qk = |m: Vec<bf16>, heads: usize| {
+    let qk = |m: Matrix, heads: usize| {
         if permuted {
-            unpermute_qk_rows(&m, heads, hd, h)
+            unpermute_qk(&m, heads, hd)
         } else {
             m
         }
     };
 
-    let embed = get("token_embd.weight")?;
+    let embed = matrix("token_embd.weight")?;
     let layers = (0..cfg.num_layers)
         .map(|l| {
             let name = |n: &str| format!("blk.{l}.{n}.weight");
-            Ok(LayerWeights {
+            let mut lw = LayerWeights {
                 attn_norm: get(&name("attn_norm"))?,
-                wq: qk(get(&name("attn_q"))?, cfg.num_heads),
-                wk: qk(get(&name("attn_k"))?, cfg.num_kv_heads),
-                wv: get(&name("attn_v"))?,
-                wo: get(&name("attn_output"))?,
+                wq: qk(matrix(&name("attn_q"))?, cfg.num_heads),
+                wk: qk(matrix(&name("attn_k"))?, cfg.num_kv_heads),
+                wv: matrix(&name("attn_v"))?,
+                wo: matrix(&name("attn_output"))?,
                 ffn_norm: get(&name("ffn_norm"))?,
-                w_gate: get(&name("ffn_gate"))?,
-                w_up: get(&name("ffn_up"))?,
-                w_down: get(&name("ffn_down"))?,
+                w_gate: matrix(&name("ffn_gate"))?,
+                w_up: matrix(&name("ffn_up"))?,
+                w_down: matrix(&name("ffn_down"))?,
                 q_norm: cfg.qk_norm.then(|| get(&name("attn_q_norm"))).transpose()?,
                 k_norm: cfg.qk_norm.then(|| get(&name("attn_k_norm"))).transpose()?,
                 qkv_bias: cfg
@@ -179,14 +196,16 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
                         })
                     })
                     .transpose()?,
-            })
+            };
+            same_type_groups(&mut lw, src, l);
+            Ok(lw)
         })
         .collect::<Result<Vec<_>>>()?;
     let final_norm = get("output_norm.weight")?;
     let lm_head = if cfg.tie_word_embeddings {
         None
     } else {
-        Some(get(OUTPUT)?)
+        Some(matrix(OUTPUT)?)
     };
     let rope_freqs = match file.tensor(ROPE_FREQS) {
         Some(t) => {
@@ -210,6 +229,43 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
     ))
 }
 
+/// The block format a GGUF type is kept in, for the types every path computes from directly.
+fn native(ty: GgmlType) -> Option<QuantType> {
+    match ty {
+        GgmlType::Q8_0 => Some(QuantType::Q8_0),
+        GgmlType::Q4_0 => Some(QuantType::Q4_0),
+        GgmlType::Q4_1 => Some(QuantType::Q4_1),
+        _ => None,
+    }
+}
+
+/// The GPU paths run Q, K and V as one matrix, and gate and up as another, so each group must
+/// share one storage type; a group whose file types differ is widened to bf16 (said on stderr).
+fn same_type_groups(lw: &mut LayerWeights, src: &str, layer: usize) {
+    let mixed = |ms: &[&Matrix]| ms.iter().any(|m| m.ty() != ms[0].ty());
+    if mixed(&[&lw.wq, &lw.wk, &lw.wv]) {
+        eprintln!(
+            "megainfer: {src}: layer {layer} stores Q, K and V as {}, {} and {}; widening them to bf16",
+            lw.wq.ty(),
+            lw.wk.ty(),
+            lw.wv.ty()
+        );
+        for m in [&mut lw.wq, &mut lw.wk, &mut lw.wv] {
+            *m = m.to_bf16();
+        }
+    }
+    if mixed(&[&lw.w_gate, &lw.w_up]) {
+        eprintln!(
+            "megainfer: {src}: layer {layer} stores gate and up as {} and {}; widening them to bf16",
+            lw.w_gate.ty(),
+            lw.w_up.ty()
+        );
+        for m in [&mut lw.w_gate, &mut lw.w_up] {
+            *m = m.to_bf16();
+        }
+    }
+}
+
 fn progress_bar(file: &GgufFile) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
@@ -222,6 +278,22 @@ fn progress_bar(file: &GgufFile) -> ProgressBar {
         bar.set_style(style.progress_chars("=> "));
     }
     bar
+}
+
+/// [`unpermute_qk_rows`] on a matrix of any storage type (whole rows move, blocks and all).
+pub fn unpermute_qk(m: &Matrix, n_heads: usize, head_dim: usize) -> Matrix {
+    assert_eq!(
+        m.rows(),
+        n_heads * head_dim,
+        "unpermute_qk: row count does not match the heads"
+    );
+    let half = head_dim / 2;
+    // HF row `j * half + i` of a head is GGUF row `2i + j`.
+    m.permute_rows(|hf| {
+        let (head, r) = (hf / head_dim, hf % head_dim);
+        let (j, i) = (r / half, r % half);
+        head * head_dim + 2 * i + j
+    })
 }
 
 /// Undoes the row permutation llama.cpp's converter applies to Q and K so that its RoPE can

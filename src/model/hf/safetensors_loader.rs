@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde_json::Value;
 
-use crate::model::{Config, LayerWeights, QkvBias, Weights};
+use crate::model::{Config, LayerWeights, Matrix, QkvBias, Weights};
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -46,18 +46,22 @@ pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
         Ok::<_, anyhow::Error>(t)
     };
     let layer = |i: usize, name: &str| read(&format!("model.layers.{i}.{name}.weight"));
+    let (h, f, q) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim());
+    let matrix = |i: usize, name: &str, cols: usize| {
+        Ok::<_, anyhow::Error>(Matrix::from_bf16(layer(i, name)?, cols))
+    };
     let layers = (0..cfg.num_layers)
         .map(|i| {
             Ok(LayerWeights {
                 attn_norm: layer(i, "input_layernorm")?,
-                wq: layer(i, "self_attn.q_proj")?,
-                wk: layer(i, "self_attn.k_proj")?,
-                wv: layer(i, "self_attn.v_proj")?,
-                wo: layer(i, "self_attn.o_proj")?,
+                wq: matrix(i, "self_attn.q_proj", h)?,
+                wk: matrix(i, "self_attn.k_proj", h)?,
+                wv: matrix(i, "self_attn.v_proj", h)?,
+                wo: matrix(i, "self_attn.o_proj", q)?,
                 ffn_norm: layer(i, "post_attention_layernorm")?,
-                w_gate: layer(i, "mlp.gate_proj")?,
-                w_up: layer(i, "mlp.up_proj")?,
-                w_down: layer(i, "mlp.down_proj")?,
+                w_gate: matrix(i, "mlp.gate_proj", h)?,
+                w_up: matrix(i, "mlp.up_proj", h)?,
+                w_down: matrix(i, "mlp.down_proj", f)?,
                 q_norm: cfg
                     .qk_norm
                     .then(|| layer(i, "self_attn.q_norm"))
@@ -81,13 +85,13 @@ pub(super) fn load_weights(dir: &Path, cfg: &Config) -> Result<Weights> {
         })
         .collect::<Result<Vec<_>>>()?;
     let weights = Weights {
-        embed: read("model.embed_tokens.weight")?,
+        embed: Matrix::from_bf16(read("model.embed_tokens.weight")?, h),
         layers,
         final_norm: read("model.norm.weight")?,
         lm_head: if cfg.tie_word_embeddings {
             None
         } else {
-            Some(read("lm_head.weight")?)
+            Some(Matrix::from_bf16(read("lm_head.weight")?, h))
         },
     };
     bar.finish_and_clear();

@@ -1,0 +1,294 @@
+// Quantised weights (GGUF Q8_0, Q4_0, Q4_1) read as stored and decoded in registers.
+// Self-contained (q_-prefixed helpers, no CUDA header), so both the baseline unit and the
+// prefill unit include it.
+//
+// Device layout (src/gpu/model.rs, DeviceMatrix): the host splits each 32-element block into
+// its quants and its scales, so a row's quants are contiguous and 16-byte aligned:
+//   quants: Q8_0 32 int8 per block; Q4_0/Q4_1 16 bytes per block, byte j holding element j in
+//           its low nibble and element j + 16 in its high nibble (GGUF's order);
+//   scales: per block f16 d (Q8_0, Q4_0) or f16 d then f16 m (Q4_1).
+// Values: Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 q * d + m. The bytes streamed per token are
+// exactly the blocks' bytes.
+
+#define WEIGHT_BF16 0
+#define WEIGHT_Q8_0 1
+#define WEIGHT_Q4_0 2
+#define WEIGHT_Q4_1 3
+
+typedef unsigned short q_u16;
+typedef unsigned int q_u32;
+
+__device__ __forceinline__ float q_f16(q_u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float q_bf16(q_u16 x) { return __uint_as_float(((q_u32)x) << 16); }
+
+// Round to nearest even, NaN kept quiet.
+__device__ __forceinline__ q_u16 q_to_bf16(float f) {
+    q_u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (q_u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (q_u16)(u >> 16);
+}
+
+// Element (r, c) of a matrix of `cols` columns, decoded exactly as the CPU reference decodes
+// it: one f32 product (and for Q4_1 one f32 sum), never fused.
+__device__ __forceinline__ float q_element_at(int ty, const void* data, const q_u16* scales, size_t i) {
+    const size_t b = i >> 5;
+    const int j = (int)(i & 31);
+    if (ty == WEIGHT_BF16) return q_bf16(((const q_u16*)data)[i]);
+    if (ty == WEIGHT_Q8_0) return __fmul_rn((float)((const signed char*)data)[i], q_f16(scales[b]));
+    const unsigned char byte = ((const unsigned char*)data)[b * 16 + (j & 15)];
+    const int q = j < 16 ? (byte & 15) : (byte >> 4);
+    if (ty == WEIGHT_Q4_0) return __fmul_rn((float)(q - 8), q_f16(scales[b]));
+    return __fadd_rn(__fmul_rn((float)q, q_f16(scales[2 * b])), q_f16(scales[2 * b + 1]));
+}
+
+// Element (r, c) of a matrix of `cols` columns.
+__device__ __forceinline__ float q_element(int ty, const void* data, const q_u16* scales, size_t r, int c, int cols) {
+    return q_element_at(ty, data, scales, r * (size_t)cols + c);
+}
+
+// Prefill: every element of an n-element matrix to bf16 (cuBLAS's operand). Grid-stride.
+extern "C" __global__ void q_dequant_bf16(int ty, const void* data, const q_u16* scales, q_u16* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = q_to_bf16(q_element_at(ty, data, scales, (size_t)i));
+}
+
+// Prefill: x[t, :] = row tokens[t] of the embedding. One block per token.
+extern "C" __global__ void q_embed_rows(int ty, const void* data, const q_u16* scales, const q_u32* tokens, float* x,
+                                        int hidden) {
+    const q_u32 tok = tokens[blockIdx.x];
+    float* dst = x + (size_t)blockIdx.x * hidden;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = q_element(ty, data, scales, tok, c, hidden);
+}
+
+__device__ __forceinline__ void q_pdl_launch_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void q_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ float q_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float q_silu(float x) { return x / (1.f + __expf(-x)); }
+
+// Decode: x = row meta[0] (the step's token; TokenMeta starts with it) of the embedding.
+extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u16* scales, const q_u32* meta, float* x, int hidden) {
+    q_pdl_launch_next();
+    q_pdl_wait();
+    const q_u32 tok = meta[0];
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < hidden; c += gridDim.x * blockDim.x)
+        x[c] = q_element(ty, data, scales, tok, c, hidden);
+}
+
+// ---- mat-vec ---------------------------------------------------------------------------------
+//
+// A warp computes QG_ROWS rows. It walks a row in chunks of 256 elements (8 blocks): each lane
+// takes 8 elements of one block (Q8_0: 8 consecutive int8, an 8-byte load; Q4: 4 bytes of
+// nibbles = elements 4t..4t+3 and 16+4t..16+4t+3 of the block, t = lane % 4, a 4-byte load),
+// so a warp's loads of one row are 256 (Q8_0) or 128 (Q4) contiguous bytes. The input vector
+// is staged in shared memory permuted so that lane L's two float4 of chunk c sit at float4
+// slots (2c + p) * 32 + L: every shared load is conflict-free, and a lane's inputs are loaded
+// once and used for all of its rows. Rows per block: 8 warps * QG_ROWS (QUANT_ROWS_PER_BLOCK in
+// src/gpu/baseline.rs). A lane's loads are small (4 or 8 bytes), so QG_UNROLL chunks of every
+// row are loaded before any is used: 8 keeps as many bytes in flight per lane as bl_gemv's
+// 16-byte loads do for Q8_0, half as many for Q4.
+
+#define QG_ROWS 2
+#define QG_UNROLL 8
+#define QG_CHUNK 256
+
+#define QG_IN_PLAIN 0  // x
+#define QG_IN_NORM 1   // x / rms(x) * norm
+#define QG_IN_SILU 2   // silu(x[i]) * x[cols + i]
+
+// Where element i of the input vector goes in the staged layout (floats).
+template <int TY>
+__device__ __forceinline__ int qg_slot(int i) {
+    const int c = i / QG_CHUNK, r = i % QG_CHUNK;
+    int lane, p, k;
+    if (TY == WEIGHT_Q8_0) {
+        lane = r >> 3;
+        p = (r >> 2) & 1;
+        k = r & 3;
+    } else {
+        const int j = r & 31;
+        lane = 4 * (r >> 5) + ((j & 15) >> 2);
+        p = j >> 4;
+        k = j & 3;
+    }
+    return (((2 * c + p) * 32 + lane) << 2) + k;
+}
+
+// Byte k of w as the f32 2^23 + byte: one byte permute (the exponent of 2^23 in the top byte)
+// instead of an int-to-float conversion, which runs at a quarter of the FP32 rate and would
+// bound the mat-vec below the memory bandwidth.
+#define QG_BIASED(w, k) __uint_as_float(__byte_perm((w), 0x4B000000u, 0x7440u | (k)))
+#define QG_2P23 8388608.f
+
+// Dot of one lane's 8 weights with its 8 inputs (lo = first float4, hi = second), before the
+// block's scale, every weight an exact small integer: Q8_0 its int8, Q4_0 its nibble - 8,
+// Q4_1 its nibble (whose minimum `m` the caller applies to the inputs' sum).
+template <int TY>
+__device__ __forceinline__ float qg_dot(uint2 w, float4 lo, float4 hi) {
+    if (TY == WEIGHT_Q8_0) {
+        // int8 q as the unsigned byte q + 128, less the bias.
+        const q_u32 a = w.x ^ 0x80808080u, b = w.y ^ 0x80808080u;
+        const float off = QG_2P23 + 128.f;
+        float s = (QG_BIASED(a, 0) - off) * lo.x;
+        s = fmaf(QG_BIASED(a, 1) - off, lo.y, s);
+        s = fmaf(QG_BIASED(a, 2) - off, lo.z, s);
+        s = fmaf(QG_BIASED(a, 3) - off, lo.w, s);
+        s = fmaf(QG_BIASED(b, 0) - off, hi.x, s);
+        s = fmaf(QG_BIASED(b, 1) - off, hi.y, s);
+        s = fmaf(QG_BIASED(b, 2) - off, hi.z, s);
+        s = fmaf(QG_BIASED(b, 3) - off, hi.w, s);
+        return s;
+    } else {
+        // Bytes 0..3 hold elements 4t..4t+3 in their low nibbles, 16+4t.. in their high ones.
+        const q_u32 l = w.x & 0x0F0F0F0Fu, h = (w.x >> 4) & 0x0F0F0F0Fu;
+        const float off = TY == WEIGHT_Q4_0 ? QG_2P23 + 8.f : QG_2P23;
+        float s = (QG_BIASED(l, 0) - off) * lo.x;
+        s = fmaf(QG_BIASED(l, 1) - off, lo.y, s);
+        s = fmaf(QG_BIASED(l, 2) - off, lo.z, s);
+        s = fmaf(QG_BIASED(l, 3) - off, lo.w, s);
+        s = fmaf(QG_BIASED(h, 0) - off, hi.x, s);
+        s = fmaf(QG_BIASED(h, 1) - off, hi.y, s);
+        s = fmaf(QG_BIASED(h, 2) - off, hi.z, s);
+        s = fmaf(QG_BIASED(h, 3) - off, hi.w, s);
+        return s;
+    }
+}
+
+template <int TY>
+__device__ __forceinline__ uint2 qg_load(const unsigned char* row, int chunk, int lane) {
+    uint2 r;
+    if (TY == WEIGHT_Q8_0) {
+        const unsigned char* p = row + chunk * QG_CHUNK + lane * 8;
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    } else {
+        const unsigned char* p = row + chunk * (QG_CHUNK / 2) + lane * 4;
+        asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r.x) : "l"(p));
+        r.y = 0;
+    }
+    return r;
+}
+
+// y[r] (+)= W[r, :] . in, W quantised as TY, `in` formed from x per `mode` (QG_IN_*).
+// cols is a multiple of 32; shared memory: ceil(cols / 256) * 256 floats.
+template <int TY>
+__device__ __forceinline__ void qg_gemv(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+                                        int cols, int accumulate, int mode, const q_u16* norm, float eps) {
+    extern __shared__ float4 qg_xs4[];
+    float* xs = (float*)qg_xs4;
+    __shared__ float partial[32];
+    q_pdl_launch_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * QG_ROWS;
+    const int row_bytes = TY == WEIGHT_Q8_0 ? cols : cols / 2;
+    const int nblocks = cols / 32;
+    const int spb = TY == WEIGHT_Q4_1 ? 2 : 1;  // scale words per block
+    // Weights do not depend on the previous kernel: pull them towards L2 before waiting.
+    for (int r = 0; r < QG_ROWS; r++)
+        if (row0 + r < rows) {
+            const unsigned char* wr = W + (size_t)(row0 + r) * row_bytes;
+            for (int off = lane * 128; off < row_bytes; off += 32 * 128)
+                asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(wr + off));
+            if (lane == 0) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(scales + (size_t)(row0 + r) * nblocks * spb));
+        }
+    q_pdl_wait();
+    if (mode == QG_IN_SILU) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[qg_slot<TY>(i)] = q_silu(x[i]) * x[cols + i];
+    } else {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = x[i];
+            xs[qg_slot<TY>(i)] = v;
+            ss += v * v;
+        }
+        if (mode == QG_IN_NORM) {
+            ss = q_warp_sum(ss);
+            if (lane == 0) partial[warp] = ss;
+            __syncthreads();
+            if (threadIdx.x < 32) {
+                float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+                v = q_warp_sum(v);
+                if (threadIdx.x == 0) partial[0] = rsqrtf(v / cols + eps);
+            }
+            __syncthreads();
+            const float scale = partial[0];
+            // Each thread rescales the elements it wrote itself: no barrier needed between.
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+                const int s = qg_slot<TY>(i);
+                xs[s] = xs[s] * scale * q_bf16(norm[i]);
+            }
+        }
+    }
+    __syncthreads();
+
+    const unsigned char* wr[QG_ROWS];
+    const q_u16* sr[QG_ROWS];
+    for (int r = 0; r < QG_ROWS; r++) {
+        const int rr = min(row0 + r, rows - 1);
+        wr[r] = W + (size_t)rr * row_bytes;
+        sr[r] = scales + (size_t)rr * nblocks * spb;
+    }
+    float acc[QG_ROWS];
+    for (int r = 0; r < QG_ROWS; r++) acc[r] = 0.f;
+    const int chunks = (cols + QG_CHUNK - 1) / QG_CHUNK;
+    const int lane_block = lane >> 2;  // block within the chunk
+    for (int c0 = 0; c0 < chunks; c0 += QG_UNROLL) {
+        uint2 w[QG_UNROLL][QG_ROWS];
+        bool live[QG_UNROLL];
+#pragma unroll
+        for (int u = 0; u < QG_UNROLL; u++) {
+            const int c = c0 + u;
+            live[u] = c < chunks && c * 8 + lane_block < nblocks;
+#pragma unroll
+            for (int r = 0; r < QG_ROWS; r++) w[u][r] = live[u] ? qg_load<TY>(wr[r], c, lane) : make_uint2(0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < QG_UNROLL; u++) {
+            if (!live[u]) continue;
+            const int c = c0 + u;
+            const float4 lo = qg_xs4[(2 * c) * 32 + lane];
+            const float4 hi = qg_xs4[(2 * c + 1) * 32 + lane];
+            // Q4_1's minimum multiplies the sum of the inputs, once per block.
+            const float sx = TY == WEIGHT_Q4_1 ? (lo.x + lo.y) + (lo.z + lo.w) + ((hi.x + hi.y) + (hi.z + hi.w)) : 0.f;
+            const int b = c * 8 + lane_block;
+#pragma unroll
+            for (int r = 0; r < QG_ROWS; r++) {
+                const float s = qg_dot<TY>(w[u][r], lo, hi);
+                if (TY != WEIGHT_Q4_1) {
+                    acc[r] = fmaf(q_f16(sr[r][b]), s, acc[r]);
+                } else {
+                    acc[r] = fmaf(q_f16(sr[r][2 * b]), s, fmaf(q_f16(sr[r][2 * b + 1]), sx, acc[r]));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < QG_ROWS; r++) {
+        const float s = q_warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < rows) y[row0 + r] = accumulate ? y[row0 + r] + s : s;
+    }
+}
+
+extern "C" __global__ void bl_gemv_q8_0(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+                                        int cols, int accumulate, int mode, const q_u16* norm, float eps) {
+    qg_gemv<WEIGHT_Q8_0>(W, scales, x, y, rows, cols, accumulate, mode, norm, eps);
+}
+
+extern "C" __global__ void bl_gemv_q4_0(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+                                        int cols, int accumulate, int mode, const q_u16* norm, float eps) {
+    qg_gemv<WEIGHT_Q4_0>(W, scales, x, y, rows, cols, accumulate, mode, norm, eps);
+}
+
+extern "C" __global__ void bl_gemv_q4_1(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+                                        int cols, int accumulate, int mode, const q_u16* norm, float eps) {
+    qg_gemv<WEIGHT_Q4_1>(W, scales, x, y, rows, cols, accumulate, mode, norm, eps);
+}

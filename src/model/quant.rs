@@ -1,0 +1,420 @@
+//! The block formats weights may keep in memory (GGUF's Q8_0, Q4_0, Q4_1): their exact
+//! decoding to f32 and the project's round-to-nearest quantiser.
+//!
+//! Every format stores 32 consecutive elements of a row in one block:
+//! - Q8_0, 34 bytes: f16 `d`, then 32 `i8` quants; element `j` is `q[j] * d`.
+//! - Q4_0, 18 bytes: f16 `d`, then 16 bytes; byte `j` holds element `j` in its low nibble and
+//!   element `j + 16` in its high nibble; an element is `(q - 8) * d`.
+//! - Q4_1, 20 bytes: f16 `d`, f16 `m`, then 16 bytes of nibbles as Q4_0; an element is
+//!   `q * d + m`.
+//!
+//! Multi-byte fields are little-endian, as in GGUF files.
+
+use std::fmt;
+
+use half::f16;
+
+/// Elements per block in every format here.
+pub const BLOCK: usize = 32;
+
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+impl QuantType {
+    pub const ALL: [QuantType; 3] = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1];
+
+    /// Bytes of one 32-element block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantType::Q8_0 => 34,
+            QuantType::Q4_0 => 18,
+            QuantType::Q4_1 => 20,
+        }
+    }
+
+    /// Bytes of the block's header (scale, and minimum for Q4_1) before its quants.
+    pub fn header_bytes(self) -> usize {
+        match self {
+            QuantType::Q8_0 | QuantType::Q4_0 => 2,
+            QuantType::Q4_1 => 4,
+        }
+    }
+
+    /// Bytes of the block's quants.
+    pub fn quant_bytes(self) -> usize {
+        self.block_bytes() - self.header_bytes()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::Q8_0 => "Q8_0",
+            QuantType::Q4_0 => "Q4_0",
+            QuantType::Q4_1 => "Q4_1",
+        }
+    }
+}
+
+impl fmt::Display for QuantType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn le_f16(b: &[u8]) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// Decodes one block exactly (every result is an f32 product of an f16 and a small integer,
+/// plus an f16 for Q4_1, each computed once in f32 as ggml does).
+pub fn dequantize_block(ty: QuantType, b: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(b.len(), ty.block_bytes());
+    debug_assert_eq!(out.len(), BLOCK);
+    match ty {
+        QuantType::Q8_0 => {
+            let d = le_f16(b);
+            for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+                *o = f32::from(q as i8) * d;
+            }
+        }
+        QuantType::Q4_0 => {
+            let d = le_f16(b);
+            let (lo, hi) = out.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&b[2..18]) {
+                *l = f32::from(i16::from(q & 0x0f) - 8) * d;
+                *h = f32::from(i16::from(q >> 4) - 8) * d;
+            }
+        }
+        QuantType::Q4_1 => {
+            let (d, m) = (le_f16(b), le_f16(&b[2..]));
+            let (lo, hi) = out.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&b[4..20]) {
+                *l = f32::from(q & 0x0f) * d + m;
+                *h = f32::from(q >> 4) * d + m;
+            }
+        }
+    }
+}
+
+/// Decodes whole blocks: `data` holds `out.len() / 32` of them. With AVX2 eight elements at a
+/// time, to the same values bit for bit (the same f32 products and sums, never fused).
+pub fn dequantize_row(ty: QuantType, data: &[u8], out: &mut [f32]) {
+    assert_eq!(out.len() % BLOCK, 0, "dequantize_row: not whole blocks");
+    assert_eq!(
+        data.len(),
+        out.len() / BLOCK * ty.block_bytes(),
+        "dequantize_row: block bytes do not match the element count"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 detected; data and out hold the same number of whole blocks (asserted).
+        unsafe { avx2::dequantize_row(ty, data, out) };
+        return;
+    }
+    dequantize_row_scalar(ty, data, out);
+}
+
+fn dequantize_row_scalar(ty: QuantType, data: &[u8], out: &mut [f32]) {
+    for (o, b) in out
+        .chunks_exact_mut(BLOCK)
+        .zip(data.chunks_exact(ty.block_bytes()))
+    {
+        dequantize_block(ty, b, o);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{le_f16, QuantType, BLOCK};
+
+    /// Eight i32 lanes as f32 (exact: |q| < 2^24), times `d`, plus `m` when given; stored at `o`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn store8(o: *mut f32, q: __m256i, d: __m256, m: Option<__m256>) {
+        let v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+        let v = match m {
+            Some(m) => _mm256_add_ps(v, m),
+            None => v,
+        };
+        _mm256_storeu_ps(o, v);
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2; `data` holds `out.len() / 32` blocks of `ty`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn dequantize_row(ty: QuantType, data: &[u8], out: &mut [f32]) {
+        let bytes = ty.block_bytes();
+        let mask = _mm_set1_epi8(0x0f);
+        for (i, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+            let b = &data[i * bytes..(i + 1) * bytes];
+            let op = o.as_mut_ptr();
+            let d = _mm256_set1_ps(le_f16(b));
+            match ty {
+                QuantType::Q8_0 => {
+                    for k in 0..4 {
+                        // SAFETY: bytes 2 + 8k .. 10 + 8k lie in the 34-byte block.
+                        let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * k) as *const __m128i);
+                        store8(op.add(8 * k), _mm256_cvtepi8_epi32(q), d, None);
+                    }
+                }
+                QuantType::Q4_0 | QuantType::Q4_1 => {
+                    let (head, m) = if ty == QuantType::Q4_1 {
+                        (4, Some(_mm256_set1_ps(le_f16(&b[2..]))))
+                    } else {
+                        (2, None)
+                    };
+                    // SAFETY: the 16 bytes of nibbles end the block.
+                    let raw = _mm_loadu_si128(b.as_ptr().add(head) as *const __m128i);
+                    let lo = _mm_and_si128(raw, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+                    let bias = _mm256_set1_epi32(if m.is_some() { 0 } else { 8 });
+                    for (half, v) in [(0, lo), (16, hi)] {
+                        let first = _mm256_cvtepu8_epi32(v);
+                        let second = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+                        store8(op.add(half), _mm256_sub_epi32(first, bias), d, m);
+                        store8(op.add(half + 8), _mm256_sub_epi32(second, bias), d, m);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Quantises one block of 32 values to nearest (the choice of scale is ggml's reference one,
+/// so files we write and files ggml writes agree on what a value becomes), appending its
+/// bytes to `out`.
+pub fn quantize_block(ty: QuantType, x: &[f32], out: &mut Vec<u8>) {
+    debug_assert_eq!(x.len(), BLOCK);
+    match ty {
+        QuantType::Q8_0 => {
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+            out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            out.extend(x.iter().map(|v| (v * inv).round() as i8 as u8));
+        }
+        QuantType::Q4_0 => {
+            // The value of largest magnitude, sign kept, maps to quant 0 (-8 after the
+            // offset), so it is exact at the cost of one step on the other side.
+            let extreme = x
+                .iter()
+                .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+            let d = extreme / -8.0;
+            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+            out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            let q = |v: f32| ((v * inv + 8.5) as i32).clamp(0, 15) as u8;
+            out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+        }
+        QuantType::Q4_1 => {
+            let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let d = (max - min) / 15.0;
+            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+            out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            out.extend_from_slice(&f16::from_f32(min).to_bits().to_le_bytes());
+            let q = |v: f32| (((v - min) * inv + 0.5) as i32).clamp(0, 15) as u8;
+            out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+        }
+    }
+}
+
+/// Quantises a whole number of blocks.
+pub fn quantize_row(ty: QuantType, x: &[f32]) -> Vec<u8> {
+    assert_eq!(
+        x.len() % BLOCK,
+        0,
+        "quantize_row: not a whole number of blocks"
+    );
+    let mut out = Vec::with_capacity(x.len() / BLOCK * ty.block_bytes());
+    for b in x.chunks_exact(BLOCK) {
+        quantize_block(ty, b, &mut out);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: f32) -> [u8; 2] {
+        f16::from_f32(v).to_bits().to_le_bytes()
+    }
+
+    /// Blocks written byte by byte from the format's definition, with the expected values
+    /// worked out by hand.
+    #[test]
+    fn hand_made_blocks_decode_to_hand_computed_values() {
+        // Q8_0: d = 0.5, quants 0, 1, -1, 2, -2, … , 127 at the end, -128 at 30.
+        let mut b = h(0.5).to_vec();
+        let mut want = Vec::new();
+        for j in 0..32i32 {
+            let q: i8 = match j {
+                30 => -128,
+                31 => 127,
+                _ => {
+                    let k = (j + 1) / 2;
+                    if j % 2 == 1 {
+                        k as i8
+                    } else {
+                        -(k as i8)
+                    }
+                }
+            };
+            b.push(q as u8);
+            want.push(f32::from(q) * 0.5);
+        }
+        let mut out = [0f32; 32];
+        dequantize_block(QuantType::Q8_0, &b, &mut out);
+        assert_eq!(out.to_vec(), want);
+        assert_eq!(out[30], -64.0);
+        assert_eq!(out[31], 63.5);
+
+        // Q4_0: d = 0.25; byte j = low nibble j, high nibble 15 - j. Element j (j < 16) is
+        // (j - 8) * 0.25, element j + 16 is (7 - j) * 0.25.
+        let mut b = h(0.25).to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        dequantize_block(QuantType::Q4_0, &b, &mut out);
+        for j in 0..16 {
+            assert_eq!(out[j], (j as f32 - 8.0) * 0.25, "Q4_0 element {j}");
+            assert_eq!(
+                out[j + 16],
+                (7.0 - j as f32) * 0.25,
+                "Q4_0 element {}",
+                j + 16
+            );
+        }
+        assert_eq!(out[0], -2.0);
+        assert_eq!(out[16], 1.75);
+
+        // Q4_1: d = 2, m = -3; byte j = low nibble (j % 4), high nibble 15.
+        let mut b = h(2.0).to_vec();
+        b.extend(h(-3.0));
+        b.extend((0..16u8).map(|j| (j % 4) | 0xf0));
+        dequantize_block(QuantType::Q4_1, &b, &mut out);
+        for j in 0..16 {
+            assert_eq!(out[j], (j % 4) as f32 * 2.0 - 3.0, "Q4_1 element {j}");
+            assert_eq!(out[j + 16], 27.0, "Q4_1 element {}", j + 16);
+        }
+    }
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let u = (i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8;
+                let v = u as f32 / 16777216.0 - 0.5;
+                // A few outliers per row, as real weights have.
+                if i % 97 == 5 {
+                    v * 9.0
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    /// Quantise then decode: every element within the format's bound (half a step for
+    /// round-to-nearest, one step for Q4_0's clamped side, plus the f16 rounding of the scale
+    /// and minimum), and the known exact cases exact.
+    #[test]
+    fn quantise_round_trip_stays_within_the_bounds() {
+        let x = data(32 * 64, 7);
+        for ty in QuantType::ALL {
+            let q = quantize_row(ty, &x);
+            assert_eq!(q.len(), 64 * ty.block_bytes());
+            let mut back = vec![0f32; x.len()];
+            dequantize_row(ty, &q, &mut back);
+            let mut worst = 0f32;
+            for (blk, (xb, bb)) in x.chunks(32).zip(back.chunks(32)).enumerate() {
+                let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let (min, max) = xb
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+                        (a.min(v), b.max(v))
+                    });
+                // f16 keeps 11 significant bits: a relative error of at most 2^-11 per field.
+                let f16_rel = 1.0 / 2048.0;
+                let bound = match ty {
+                    QuantType::Q8_0 => 0.5 * amax / 127.0 + amax * f16_rel,
+                    QuantType::Q4_0 => amax / 8.0 + amax * f16_rel,
+                    QuantType::Q4_1 => {
+                        let d = (max - min) / 15.0;
+                        0.5 * d + min.abs() * f16_rel + (max - min) * f16_rel
+                    }
+                } * 1.0001;
+                for (j, (a, b)) in xb.iter().zip(bb).enumerate() {
+                    let err = (a - b).abs();
+                    worst = worst.max(err / amax);
+                    assert!(
+                        err <= bound,
+                        "{ty} block {blk} element {j}: {a} became {b} (error {err}, bound {bound})"
+                    );
+                }
+            }
+            println!("{ty}: worst round-trip error {worst:.3e} of the block's largest magnitude");
+        }
+        // An all-zero block is all zero in every format.
+        for ty in QuantType::ALL {
+            let q = quantize_row(ty, &[0f32; 32]);
+            let mut back = vec![1f32; 32];
+            dequantize_row(ty, &q, &mut back);
+            assert!(back.iter().all(|&v| v == 0.0), "{ty}");
+        }
+    }
+
+    /// The AVX2 decoder gives the scalar one's values bit for bit, for every byte pattern the
+    /// quants can hold and scales of every sign and magnitude.
+    #[test]
+    fn vector_and_scalar_decoding_agree_bit_for_bit() {
+        let mut s = 0x1234_5678_u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for ty in QuantType::ALL {
+            let blocks = 500;
+            let mut data: Vec<u8> = (0..blocks * ty.block_bytes())
+                .map(|_| next() as u8)
+                .collect();
+            // Finite scales (a random f16 may be NaN or infinite, which decode the same way but
+            // do not compare equal).
+            for b in data.chunks_exact_mut(ty.block_bytes()) {
+                for f in 0..ty.header_bytes() / 2 {
+                    let v = (next() % 2000) as f32 / 100.0 - 10.0;
+                    b[2 * f..2 * f + 2].copy_from_slice(&h(v));
+                }
+            }
+            let mut a = vec![0f32; blocks * 32];
+            let mut b = vec![0f32; blocks * 32];
+            dequantize_row(ty, &data, &mut a);
+            dequantize_row_scalar(ty, &data, &mut b);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&a) == bits(&b), "{ty}");
+        }
+    }
+
+    /// Quantising what a block decodes to gives back the same block (the quantiser is a
+    /// fixed point on its own output): the scale and every quant land where they were.
+    #[test]
+    fn quantising_a_decoded_q8_block_reproduces_it() {
+        let x = data(32 * 8, 3);
+        let q = quantize_row(QuantType::Q8_0, &x);
+        let mut back = vec![0f32; x.len()];
+        dequantize_row(QuantType::Q8_0, &q, &mut back);
+        // amax' = 127 d exactly, so the scale is found again and every quant with it.
+        assert_eq!(quantize_row(QuantType::Q8_0, &back), q);
+    }
+}
