@@ -114,6 +114,257 @@ extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, in
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bl_mv: the mat-vec every projection of the graph paths runs, y = W · in with W [rows, cols]
+// bf16 row-major, its input formed and its output finished in the same kernel.
+//
+// A CTA of MV_WARPS warps takes tasks of RB = R * MV_WARPS / ksplit consecutive (logical)
+// rows: warp w takes R rows and the w % ksplit-th of ksplit column slices (split-K inside the
+// CTA, so that a 2048-row projection still spreads over every SM; the slices' sums meet in
+// shared memory in a fixed order, so results do not depend on timing). Each lane issues R * U
+// 16-byte loads before the first FMA that uses them, and the grid (a few CTAs per SM, sized by
+// the host from the SM count) loops over the tasks: the next task's first loads are issued
+// before the current task's reduction and epilogue.
+//
+// Under PDL the first task's loads are issued before griddepcontrol.wait: the weights do not
+// depend on the previous kernel, so they stream while it finishes. Only then the input (the
+// previous kernel's output) is read and staged in shared memory (cols floats, dynamic).
+#define MV_WARPS 8
+#define MV_THREADS (MV_WARPS * 32)
+
+// How the input vector is formed.
+#define MV_IN_PLAIN 0  // x
+#define MV_IN_NORM 1   // x / rms(x) * norm (the layer's RMS norm, each CTA computing rms(x))
+
+// What happens to each row's sum s. The pair modes see logical rows in pairs (2p, 2p + 1),
+// mapped to the two physical rows the epilogue combines; RB is even for them (host-checked).
+#define MV_OUT_STORE 0    // y[r] = s
+#define MV_OUT_ADD 1      // y[r] += s (the residual add: one writer per row)
+#define MV_OUT_ROPE_KV 2  // pairs (i, i + head_dim/2) of a head: q rotated into y (f32), k rotated
+                          // and v into the caches at meta->pos (bf16)
+#define MV_OUT_SILU 3     // pairs (gate p, up p) of W = [gate; up]: y[p] = silu(gate) * up
+#define MV_OUT_ARGMAX 4   // y[r] = s, and the greedy token (argmax, lowest index on ties) into
+                          // meta / history via per-CTA partials and the last CTA to finish
+
+struct MvParams {
+    const bf16_t* w;
+    const float* x;
+    float* y;
+    const bf16_t* norm;
+    bf16_t* k_cache;       // ROPE_KV: this layer's K and V caches, position-major
+    bf16_t* v_cache;
+    TokenMeta* meta;       // ROPE_KV (pos), ARGMAX (advanced)
+    const float* inv_freq; // ROPE_KV
+    u32* part;             // ARGMAX: 2 words (value bits, index) per CTA
+    u32* done;             // ARGMAX: arrival counter, 0 between launches
+    u32* history;          // ARGMAX: history[pos + 1] = the token
+    int rows, cols, ksplit, in_mode, out_mode, n_heads, n_kv, head_dim;
+    float eps;
+    int pad;
+};
+
+// The physical row of logical row lr.
+__device__ __forceinline__ int mv_row(const MvParams& p, int lr) {
+    if (p.out_mode == MV_OUT_ROPE_KV) {
+        const int pr = lr >> 1, half = p.head_dim >> 1, head = pr / half;
+        return head * p.head_dim + (pr - head * half) + (lr & 1) * half;
+    }
+    if (p.out_mode == MV_OUT_SILU) return (lr >> 1) + (lr & 1) * (p.rows >> 1);
+    return lr;
+}
+
+// One batch: chunk c = c_lane + 32 * u (8 columns each) of the warp's R rows of task `task`,
+// zero where outside the slice or the matrix.
+template <int R, int U>
+__device__ __forceinline__ void mv_load(uint4 (&w)[R][U], const MvParams& p, int first_row, int c_lane, int c1) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int lr = first_row + r;
+        const bf16_t* row = p.w + (size_t)mv_row(p, min(lr, p.rows - 1)) * p.cols;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c_lane + 32 * u;
+            w[r][u] = (lr < p.rows && c < c1) ? ld_stream(row + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mv_fma(const uint4 (&w)[R][U], const float4* xs4, int c_lane, int c1, float (&acc)[R]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int c = c_lane + 32 * u;
+        if (c < c1) {
+            const float4 a = xs4[2 * c], b = xs4[2 * c + 1];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float f[8];
+                widen8(w[r][u], f);
+                float s = acc[r];
+                s = fmaf(f[0], a.x, s); s = fmaf(f[1], a.y, s); s = fmaf(f[2], a.z, s); s = fmaf(f[3], a.w, s);
+                s = fmaf(f[4], b.x, s); s = fmaf(f[5], b.y, s); s = fmaf(f[6], b.z, s); s = fmaf(f[7], b.w, s);
+                acc[r] = s;
+            }
+        }
+    }
+}
+
+// The sum of logical row t of the task (0 <= t < RB) from the warps' partial sums.
+__device__ __forceinline__ float mv_total(const float* red, int t, int R, int ksplit) {
+    const int rw = t / R, r = t - rw * R;
+    float s = 0.f;
+    for (int k = 0; k < ksplit; k++) s += red[(rw * ksplit + k) * R + r];
+    return s;
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mv_body(const MvParams& p) {
+    extern __shared__ float4 mv_xs4[];
+    __shared__ float red[2][MV_WARPS * R];
+    __shared__ float partial[32];
+    __shared__ u32 sidx[MV_WARPS];
+    __shared__ int is_last;
+    pdl_launch_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ks = p.ksplit, kid = warp % ks, rw = warp / ks, RB = R * (MV_WARPS / ks);
+    const int C = p.cols >> 3, c0 = kid * C / ks, c1 = (kid + 1) * C / ks;
+    const int ntasks = (p.rows + RB - 1) / RB;
+    uint4 w[R][U];
+    int task = blockIdx.x;
+    mv_load<R, U>(w, p, task * RB + rw * R, c0 + lane, c1);
+
+    pdl_wait();
+    {
+        const float4* x4 = (const float4*)p.x;
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < (p.cols >> 2); i += blockDim.x) {
+            const float4 v = x4[i];
+            mv_xs4[i] = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        if (p.in_mode == MV_IN_NORM) {
+            const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
+            for (int i = threadIdx.x; i < (p.cols >> 2); i += blockDim.x) {
+                const uint2 g = *(const uint2*)(p.norm + 4 * i);
+                float4 v = mv_xs4[i];
+                v.x *= scale * __uint_as_float(g.x << 16);
+                v.y *= scale * __uint_as_float(g.x & 0xffff0000u);
+                v.z *= scale * __uint_as_float(g.y << 16);
+                v.w *= scale * __uint_as_float(g.y & 0xffff0000u);
+                mv_xs4[i] = v;
+            }
+        }
+    }
+    u32 pos = 0;
+    if (p.out_mode == MV_OUT_ROPE_KV) pos = p.meta->pos;
+    __syncthreads();
+
+    float best_v = NEG_INF;
+    u32 best_i = 0xffffffffu;
+    int buf = 0;
+    for (; task < ntasks; task += gridDim.x, buf ^= 1) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.f;
+        const int first_row = task * RB + rw * R;
+        for (int j = c0 + lane;; j += 32 * U) {
+            mv_fma<R, U>(w, mv_xs4, j, c1, acc);
+            if (j - lane + 32 * U >= c1) break;
+            mv_load<R, U>(w, p, first_row, j + 32 * U, c1);
+        }
+        // The next task's first batch streams during this one's reduction and epilogue.
+        if (task + (int)gridDim.x < ntasks) mv_load<R, U>(w, p, first_row + gridDim.x * RB, c0 + lane, c1);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) red[buf][warp * R + r] = s;
+        }
+        __syncthreads();
+        const int t = threadIdx.x, base = task * RB;
+        if (p.out_mode == MV_OUT_STORE || p.out_mode == MV_OUT_ADD || p.out_mode == MV_OUT_ARGMAX) {
+            if (t < RB && base + t < p.rows) {
+                const float s = mv_total(red[buf], t, R, ks);
+                const int r = base + t;
+                if (p.out_mode == MV_OUT_ADD) p.y[r] += s;
+                else p.y[r] = s;
+                if (p.out_mode == MV_OUT_ARGMAX) argmax_merge(best_v, best_i, s, (u32)r);
+            }
+        } else if (2 * t < RB && base + 2 * t < p.rows) {
+            const float a = mv_total(red[buf], 2 * t, R, ks), b = mv_total(red[buf], 2 * t + 1, R, ks);
+            const int pr = (base >> 1) + t;
+            if (p.out_mode == MV_OUT_SILU) {
+                p.y[pr] = silu(a) * b;
+            } else {  // MV_OUT_ROPE_KV
+                const int half = p.head_dim >> 1, head = pr / half, i = pr - head * half;
+                const size_t slot = (size_t)pos * p.n_kv * p.head_dim;
+                if (head < p.n_heads + p.n_kv) {
+                    float sn, cs;
+                    rope_sincos(pos, p.inv_freq[i], &sn, &cs);
+                    const float ra = a * cs - b * sn, rb = b * cs + a * sn;
+                    if (head < p.n_heads) {
+                        p.y[head * p.head_dim + i] = ra;
+                        p.y[head * p.head_dim + i + half] = rb;
+                    } else {
+                        bf16_t* k = p.k_cache + slot + (head - p.n_heads) * p.head_dim;
+                        k[i] = f32_to_bf16(ra);
+                        k[i + half] = f32_to_bf16(rb);
+                    }
+                } else {
+                    bf16_t* v = p.v_cache + slot + (head - p.n_heads - p.n_kv) * p.head_dim;
+                    v[i] = f32_to_bf16(a);
+                    v[i + half] = f32_to_bf16(b);
+                }
+            }
+        }
+    }
+    if (p.out_mode != MV_OUT_ARGMAX) return;
+
+    // The CTA's best into part[], then the last CTA to arrive merges every CTA's (the merge
+    // is order-independent: larger value, then lower index).
+    warp_argmax(best_v, best_i);
+    if (lane == 0) { partial[warp] = best_v; sidx[warp] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < MV_WARPS; k++) argmax_merge(best_v, best_i, partial[k], sidx[k]);
+        p.part[2 * blockIdx.x] = __float_as_uint(best_v);
+        p.part[2 * blockIdx.x + 1] = best_i;
+        __threadfence();
+        is_last = atomicAdd(p.done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    best_v = NEG_INF;
+    best_i = 0xffffffffu;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x)
+        argmax_merge(best_v, best_i, __uint_as_float(__ldcg(p.part + 2 * b)), __ldcg(p.part + 2 * b + 1));
+    warp_argmax(best_v, best_i);
+    __syncthreads();  // partial / sidx are reused
+    if (lane == 0) { partial[warp] = best_v; sidx[warp] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < MV_WARPS; k++) argmax_merge(best_v, best_i, partial[k], sidx[k]);
+        TokenMeta* m = p.meta;
+        p.history[m->pos + 1] = best_i;
+        m->next = best_i;
+        m->token = best_i;
+        m->pos += 1;
+        *p.done = 0;
+    }
+}
+
+// The variants the host picks from (MvVariant in src/gpu/baseline.rs): R rows per warp, U
+// 16-byte loads per row per lane in one batch.
+#define MV_KERNEL(R, U)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 2) bl_mv_r##R##u##U(const __grid_constant__ MvParams p) { \
+        mv_body<R, U>(p);                                                                            \
+    }
+MV_KERNEL(1, 8)
+MV_KERNEL(1, 16)
+MV_KERNEL(2, 4)
+MV_KERNEL(2, 8)
+MV_KERNEL(4, 4)
+
 // RoPE (rotate_half pairs i, i + head_dim/2) on q and k in place, then K and V into the cache
 // at meta->pos. One block per head of the q|k|v concatenation, head_dim/2 threads.
 extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cache, const TokenMeta* meta,
