@@ -59,7 +59,7 @@ __device__ __forceinline__ void attend_warp(const float* q, const bf16_t* k_head
         l = l * corr + warp_sum(e);
         for (int j = 0; j < D; j++) acc[j] *= corr;
         const int n = min(32, p_end - base);
-#pragma unroll 8
+#pragma unroll 16
         for (int i = 0; i < n; i++) {
             const float pi = __shfl_sync(0xffffffffu, e, i);
             float vd[ATT_MAX_D];

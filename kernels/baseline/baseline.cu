@@ -217,7 +217,7 @@ __device__ __forceinline__ float mv_total(const float* red, int t, int R, int ks
     return s;
 }
 
-template <int R, int U>
+template <int R, int U, bool DB>
 __device__ __forceinline__ void mv_body(const MvParams& p) {
     extern __shared__ float4 mv_xs4[];
     __shared__ float red[2][MV_WARPS * R];
@@ -262,18 +262,34 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
     float best_v = NEG_INF;
     u32 best_i = 0xffffffffu;
     int buf = 0;
+    uint4 wn[R][U];  // DB: the batch after the one in w
     for (; task < ntasks; task += gridDim.x, buf ^= 1) {
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.f;
         const int first_row = task * RB + rw * R;
+        const bool more_tasks = task + (int)gridDim.x < ntasks;
         for (int j = c0 + lane;; j += 32 * U) {
+            const bool last = j - lane + 32 * U >= c1;
+            if (DB) {
+                // Double buffering: the next batch (of this task or the next) goes out before
+                // this one's FMAs.
+                if (!last) mv_load<R, U>(wn, p, first_row, j + 32 * U, c1);
+                else if (more_tasks) mv_load<R, U>(wn, p, first_row + gridDim.x * RB, c0 + lane, c1);
+            }
             mv_fma<R, U>(w, mv_xs4, j, c1, acc);
-            if (j - lane + 32 * U >= c1) break;
-            mv_load<R, U>(w, p, first_row, j + 32 * U, c1);
+            if (DB) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int u = 0; u < U; u++) w[r][u] = wn[r][u];
+            } else if (!last) {
+                mv_load<R, U>(w, p, first_row, j + 32 * U, c1);
+            }
+            if (last) break;
         }
         // The next task's first batch streams during this one's reduction and epilogue.
-        if (task + (int)gridDim.x < ntasks) mv_load<R, U>(w, p, first_row + gridDim.x * RB, c0 + lane, c1);
+        if (!DB && more_tasks) mv_load<R, U>(w, p, first_row + gridDim.x * RB, c0 + lane, c1);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const float s = warp_sum(acc[r]);
@@ -353,17 +369,21 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
     }
 }
 
-// The variants the host picks from (MvVariant in src/gpu/baseline.rs): R rows per warp, U
-// 16-byte loads per row per lane in one batch.
-#define MV_KERNEL(R, U)                                                                              \
-    extern "C" __global__ void __launch_bounds__(MV_THREADS, 2) bl_mv_r##R##u##U(const __grid_constant__ MvParams p) { \
-        mv_body<R, U>(p);                                                                            \
+// The variants the host picks from (MV_VARIANTS in src/gpu/baseline.rs): R rows per warp, U
+// 16-byte loads per row per lane in one batch, D double-buffered (R * U loads in flight while
+// the previous batch's FMAs run; one CTA of those per SM for the larger ones).
+#define MV_KERNEL(NAME, R, U, DB, MIN_CTAS)                                                               \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, MIN_CTAS) NAME(const __grid_constant__ MvParams p) { \
+        mv_body<R, U, DB>(p);                                                                             \
     }
-MV_KERNEL(1, 8)
-MV_KERNEL(1, 16)
-MV_KERNEL(2, 4)
-MV_KERNEL(2, 8)
-MV_KERNEL(4, 4)
+MV_KERNEL(bl_mv_r1u8, 1, 8, false, 2)
+MV_KERNEL(bl_mv_r1u16, 1, 16, false, 2)
+MV_KERNEL(bl_mv_r2u4, 2, 4, false, 2)
+MV_KERNEL(bl_mv_r2u8, 2, 8, false, 2)
+MV_KERNEL(bl_mv_r4u4, 4, 4, false, 2)
+MV_KERNEL(bl_mv_r1u8d, 1, 8, true, 2)
+MV_KERNEL(bl_mv_r2u4d, 2, 4, true, 2)
+MV_KERNEL(bl_mv_r2u8d, 2, 8, true, 1)
 
 // RoPE (rotate_half pairs i, i + head_dim/2) on q and k in place, then K and V into the cache
 // at meta->pos. One block per head of the q|k|v concatenation, head_dim/2 threads.

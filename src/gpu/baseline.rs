@@ -678,14 +678,48 @@ impl MvOut {
     }
 }
 
-/// The compiled `bl_mv` variants: name, rows per warp (R), 16-byte loads per row per lane in
-/// one batch (U). R × U loads are in flight per thread.
-pub const MV_VARIANTS: [(&str, u32, u32); 5] = [
-    ("r1u8", 1, 8),
-    ("r1u16", 1, 16),
-    ("r2u4", 2, 4),
-    ("r2u8", 2, 8),
-    ("r4u4", 4, 4),
+/// One compiled `bl_mv` variant (MV_KERNEL in kernels/baseline/baseline.cu).
+#[derive(Clone, Copy, Debug)]
+pub struct MvVariant {
+    pub name: &'static str,
+    pub kernel: &'static str,
+    /// Rows per warp (R).
+    pub rows: u32,
+    /// 16-byte loads per row per lane in one batch (U): R × U in flight per thread.
+    pub loads: u32,
+    /// The next batch is loaded before the current one's FMAs (twice the registers).
+    pub double_buffered: bool,
+    /// CTAs per SM its register budget allows (its `__launch_bounds__`).
+    pub max_ctas_per_sm: u32,
+}
+
+const fn variant(
+    name: &'static str,
+    kernel: &'static str,
+    r: u32,
+    u: u32,
+    db: bool,
+    ctas: u32,
+) -> MvVariant {
+    MvVariant {
+        name,
+        kernel,
+        rows: r,
+        loads: u,
+        double_buffered: db,
+        max_ctas_per_sm: ctas,
+    }
+}
+
+pub const MV_VARIANTS: [MvVariant; 8] = [
+    variant("r1u8", "bl_mv_r1u8", 1, 8, false, 2),
+    variant("r1u16", "bl_mv_r1u16", 1, 16, false, 2),
+    variant("r2u4", "bl_mv_r2u4", 2, 4, false, 2),
+    variant("r2u8", "bl_mv_r2u8", 2, 8, false, 2),
+    variant("r4u4", "bl_mv_r4u4", 4, 4, false, 2),
+    variant("r1u8d", "bl_mv_r1u8d", 1, 8, true, 2),
+    variant("r2u4d", "bl_mv_r2u4d", 2, 4, true, 2),
+    variant("r2u8d", "bl_mv_r2u8d", 2, 8, true, 1),
 ];
 const MV_WARPS: u32 = 8;
 const MV_THREADS: u32 = MV_WARPS * 32;
@@ -711,9 +745,9 @@ impl MvConfig {
         };
         let variant = MV_VARIANTS
             .iter()
-            .position(|(n, _, _)| *n == v)
+            .position(|x| x.name == v)
             .with_context(|| {
-                let names: Vec<&str> = MV_VARIANTS.iter().map(|x| x.0).collect();
+                let names: Vec<&str> = MV_VARIANTS.iter().map(|x| x.name).collect();
                 format!("mat-vec config '{s}': unknown variant '{v}' (one of {names:?})")
             })?;
         let ksplit: u32 = k
@@ -742,6 +776,15 @@ impl MvConfig {
                 self.ctas_per_sm
             );
         }
+        let v = &MV_VARIANTS[self.variant];
+        if self.ctas_per_sm > v.max_ctas_per_sm {
+            bail!(
+                "{} is built for at most {} CTA(s) per SM, not {}",
+                v.name,
+                v.max_ctas_per_sm,
+                self.ctas_per_sm
+            );
+        }
         if pairs && !self.rows_per_task().is_multiple_of(2) {
             bail!(
                 "{}: an epilogue that pairs rows needs an even number of rows per CTA task, not {}",
@@ -753,22 +796,22 @@ impl MvConfig {
     }
 
     pub fn rows_per_task(&self) -> u32 {
-        MV_VARIANTS[self.variant].1 * (MV_WARPS / self.ksplit)
+        MV_VARIANTS[self.variant].rows * (MV_WARPS / self.ksplit)
     }
 
     pub fn name(&self) -> String {
         format!(
             "{}:{}:{}",
-            MV_VARIANTS[self.variant].0, self.ksplit, self.ctas_per_sm
+            MV_VARIANTS[self.variant].name, self.ksplit, self.ctas_per_sm
         )
     }
 
     /// Every geometry, for sweeps.
     pub fn all() -> Vec<MvConfig> {
         let mut v = Vec::new();
-        for variant in 0..MV_VARIANTS.len() {
+        for (variant, mv) in MV_VARIANTS.iter().enumerate() {
             for ksplit in [1, 2, 4, 8] {
-                for ctas_per_sm in 1..=MV_MAX_CTAS_PER_SM {
+                for ctas_per_sm in 1..=mv.max_ctas_per_sm {
                     v.push(MvConfig {
                         variant,
                         ksplit,
@@ -793,7 +836,8 @@ impl MvConfig {
     fn estimate(&self, rows: usize, cols: usize, sms: usize, bw: f64) -> f64 {
         const LATENCY: f64 = 0.8e-6;
         const LOADED_LATENCY: f64 = 1.2e-6;
-        let (_, r, u) = MV_VARIANTS[self.variant];
+        let v = MV_VARIANTS[self.variant];
+        let (r, u) = (v.rows, v.loads);
         let (tasks, grid) = self.grid(rows, sms);
         let rounds = tasks.div_ceil(grid);
         let busiest_ctas = grid.div_ceil(sms);
@@ -810,9 +854,13 @@ impl MvConfig {
         let latency = (rounds * batches) as f64 * LATENCY / self.ctas_per_sm as f64;
         // Near-ties go to more loads in flight per thread, then to one CTA per SM (room for
         // the next kernel's CTAs under PDL).
+        // Without double buffering a warp has nothing in flight during its FMAs, when a task
+        // takes more than one batch.
+        let bubbles = !v.double_buffered && rounds * batches > 1;
         let margin = 1.0
             + 0.01 * (16 - in_flight.min(16)) as f64 / 8.0
-            + 0.005 * (self.ctas_per_sm - 1) as f64;
+            + 0.005 * (self.ctas_per_sm - 1) as f64
+            + if bubbles { 0.03 } else { 0.0 };
         streaming.max(latency) * margin
     }
 
@@ -917,17 +965,10 @@ impl MatVec {
     }
 
     pub fn load(module: &Arc<CudaModule>, gpu: &Gpu) -> Result<Self> {
-        const NAMES: [&str; 5] = [
-            "bl_mv_r1u8",
-            "bl_mv_r1u16",
-            "bl_mv_r2u4",
-            "bl_mv_r2u8",
-            "bl_mv_r4u4",
-        ];
         let mut kernels = Vec::new();
         let mut static_smem = 0;
-        for name in NAMES {
-            let k = Kernel::load(module, name)?;
+        for v in MV_VARIANTS {
+            let k = Kernel::load(module, v.kernel)?;
             static_smem = static_smem.max(k.static_smem()?);
             kernels.push(k);
         }
@@ -1110,6 +1151,7 @@ mod tests {
             ("r2u8:1:9", "CTAs per SM must be 1 to 2"),
             ("r2u8:1", "expected VARIANT:KSPLIT:CTAS_PER_SM"),
             ("r2u8:x:1", "ksplit 'x' is not a number"),
+            ("r2u8d:1:2", "r2u8d is built for at most 1 CTA(s) per SM"),
         ] {
             let e = format!("{:#}", MvConfig::parse(bad).unwrap_err());
             assert!(e.contains(says), "{bad}: {e}");
