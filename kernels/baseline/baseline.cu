@@ -412,16 +412,32 @@ extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cac
     }
 }
 
+// K and V rows [begin, end) of one KV head into L2 (128-byte lines), for an attention kernel
+// to issue before griddepcontrol.wait: rows before the current position do not depend on the
+// QKV kernel it waits for, and the L2 is where that kernel's new row lands, so nothing stale
+// can be read (the attention reads K and V through L2, ld.global.cg).
+__device__ __forceinline__ void prefetch_kv(const bf16_t* k_head, const bf16_t* v_head, int kv_stride, int head_dim,
+                                            int begin, int end) {
+    const int lines = head_dim >> 6;  // 128-byte lines per row (64 bf16 each)
+    for (int i = begin * lines + threadIdx.x; i < end * lines; i += blockDim.x) {
+        const int p = i / lines, l = i - p * lines;
+        prefetch_l2(k_head + (size_t)p * kv_stride + l * 64);
+        prefetch_l2(v_head + (size_t)p * kv_stride + l * 64);
+    }
+}
+
 // One block per query head over positions [0, pos]; warps take blocks of 32 positions in
 // turn, then merge. Shared memory: the query, then per warp (m, l, acc[head_dim]).
 extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                                         const TokenMeta* meta, int n_heads, int n_kv, int head_dim) {
     extern __shared__ float st[];
     pdl_launch_next();
-    pdl_wait();
     const int h = blockIdx.x, kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
+    // meta changes only at the end of a step (the argmax), so it may be read before the wait.
     const int len = meta->pos + 1;
+    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, 0, len - 1);
+    pdl_wait();
     float* qs = st + nwarps * (2 + head_dim);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
     __syncthreads();
@@ -448,12 +464,14 @@ extern "C" __global__ void bl_attention_part(const float* q, const bf16_t* k_cac
                                              int head_dim, int parts) {
     extern __shared__ float st[];
     pdl_launch_next();
-    pdl_wait();
     const int h = blockIdx.x / parts, p = blockIdx.x - h * parts;
     const int kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
+    // meta changes only at the end of a step (the argmax), so it may be read before the wait.
     const int len = meta->pos + 1, span = (len + parts - 1) / parts;
     const int p_begin = min(len, p * span), p_end = min(len, p_begin + span);
+    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, p_begin, min(p_end, len - 1));
+    pdl_wait();
     float* qs = st + nwarps * (2 + head_dim);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
     __syncthreads();
