@@ -3,13 +3,18 @@
 //! it, then a timing sweep over the projection shapes of Llama-3.2-1B and SmolLM2-135M.
 //!
 //! Run on the GPU machine (built here, no build step there):
-//!     target/release/deps/gpu_gemv_bench-* --include-ignored --nocapture
-//! or `cargo test --release --test gpu_gemv_bench -- --include-ignored --nocapture`.
+//!     target/release/deps/gpu_gemv_bench-* --include-ignored --nocapture --test-threads=1
+//! or `cargo test --release --test gpu_gemv_bench -- --include-ignored --nocapture`. `gemv_bench`
+//! takes a few minutes; add `gemv_bench` after the flags to run only the sweep.
 //!
 //! Every kernel's output is checked before it is timed; a wrong result fails the test. The
 //! timing replays a CUDA graph of back-to-back launches (with and without PDL), each launch
 //! reading a different copy of the weights so that the 50 MB L2 holds none of them, and
-//! prints GB/s against the streaming read bandwidth measured in the same run.
+//! prints GB/s against the streaming read bandwidth measured in the same run. Per shape it
+//! prints the fastest geometry, the one the path's estimate picks (`MvConfig::choose`), the
+//! winner again with the epilogue the path fuses into that projection, and at the end the
+//! winners as a `MEGAINFER_BASELINE_MV` setting per model and the sum of one decode step's
+//! mat-vecs against the bandwidth floor.
 
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
@@ -80,6 +85,8 @@ fn zeros_f32(g: &Gpu, n: usize) -> CudaSlice<f32> {
 
 struct Shape {
     label: String,
+    model: &'static str,
+    config: megainfer::model::Config,
     proj: Proj,
     rows: usize,
     cols: usize,
@@ -93,6 +100,8 @@ fn shapes() -> Vec<Shape> {
             let (rows, cols) = p.shape(&c);
             v.push(Shape {
                 label: format!("{model} {} {cols}->{rows}", p.key()),
+                model,
+                config: c.clone(),
                 proj: p,
                 rows,
                 cols,
@@ -137,9 +146,80 @@ fn time_graph(g: &Gpu, n: usize, launch: &dyn Fn(usize) -> anyhow::Result<()>) -
     times[times.len() / 2] / n as f64
 }
 
+/// Seconds per launch of the projection `sh` with the epilogue the graph path gives it, at
+/// geometry `cfg`, PDL on (as `time_graph`); `wp(i)` the i-th weight copy, x at `xp`.
+fn time_fused(
+    g: &Gpu,
+    mv: &MatVec,
+    sh: &Shape,
+    cfg: MvConfig,
+    n: usize,
+    wp: &dyn Fn(usize) -> u64,
+    xp: u64,
+) -> f64 {
+    let s = &g.stream;
+    let c = &sh.config;
+    let (rows, cols) = (sh.rows, sh.cols);
+    let norm_host = bf16_bits(&vec![1.0f32; cols]);
+    let norm = g.upload(&norm_host, "norm").unwrap();
+    let y = zeros_f32(g, rows);
+    let meta = g.upload(&[1u32, 5, 0, 0], "meta").unwrap();
+    let history = g.alloc_zeros::<u32>(8 * n + 16, "history").unwrap();
+    let part = g
+        .alloc_zeros::<u32>(MatVec::argmax_part_words(g.sm_count), "part")
+        .unwrap();
+    let done = g.alloc_zeros::<u32>(1, "done").unwrap();
+    let kv = g.alloc_zeros::<u16>(16 * c.kv_dim(), "kv").unwrap();
+    let inv_freq = g.upload(&c.rope_inv_freq(), "inv_freq").unwrap();
+    let norm_in = MvIn::Norm {
+        norm: ptr(&norm, s),
+        eps: 1e-5,
+    };
+    let (input, out) = match sh.proj {
+        Proj::Qkv => (
+            norm_in,
+            MvOut::RopeKv {
+                k_cache: ptr(&kv, s),
+                v_cache: ptr(&kv, s),
+                meta: ptr(&meta, s),
+                inv_freq: ptr(&inv_freq, s),
+                n_heads: c.num_heads as i32,
+                n_kv: c.num_kv_heads as i32,
+                head_dim: c.head_dim as i32,
+            },
+        ),
+        Proj::O | Proj::Down => (MvIn::Plain, MvOut::Add),
+        Proj::GateUp => (norm_in, MvOut::Silu),
+        Proj::LmHead => (
+            norm_in,
+            MvOut::Argmax {
+                meta: ptr(&meta, s),
+                history: ptr(&history, s),
+                part: ptr(&part, s),
+                done: ptr(&done, s),
+            },
+        ),
+    };
+    let yp = ptr(&y, s);
+    // The argmax advances meta.pos once a launch: 7 replays of n launches stay inside history.
+    time_graph(g, n, &|i| {
+        let p = MvParams {
+            w: wp(i),
+            x: xp,
+            y: yp,
+            ..Default::default()
+        };
+        mv.launch(s, cfg, p, rows, cols, input, out, true)
+    })
+}
+
+/// The tests of this file one at a time: the timings must not share the GPU.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 #[ignore = "needs a GPU"]
 fn gemv_bench() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = gpu();
     let bw = measure_read_bandwidth(&g).unwrap();
     println!("{} | streaming read {bw:.0} GB/s", g.describe());
@@ -148,6 +228,7 @@ fn gemv_bench() {
     let old = OldGemv::load(&module, 16384).unwrap();
     let s = &g.stream;
     let mut winners: Vec<(String, Proj, MvConfig)> = Vec::new();
+    let mut step_time = std::collections::BTreeMap::<&str, (f64, f64)>::new();
     let mut worst_err = 0f64;
     for sh in shapes() {
         let (rows, cols) = (sh.rows, sh.cols);
@@ -255,7 +336,40 @@ fn gemv_bench() {
             pick_time * 1e6,
             100.0 * bytes as f64 / pick_time / 1e9 / bw
         );
+        // The winner again with the epilogue the graph path gives this projection (norm
+        // folded into QKV, gate/up and the LM head; RoPE + K/V, residual add, SiLU·up,
+        // argmax): what the folded steps cost inside the kernel.
+        let tf = time_fused(&g, &mv, &sh, bc, n, &wp, xp);
+        println!(
+            "{}: {} with the path's fused epilogue: {:.2} us ({:.1}% of BW, PDL), plain store {:.2} us",
+            sh.label,
+            bc.name(),
+            tf * 1e6,
+            100.0 * bytes as f64 / tf / 1e9 / bw,
+            bt * 1e6
+        );
         winners.push((sh.label.clone(), sh.proj, bc));
+        step_time.entry(sh.model).or_insert((0.0, 0.0)).0 += tf
+            * if sh.proj == Proj::LmHead {
+                1.0
+            } else {
+                sh.config.num_layers as f64
+            };
+        step_time.get_mut(sh.model).unwrap().1 += bytes as f64
+            * if sh.proj == Proj::LmHead {
+                1.0
+            } else {
+                sh.config.num_layers as f64
+            };
+    }
+    for (model, (t, b)) in &step_time {
+        println!(
+            "{model}: the mat-vecs of one decode step, each alone back to back with its fused epilogue: {:.3} ms for {:.3} GB ({:.1}% of BW); the bandwidth floor is {:.3} ms",
+            t * 1e3,
+            b / 1e9,
+            100.0 * b / t / 1e9 / bw,
+            b / bw / 1e6
+        );
     }
     println!(
         "\nworst max error over every geometry and shape: {worst_err:.2e} (tolerance {TOL:.0e})"
@@ -276,6 +390,7 @@ fn gemv_bench() {
 #[test]
 #[ignore = "needs a GPU"]
 fn fused_epilogues_match_cpu() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = gpu();
     let module = load_module(&g).unwrap();
     let mv = MatVec::load(&module, &g).unwrap();
@@ -468,6 +583,7 @@ fn fused_epilogues_match_cpu() {
 #[test]
 #[ignore = "needs a GPU"]
 fn lm_head_argmax_matches_cpu_argmax_with_ties() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = gpu();
     let module = load_module(&g).unwrap();
     let mv = MatVec::load(&module, &g).unwrap();
