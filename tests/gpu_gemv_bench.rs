@@ -224,7 +224,7 @@ fn gemv_bench() {
     let bw = measure_read_bandwidth(&g).unwrap();
     println!("{} | streaming read {bw:.0} GB/s", g.describe());
     let module = load_module(&g).unwrap();
-    let mv = MatVec::load(&module, &g).unwrap();
+    let mut mv = MatVec::load(&module, &g).unwrap();
     let old = OldGemv::load(&module, 16384).unwrap();
     let s = &g.stream;
     let mut winners: Vec<(String, Proj, MvConfig)> = Vec::new();
@@ -340,13 +340,19 @@ fn gemv_bench() {
         // folded into QKV, gate/up and the LM head; RoPE + K/V, residual add, SiLU·up,
         // argmax): what the folded steps cost inside the kernel.
         let tf = time_fused(&g, &mv, &sh, bc, n, &wp, xp);
+        // The same without the L2 evict-first hint on the weights.
+        mv.evict_first = !mv.evict_first;
+        let tf_other = time_fused(&g, &mv, &sh, bc, n, &wp, xp);
+        mv.evict_first = !mv.evict_first;
         println!(
-            "{}: {} with the path's fused epilogue: {:.2} us ({:.1}% of BW, PDL), plain store {:.2} us",
+            "{}: {} with the path's fused epilogue: {:.2} us ({:.1}% of BW, PDL), plain store {:.2} us; L2 evict-first {}: {:.2} us",
             sh.label,
             bc.name(),
             tf * 1e6,
             100.0 * bytes as f64 / tf / 1e9 / bw,
-            bt * 1e6
+            bt * 1e6,
+            if mv.evict_first { "off" } else { "on" },
+            tf_other * 1e6
         );
         winners.push((sh.label.clone(), sh.proj, bc));
         step_time.entry(sh.model).or_insert((0.0, 0.0)).0 += tf

@@ -160,8 +160,20 @@ struct MvParams {
     u32* history;          // ARGMAX: history[pos + 1] = the token
     int rows, cols, ksplit, in_mode, out_mode, n_heads, n_kv, head_dim;
     float eps;
-    int pad;
+    int evict_first;       // weights marked first to leave L2 (see mv_ld)
 };
+
+// A weight load: streamed past L1 and, with `policy` from createpolicy (evict_first set), marked
+// first to leave L2. A token streams its weights through the 50 MB L2 fifty times over; with the
+// default policy they evict what is read again soon: the activations, the K/V rows, the norm
+// weights and the kernels' own code.
+__device__ __forceinline__ uint4 mv_ld(const void* p, u64 policy, bool evict_first) {
+    if (!evict_first) return ld_stream(p);
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
+    return r;
+}
 
 // The physical row of logical row lr.
 __device__ __forceinline__ int mv_row(const MvParams& p, int lr) {
@@ -176,7 +188,8 @@ __device__ __forceinline__ int mv_row(const MvParams& p, int lr) {
 // One batch: chunk c = c_lane + 32 * u (8 columns each) of the warp's R rows of task `task`,
 // zero where outside the slice or the matrix.
 template <int R, int U>
-__device__ __forceinline__ void mv_load(uint4 (&w)[R][U], const MvParams& p, int first_row, int c_lane, int c1) {
+__device__ __forceinline__ void mv_load(uint4 (&w)[R][U], const MvParams& p, int first_row, int c_lane, int c1,
+                                        u64 policy) {
 #pragma unroll
     for (int r = 0; r < R; r++) {
         const int lr = first_row + r;
@@ -184,7 +197,7 @@ __device__ __forceinline__ void mv_load(uint4 (&w)[R][U], const MvParams& p, int
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int c = c_lane + 32 * u;
-            w[r][u] = (lr < p.rows && c < c1) ? ld_stream(row + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+            w[r][u] = (lr < p.rows && c < c1) ? mv_ld(row + 8 * c, policy, p.evict_first != 0) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
 }
@@ -229,9 +242,11 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
     const int ks = p.ksplit, kid = warp % ks, rw = warp / ks, RB = R * (MV_WARPS / ks);
     const int C = p.cols >> 3, c0 = kid * C / ks, c1 = (kid + 1) * C / ks;
     const int ntasks = (p.rows + RB - 1) / RB;
+    u64 policy = 0;
+    if (p.evict_first) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     uint4 w[R][U];
     int task = blockIdx.x;
-    mv_load<R, U>(w, p, task * RB + rw * R, c0 + lane, c1);
+    mv_load<R, U>(w, p, task * RB + rw * R, c0 + lane, c1, policy);
 
     pdl_wait();
     {
@@ -274,8 +289,8 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
             if (DB) {
                 // Double buffering: the next batch (of this task or the next) goes out before
                 // this one's FMAs.
-                if (!last) mv_load<R, U>(wn, p, first_row, j + 32 * U, c1);
-                else if (more_tasks) mv_load<R, U>(wn, p, first_row + gridDim.x * RB, c0 + lane, c1);
+                if (!last) mv_load<R, U>(wn, p, first_row, j + 32 * U, c1, policy);
+                else if (more_tasks) mv_load<R, U>(wn, p, first_row + gridDim.x * RB, c0 + lane, c1, policy);
             }
             mv_fma<R, U>(w, mv_xs4, j, c1, acc);
             if (DB) {
@@ -284,12 +299,12 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
 #pragma unroll
                     for (int u = 0; u < U; u++) w[r][u] = wn[r][u];
             } else if (!last) {
-                mv_load<R, U>(w, p, first_row, j + 32 * U, c1);
+                mv_load<R, U>(w, p, first_row, j + 32 * U, c1, policy);
             }
             if (last) break;
         }
         // The next task's first batch streams during this one's reduction and epilogue.
-        if (!DB && more_tasks) mv_load<R, U>(w, p, first_row + gridDim.x * RB, c0 + lane, c1);
+        if (!DB && more_tasks) mv_load<R, U>(w, p, first_row + gridDim.x * RB, c0 + lane, c1, policy);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const float s = warp_sum(acc[r]);

@@ -617,7 +617,8 @@ pub struct MvParams {
     pub n_kv: i32,
     pub head_dim: i32,
     pub eps: f32,
-    pub pad: i32,
+    /// Set by [`MatVec::launch`] from [`MatVec::evict_first`].
+    pub evict_first: i32,
 }
 
 /// How `bl_mv` forms its input (MV_IN_* in kernels/baseline/baseline.cu).
@@ -956,6 +957,10 @@ pub struct MatVec {
     kernels: Vec<Kernel>,
     sm_count: usize,
     max_cols: usize,
+    /// Weights marked first to leave L2 (on unless `MEGAINFER_BASELINE_EVICT_FIRST=0`): a
+    /// token's weights stream through the L2 many times over and would otherwise evict the
+    /// activations, K/V rows and kernel code that are read again soon.
+    pub evict_first: bool,
 }
 
 impl MatVec {
@@ -976,10 +981,16 @@ impl MatVec {
         for k in &kernels {
             k.allow_smem(dynamic)?;
         }
+        let evict_first = match std::env::var("MEGAINFER_BASELINE_EVICT_FIRST").as_deref() {
+            Err(_) | Ok("1") => true,
+            Ok("0") => false,
+            Ok(other) => bail!("MEGAINFER_BASELINE_EVICT_FIRST: '{other}' is not 0 or 1"),
+        };
         Ok(Self {
             kernels,
             sm_count: gpu.sm_count,
             max_cols: dynamic / 4,
+            evict_first,
         })
     }
 
@@ -1010,6 +1021,7 @@ impl MatVec {
         p.rows = rows as i32;
         p.cols = cols as i32;
         p.ksplit = cfg.ksplit as i32;
+        p.evict_first = self.evict_first as i32;
         p.out_mode = out.code();
         match input {
             MvIn::Plain => p.in_mode = 0,
