@@ -82,6 +82,10 @@ impl Fusion {
                 argmax: true,
             });
         };
+        Self::parse(&v).context("MEGAINFER_BASELINE_FUSION")
+    }
+
+    fn parse(v: &str) -> Result<Self> {
         let mut f = Fusion {
             norm: false,
             silu: false,
@@ -96,7 +100,7 @@ impl Fusion {
                 "argmax" => f.argmax = true,
                 "none" => {}
                 other => {
-                    bail!("MEGAINFER_BASELINE_FUSION: unknown step '{other}' (norm, silu, rope, argmax or none)")
+                    bail!("unknown step '{other}' (norm, silu, rope, argmax or none)")
                 }
             }
         }
@@ -158,6 +162,30 @@ impl<'g> BaselinePath<'g> {
         max_seq: usize,
         expected_len: usize,
     ) -> Result<Self> {
+        Self::make(gpu, model, mode, max_seq, expected_len, Fusion::choose()?)
+    }
+
+    /// As [`Self::new`], folding only the steps `fusion` names (`MEGAINFER_BASELINE_FUSION`'s
+    /// form: a comma list of norm, silu, rope, argmax, or none), whatever the environment says.
+    pub fn with_fusion(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        mode: Mode,
+        max_seq: usize,
+        fusion: &str,
+    ) -> Result<Self> {
+        let f = Fusion::parse(fusion).with_context(|| format!("fusion '{fusion}'"))?;
+        Self::make(gpu, model, mode, max_seq, max_seq, f)
+    }
+
+    fn make(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        mode: Mode,
+        max_seq: usize,
+        expected_len: usize,
+        fusion: Fusion,
+    ) -> Result<Self> {
         let c = &model.config;
         let module = load_module(gpu)?;
         let k = Kernels {
@@ -187,7 +215,7 @@ impl<'g> BaselinePath<'g> {
             x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
             xn: gpu.alloc_zeros(c.hidden_size, "normed hidden")?,
             act: gpu.alloc_zeros(c.intermediate_size, "mlp activation")?,
-            fusion: Fusion::choose()?,
+            fusion,
             mv_cfg: mv_configs(c, gpu.sm_count)?,
             qkv: gpu.alloc_zeros(qkv_rows, "qkv")?,
             attn: gpu.alloc_zeros(c.q_dim(), "attention output")?,
