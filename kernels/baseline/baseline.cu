@@ -459,8 +459,12 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
     float acc[ATT_MAX_D];
     for (int j = 0; j < D; j++) acc[j] = 0.f;
     float m = NEG_INF, l = 0.f;
-    attend_warp(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, rsqrtf((float)head_dim),
-                0, len, warp, nwarps, m, l, acc);
+    if (head_dim == 64)
+        attend_warp<2>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(64.f), 0, len, warp,
+                       nwarps, m, l, acc);
+    else
+        attend_warp<4>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(128.f), 0, len, warp,
+                       nwarps, m, l, acc);
     float* mine = st + warp * (2 + head_dim);
     if (lane == 0) { mine[0] = m; mine[1] = l; }
     for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];
@@ -493,8 +497,12 @@ extern "C" __global__ void bl_attention_part(const float* q, const bf16_t* k_cac
     float acc[ATT_MAX_D];
     for (int j = 0; j < D; j++) acc[j] = 0.f;
     float m = NEG_INF, l = 0.f;
-    attend_warp(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, rsqrtf((float)head_dim),
-                p_begin, p_end, warp, nwarps, m, l, acc);
+    if (head_dim == 64)
+        attend_warp<2>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(64.f), p_begin, p_end,
+                       warp, nwarps, m, l, acc);
+    else
+        attend_warp<4>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(128.f), p_begin, p_end,
+                       warp, nwarps, m, l, acc);
     float* mine = st + warp * (2 + head_dim);
     if (lane == 0) { mine[0] = m; mine[1] = l; }
     for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];
