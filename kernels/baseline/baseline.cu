@@ -59,6 +59,8 @@ extern "C" __global__ void bl_silu_mul(const float* gu, float* act, int inter) {
 #define GEMV_IN_NORM 1   // x / rms(x) * norm (the RMS norm of the layer's input)
 #define GEMV_IN_SILU 2   // silu(x[i]) * x[cols + i] (x = [gate; up], 2 * cols floats)
 
+// The first mat-vec, no longer on the decode path (bl_mv below is): kept as the reference point
+// the kernel harness times the others against (tests/gpu_gemv_bench.rs, OldGemv).
 // y[r] (+)= W[r,:] . in for GEMV_ROWS_PER_WARP rows per warp; `in` formed from x per `mode` and
 // staged in shared memory (every block forms all of it: cols floats, read from L2).
 // cols must be a multiple of 8.
