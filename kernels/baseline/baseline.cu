@@ -438,8 +438,10 @@ __device__ __forceinline__ void prefetch_kv(const bf16_t* k_head, const bf16_t* 
     const int lines = head_dim >> 6;  // 128-byte lines per row (64 bf16 each)
     for (int i = begin * lines + threadIdx.x; i < end * lines; i += blockDim.x) {
         const int p = i / lines, l = i - p * lines;
-        prefetch_l2(k_head + (size_t)p * kv_stride + l * 64);
-        prefetch_l2(v_head + (size_t)p * kv_stride + l * 64);
+        // Normal L2 priority (common.cuh's prefetch_l2 marks lines evict_last, which would pin
+        // every layer's K/V).
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(k_head + (size_t)p * kv_stride + l * 64));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(v_head + (size_t)p * kv_stride + l * 64));
     }
 }
 
