@@ -147,7 +147,9 @@ fn time_graph(g: &Gpu, n: usize, launch: &dyn Fn(usize) -> anyhow::Result<()>) -
 }
 
 /// Seconds per launch of the projection `sh` with the epilogue the graph path gives it, at
-/// geometry `cfg`, PDL on (as `time_graph`); `wp(i)` the i-th weight copy, x at `xp`.
+/// geometry `cfg`, PDL on (as `time_graph`); `wp(i)` the i-th weight copy, x at `xp`. With
+/// `norm_only`, the norm-folded input (where the path folds it) and a plain store instead.
+#[allow(clippy::too_many_arguments)]
 fn time_fused(
     g: &Gpu,
     mv: &MatVec,
@@ -156,6 +158,7 @@ fn time_fused(
     n: usize,
     wp: &dyn Fn(usize) -> u64,
     xp: u64,
+    norm_only: bool,
 ) -> f64 {
     let s = &g.stream;
     let c = &sh.config;
@@ -176,6 +179,8 @@ fn time_fused(
         eps: 1e-5,
     };
     let (input, out) = match sh.proj {
+        Proj::O | Proj::Down if norm_only => (MvIn::Plain, MvOut::Store),
+        _ if norm_only => (norm_in, MvOut::Store),
         Proj::Qkv => (
             norm_in,
             MvOut::RopeKv {
@@ -339,18 +344,21 @@ fn gemv_bench() {
         // The winner again with the epilogue the graph path gives this projection (norm
         // folded into QKV, gate/up and the LM head; RoPE + K/V, residual add, SiLU·up,
         // argmax): what the folded steps cost inside the kernel.
-        let tf = time_fused(&g, &mv, &sh, bc, n, &wp, xp);
+        let tf = time_fused(&g, &mv, &sh, bc, n, &wp, xp, false);
+        // The RMS norm alone (each CTA computing rms(x) itself), plain store.
+        let tn = time_fused(&g, &mv, &sh, bc, n, &wp, xp, true);
         // The same without the L2 evict-first hint on the weights.
         mv.evict_first = !mv.evict_first;
-        let tf_other = time_fused(&g, &mv, &sh, bc, n, &wp, xp);
+        let tf_other = time_fused(&g, &mv, &sh, bc, n, &wp, xp, false);
         mv.evict_first = !mv.evict_first;
         println!(
-            "{}: {} with the path's fused epilogue: {:.2} us ({:.1}% of BW, PDL), plain store {:.2} us; L2 evict-first {}: {:.2} us",
+            "{}: {} with the path's fused epilogue: {:.2} us ({:.1}% of BW, PDL); plain store {:.2} us, norm-folded input + store {:.2} us; L2 evict-first {}: {:.2} us",
             sh.label,
             bc.name(),
             tf * 1e6,
             100.0 * bytes as f64 / tf / 1e9 / bw,
             bt * 1e6,
+            tn * 1e6,
             if mv.evict_first { "off" } else { "on" },
             tf_other * 1e6
         );
