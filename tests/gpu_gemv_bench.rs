@@ -232,7 +232,8 @@ fn gemv_bench() {
     let mut mv = MatVec::load(&module, &g).unwrap();
     let old = OldGemv::load(&module, 16384).unwrap();
     let s = &g.stream;
-    let mut winners: Vec<(String, Proj, MvConfig)> = Vec::new();
+    // (label, projection, fastest with PDL, fastest without)
+    let mut winners: Vec<(String, Proj, MvConfig, MvConfig)> = Vec::new();
     let mut step_time = std::collections::BTreeMap::<&str, (f64, f64)>::new();
     let mut worst_err = 0f64;
     for sh in shapes() {
@@ -296,6 +297,7 @@ fn gemv_bench() {
             g.sm_count,
         );
         let mut best: Option<(f64, MvConfig)> = None;
+        let mut best_plain: Option<(f64, MvConfig)> = None;
         let mut pick_time = f64::NAN;
         for cfg in MvConfig::all() {
             let launch = |w: u64, pdl: bool| {
@@ -329,14 +331,21 @@ fn gemv_bench() {
             if pairs_ok && best.is_none_or(|(bt, _)| tp < bt) {
                 best = Some((tp, cfg));
             }
+            if pairs_ok && best_plain.is_none_or(|(bt, _)| t < bt) {
+                best_plain = Some((t, cfg));
+            }
         }
         let (bt, bc) = best.unwrap();
+        let (bpt, bpc) = best_plain.unwrap();
         println!(
-            "{}: best {} {:.2} us ({:.1}% of BW, PDL); heuristic {} {:.2} us ({:.1}%)",
+            "{}: best {} {:.2} us ({:.1}% of BW, PDL), without PDL {} {:.2} us ({:.1}%); heuristic {} {:.2} us ({:.1}%, PDL)",
             sh.label,
             bc.name(),
             bt * 1e6,
             100.0 * bytes as f64 / bt / 1e9 / bw,
+            bpc.name(),
+            bpt * 1e6,
+            100.0 * bytes as f64 / bpt / 1e9 / bw,
             pick.name(),
             pick_time * 1e6,
             100.0 * bytes as f64 / pick_time / 1e9 / bw
@@ -362,7 +371,7 @@ fn gemv_bench() {
             if mv.evict_first { "off" } else { "on" },
             tf_other * 1e6
         );
-        winners.push((sh.label.clone(), sh.proj, bc));
+        winners.push((sh.label.clone(), sh.proj, bc, bpc));
         step_time.entry(sh.model).or_insert((0.0, 0.0)).0 += tf
             * if sh.proj == Proj::LmHead {
                 1.0
@@ -389,12 +398,16 @@ fn gemv_bench() {
         "\nworst max error over every geometry and shape: {worst_err:.2e} (tolerance {TOL:.0e})"
     );
     for model in ["llama-3.2-1b", "smollm2-135m"] {
-        let env: Vec<String> = winners
-            .iter()
-            .filter(|(l, _, _)| l.starts_with(model))
-            .map(|(_, p, c)| format!("{}={}", p.key(), c.name()))
-            .collect();
-        println!("{model}: MEGAINFER_BASELINE_MV={}", env.join(","));
+        let env = |pdl: bool| {
+            winners
+                .iter()
+                .filter(|w| w.0.starts_with(model))
+                .map(|w| format!("{}={}", w.1.key(), if pdl { w.2 } else { w.3 }.name()))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        println!("{model}, graph-pdl: MEGAINFER_BASELINE_MV={}", env(true));
+        println!("{model}, graph: MEGAINFER_BASELINE_MV={}", env(false));
     }
 }
 
