@@ -42,9 +42,10 @@ PRESETS = {
 
 
 def read_bandwidth_gbps():
-    """Streaming read of 4 GiB of bf16 (a sum touches every byte once, accumulating in f32, no
-    conversion of the data), median of 5 after a warm-up, bytes read only."""
-    x = torch.ones((1 << 31,), dtype=torch.bfloat16, device="cuda")
+    """Streaming read of 4 GiB of random bf16 (a sum touches every byte once, accumulating in
+    f32 inside the reduction kernel, no converted copy; random, since some memory systems
+    compress uniform data), median of 5 after a warm-up, bytes read only."""
+    x = torch.rand((1 << 31,), dtype=torch.bfloat16, device="cuda")
     times = []
     for _ in range(6):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,6 +57,9 @@ def read_bandwidth_gbps():
     bytes_read = x.numel() * x.element_size()
     del x
     return bytes_read / statistics.median(times[1:]) / 1e9
+
+
+NO_CD_TUNING = False
 
 
 def timed(fn):
@@ -87,6 +91,10 @@ def run_compiled(model, ids, gen, reps):
         out = model(tok, past_key_values=cache, cache_position=pos, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
 
+    # gpt-fast's inductor settings: coordinate-descent tuning of the generated kernels' launch
+    # parameters (it finds the mat-vec tilings that stream the weights fastest).
+    torch._inductor.config.coordinate_descent_tuning = not NO_CD_TUNING
+    torch._inductor.config.triton.unique_kernel_names = True
     step = torch.compile(one_step, mode="reduce-overhead", fullgraph=True)
     tokens = torch.zeros((gen,), dtype=torch.long, device="cuda")
 
@@ -127,7 +135,7 @@ def run_eager(model, ids, gen, reps):
     first = lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
     full = lambda: model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
     first()
-    full()
+    run_eager.last_tokens = full()[0, ids.shape[1]:].tolist()
     ttft, tpot = [], []
     for _ in range(reps):
         t1 = timed(first)
@@ -185,7 +193,11 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--prefill-lens", help="comma-separated prompt lengths: time to first token only")
     ap.add_argument("--prefill-modes", default="sdpa,compile")
+    ap.add_argument("--no-cd-tuning", action="store_true",
+                    help="compile without inductor's coordinate-descent tuning (gpt-fast turns it on)")
     a = ap.parse_args()
+    global NO_CD_TUNING
+    NO_CD_TUNING = a.no_cd_tuning
 
     torch.manual_seed(0)
     if a.preset:
@@ -238,6 +250,13 @@ def main():
                   f" {100 * gbps / bw:.1f}% | {statistics.median(ttft):.2f} |")
             results.append(dict(path=name, tpot_ms_median=med, tpot_ms_min=min(tpot), tpot_ms_max=max(tpot),
                                 ttft_ms_median=statistics.median(ttft), gb_per_s=gbps))
+    # A sanity check of the compiled loop: its greedy tokens against generate()'s. bf16
+    # rounding differs between the two, so on random weights they may part after a near-tie;
+    # a loop that fed the wrong token or position parts at once.
+    eager_toks, comp_toks = getattr(run_eager, "last_tokens", None), getattr(run_compiled, "last_tokens", None)
+    if eager_toks and comp_toks:
+        same = next((i for i, (x, y) in enumerate(zip(eager_toks, comp_toks)) if x != y), min(len(eager_toks), len(comp_toks)))
+        print(f"greedy tokens: compiled loop and generate() agree on the first {same} of {len(comp_toks)}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(weight_bytes_per_token=weight_bytes, read_bandwidth_gbps=bw, results=results), f, indent=1)

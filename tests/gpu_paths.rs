@@ -287,3 +287,66 @@ fn weights_larger_than_free_memory_get_a_clear_error() {
         "{msg}"
     );
 }
+
+/// Each step the graph paths can fold into the mat-vecs (norm, SiLU·up, RoPE + K/V write,
+/// argmax), folded alone and none folded, on every baseline mode, teacher-forced against the
+/// CPU reference (the default, all folded, is what the tests above run); then 20 greedy steps,
+/// each of whose tokens must be the CPU reference's argmax on the same sequence up to a
+/// near-tie (within 1e-3 of the largest logit magnitude).
+#[test]
+#[ignore = "needs a GPU"]
+fn every_fusion_choice_matches_reference() {
+    let gpu = gpu();
+    let (label, cfg, w, tokens) = small_cases().swap_remove(1);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let want = CpuForward::new(&cfg, &w, 64).forward_all(&tokens).unwrap();
+    for fusion in [
+        "none",
+        "norm",
+        "silu",
+        "rope",
+        "argmax",
+        "norm,silu,rope,argmax",
+    ] {
+        for mode in MODES {
+            let mut path = BaselinePath::with_fusion(&gpu, &dm, mode, 64, fusion).unwrap();
+            let what = format!("{label} fusion '{fusion}' {}", mode.name());
+            let mut worst = 0f64;
+            for (i, t) in tokens.iter().enumerate() {
+                let err = rel_l2(&path.feed(&[*t]).unwrap(), &want[i]);
+                worst = worst.max(err);
+                assert!(err <= TOL_SMALL, "{what}: step {i} rel L2 {err:.2e}");
+            }
+            path.reset();
+            let prompt = [1u32, 2, 3];
+            let first = argmax(&path.feed(&prompt).unwrap());
+            let mut seq = prompt.to_vec();
+            seq.push(first);
+            seq.extend(path.decode_greedy(first, 20).unwrap());
+            let cpu = CpuForward::new(&cfg, &w, 64)
+                .forward_all(&seq[..seq.len() - 1])
+                .unwrap();
+            let mut worst_gap = 0f32;
+            for (i, logits) in cpu.iter().enumerate().skip(prompt.len() - 1) {
+                let chosen = seq[i + 1] as usize;
+                let max = logits.iter().copied().fold(f32::MIN, f32::max);
+                let scale = logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let gap = max - logits[chosen];
+                worst_gap = worst_gap.max(gap / scale);
+                assert!(
+                    gap <= 1e-3 * scale,
+                    "{what}: greedy step {i} chose {chosen}, {gap:.3e} below the CPU's largest logit {max}"
+                );
+            }
+            println!(
+                "{what}: worst rel L2 {worst:.2e} (tolerance {TOL_SMALL:.0e}); greedy tokens {:?}, worst gap to the CPU argmax {worst_gap:.1e} of the largest magnitude",
+                &seq[prompt.len()..]
+            );
+        }
+    }
+    let err = BaselinePath::with_fusion(&gpu, &dm, Mode::Eager, 64, "norm,bogus")
+        .err()
+        .expect("an unknown step is refused")
+        .to_string();
+    assert!(err.contains("bogus"), "{err}");
+}

@@ -59,6 +59,8 @@ extern "C" __global__ void bl_silu_mul(const float* gu, float* act, int inter) {
 #define GEMV_IN_NORM 1   // x / rms(x) * norm (the RMS norm of the layer's input)
 #define GEMV_IN_SILU 2   // silu(x[i]) * x[cols + i] (x = [gate; up], 2 * cols floats)
 
+// The first mat-vec, no longer on the decode path (bl_mv below is): kept as the reference point
+// the kernel harness times the others against (tests/gpu_gemv_bench.rs, OldGemv).
 // y[r] (+)= W[r,:] . in for GEMV_ROWS_PER_WARP rows per warp; `in` formed from x per `mode` and
 // staged in shared memory (every block forms all of it: cols floats, read from L2).
 // cols must be a multiple of 8.
@@ -114,6 +116,292 @@ extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, in
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bl_mv: the mat-vec every projection of the graph paths runs, y = W · in with W [rows, cols]
+// bf16 row-major, its input formed and its output finished in the same kernel.
+//
+// A CTA of MV_WARPS warps takes tasks of RB = R * MV_WARPS / ksplit consecutive (logical)
+// rows: warp w takes R rows and the w % ksplit-th of ksplit column slices (split-K inside the
+// CTA, so that a 2048-row projection still spreads over every SM; the slices' sums meet in
+// shared memory in a fixed order, so results do not depend on timing). Each lane issues R * U
+// 16-byte loads before the first FMA that uses them, and the grid (a few CTAs per SM, sized by
+// the host from the SM count) loops over the tasks: the next task's first loads are issued
+// before the current task's reduction and epilogue.
+//
+// Under PDL the first task's loads are issued before griddepcontrol.wait: the weights do not
+// depend on the previous kernel, so they stream while it finishes. Only then the input (the
+// previous kernel's output) is read and staged in shared memory (cols floats, dynamic).
+#define MV_WARPS 8
+#define MV_THREADS (MV_WARPS * 32)
+
+// How the input vector is formed.
+#define MV_IN_PLAIN 0  // x
+#define MV_IN_NORM 1   // x / rms(x) * norm (the layer's RMS norm, each CTA computing rms(x))
+
+// What happens to each row's sum s. The pair modes see logical rows in pairs (2p, 2p + 1),
+// mapped to the two physical rows the epilogue combines; RB is even for them (host-checked).
+#define MV_OUT_STORE 0    // y[r] = s
+#define MV_OUT_ADD 1      // y[r] += s (the residual add: one writer per row)
+#define MV_OUT_ROPE_KV 2  // pairs (i, i + head_dim/2) of a head: q rotated into y (f32), k rotated
+                          // and v into the caches at meta->pos (bf16)
+#define MV_OUT_SILU 3     // pairs (gate p, up p) of W = [gate; up]: y[p] = silu(gate) * up
+#define MV_OUT_ARGMAX 4   // y[r] = s, and the greedy token (argmax, lowest index on ties) into
+                          // meta / history via per-CTA partials and the last CTA to finish
+
+struct MvParams {
+    const bf16_t* w;
+    const float* x;
+    float* y;
+    const bf16_t* norm;
+    bf16_t* k_cache;       // ROPE_KV: this layer's K and V caches, position-major
+    bf16_t* v_cache;
+    TokenMeta* meta;       // ROPE_KV (pos), ARGMAX (advanced)
+    const float* inv_freq; // ROPE_KV
+    u32* part;             // ARGMAX: 2 words (value bits, index) per CTA
+    u32* done;             // ARGMAX: arrival counter, 0 between launches
+    u32* history;          // ARGMAX: history[pos + 1] = the token
+    int rows, cols, ksplit, in_mode, out_mode, n_heads, n_kv, head_dim;
+    float eps;
+    int evict_first;       // weights marked first to leave L2 (see mv_ld)
+};
+
+// A weight load: streamed past L1 and, with `policy` from createpolicy (evict_first set), marked
+// first to leave L2. A token streams its weights through the 50 MB L2 fifty times over; with the
+// default policy they evict what is read again soon: the activations, the K/V rows, the norm
+// weights and the kernels' own code.
+__device__ __forceinline__ uint4 mv_ld(const void* p, u64 policy, bool evict_first) {
+    if (!evict_first) return ld_stream(p);
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
+    return r;
+}
+
+// The physical row of logical row lr.
+__device__ __forceinline__ int mv_row(const MvParams& p, int lr) {
+    if (p.out_mode == MV_OUT_ROPE_KV) {
+        const int pr = lr >> 1, half = p.head_dim >> 1, head = pr / half;
+        return head * p.head_dim + (pr - head * half) + (lr & 1) * half;
+    }
+    if (p.out_mode == MV_OUT_SILU) return (lr >> 1) + (lr & 1) * (p.rows >> 1);
+    return lr;
+}
+
+// One batch: chunk c = c_lane + 32 * u (8 columns each) of the warp's R rows of task `task`,
+// zero where outside the slice or the matrix.
+template <int R, int U>
+__device__ __forceinline__ void mv_load(uint4 (&w)[R][U], const MvParams& p, int first_row, int c_lane, int c1,
+                                        u64 policy) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int lr = first_row + r;
+        const bf16_t* row = p.w + (size_t)mv_row(p, min(lr, p.rows - 1)) * p.cols;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c_lane + 32 * u;
+            w[r][u] = (lr < p.rows && c < c1) ? mv_ld(row + 8 * c, policy, p.evict_first != 0) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mv_fma(const uint4 (&w)[R][U], const float4* xs4, int c_lane, int c1, float (&acc)[R]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int c = c_lane + 32 * u;
+        if (c < c1) {
+            const float4 a = xs4[2 * c], b = xs4[2 * c + 1];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float f[8];
+                widen8(w[r][u], f);
+                float s = acc[r];
+                s = fmaf(f[0], a.x, s); s = fmaf(f[1], a.y, s); s = fmaf(f[2], a.z, s); s = fmaf(f[3], a.w, s);
+                s = fmaf(f[4], b.x, s); s = fmaf(f[5], b.y, s); s = fmaf(f[6], b.z, s); s = fmaf(f[7], b.w, s);
+                acc[r] = s;
+            }
+        }
+    }
+}
+
+// The sum of logical row t of the task (0 <= t < RB) from the warps' partial sums.
+__device__ __forceinline__ float mv_total(const float* red, int t, int R, int ksplit) {
+    const int rw = t / R, r = t - rw * R;
+    float s = 0.f;
+    for (int k = 0; k < ksplit; k++) s += red[(rw * ksplit + k) * R + r];
+    return s;
+}
+
+template <int R, int U, bool DB>
+__device__ __forceinline__ void mv_body(const MvParams& p) {
+    extern __shared__ float4 mv_xs4[];
+    __shared__ float red[2][MV_WARPS * R];
+    __shared__ float partial[32];
+    __shared__ u32 sidx[MV_WARPS];
+    __shared__ int is_last;
+    pdl_launch_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ks = p.ksplit, kid = warp % ks, rw = warp / ks, RB = R * (MV_WARPS / ks);
+    const int C = p.cols >> 3, c0 = kid * C / ks, c1 = (kid + 1) * C / ks;
+    const int ntasks = (p.rows + RB - 1) / RB;
+    u64 policy = 0;
+    if (p.evict_first) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    uint4 w[R][U];
+    int task = blockIdx.x;
+    mv_load<R, U>(w, p, task * RB + rw * R, c0 + lane, c1, policy);
+
+    pdl_wait();
+    {
+        const float4* x4 = (const float4*)p.x;
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < (p.cols >> 2); i += blockDim.x) {
+            const float4 v = x4[i];
+            mv_xs4[i] = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        if (p.in_mode == MV_IN_NORM) {
+            const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
+            for (int i = threadIdx.x; i < (p.cols >> 2); i += blockDim.x) {
+                const uint2 g = *(const uint2*)(p.norm + 4 * i);
+                float4 v = mv_xs4[i];
+                v.x *= scale * __uint_as_float(g.x << 16);
+                v.y *= scale * __uint_as_float(g.x & 0xffff0000u);
+                v.z *= scale * __uint_as_float(g.y << 16);
+                v.w *= scale * __uint_as_float(g.y & 0xffff0000u);
+                mv_xs4[i] = v;
+            }
+        }
+    }
+    u32 pos = 0;
+    if (p.out_mode == MV_OUT_ROPE_KV) pos = p.meta->pos;
+    __syncthreads();
+
+    float best_v = NEG_INF;
+    u32 best_i = 0xffffffffu;
+    int buf = 0;
+    uint4 wn[R][U];  // DB: the batch after the one in w
+    for (; task < ntasks; task += gridDim.x, buf ^= 1) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.f;
+        const int first_row = task * RB + rw * R;
+        const bool more_tasks = task + (int)gridDim.x < ntasks;
+        for (int j = c0 + lane;; j += 32 * U) {
+            const bool last = j - lane + 32 * U >= c1;
+            if (DB) {
+                // Double buffering: the next batch (of this task or the next) goes out before
+                // this one's FMAs.
+                if (!last) mv_load<R, U>(wn, p, first_row, j + 32 * U, c1, policy);
+                else if (more_tasks) mv_load<R, U>(wn, p, first_row + gridDim.x * RB, c0 + lane, c1, policy);
+            }
+            mv_fma<R, U>(w, mv_xs4, j, c1, acc);
+            if (DB) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int u = 0; u < U; u++) w[r][u] = wn[r][u];
+            } else if (!last) {
+                mv_load<R, U>(w, p, first_row, j + 32 * U, c1, policy);
+            }
+            if (last) break;
+        }
+        // The next task's first batch streams during this one's reduction and epilogue.
+        if (!DB && more_tasks) mv_load<R, U>(w, p, first_row + gridDim.x * RB, c0 + lane, c1, policy);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) red[buf][warp * R + r] = s;
+        }
+        __syncthreads();
+        const int t = threadIdx.x, base = task * RB;
+        if (p.out_mode == MV_OUT_STORE || p.out_mode == MV_OUT_ADD || p.out_mode == MV_OUT_ARGMAX) {
+            if (t < RB && base + t < p.rows) {
+                const float s = mv_total(red[buf], t, R, ks);
+                const int r = base + t;
+                if (p.out_mode == MV_OUT_ADD) p.y[r] += s;
+                else p.y[r] = s;
+                if (p.out_mode == MV_OUT_ARGMAX) argmax_merge(best_v, best_i, s, (u32)r);
+            }
+        } else if (2 * t < RB && base + 2 * t < p.rows) {
+            const float a = mv_total(red[buf], 2 * t, R, ks), b = mv_total(red[buf], 2 * t + 1, R, ks);
+            const int pr = (base >> 1) + t;
+            if (p.out_mode == MV_OUT_SILU) {
+                p.y[pr] = silu(a) * b;
+            } else {  // MV_OUT_ROPE_KV
+                const int half = p.head_dim >> 1, head = pr / half, i = pr - head * half;
+                const size_t slot = (size_t)pos * p.n_kv * p.head_dim;
+                if (head < p.n_heads + p.n_kv) {
+                    float sn, cs;
+                    rope_sincos(pos, p.inv_freq[i], &sn, &cs);
+                    const float ra = a * cs - b * sn, rb = b * cs + a * sn;
+                    if (head < p.n_heads) {
+                        p.y[head * p.head_dim + i] = ra;
+                        p.y[head * p.head_dim + i + half] = rb;
+                    } else {
+                        bf16_t* k = p.k_cache + slot + (head - p.n_heads) * p.head_dim;
+                        k[i] = f32_to_bf16(ra);
+                        k[i + half] = f32_to_bf16(rb);
+                    }
+                } else {
+                    bf16_t* v = p.v_cache + slot + (head - p.n_heads - p.n_kv) * p.head_dim;
+                    v[i] = f32_to_bf16(a);
+                    v[i + half] = f32_to_bf16(b);
+                }
+            }
+        }
+    }
+    if (p.out_mode != MV_OUT_ARGMAX) return;
+
+    // The CTA's best into part[], then the last CTA to arrive merges every CTA's (the merge
+    // is order-independent: larger value, then lower index).
+    warp_argmax(best_v, best_i);
+    if (lane == 0) { partial[warp] = best_v; sidx[warp] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < MV_WARPS; k++) argmax_merge(best_v, best_i, partial[k], sidx[k]);
+        p.part[2 * blockIdx.x] = __float_as_uint(best_v);
+        p.part[2 * blockIdx.x + 1] = best_i;
+        __threadfence();
+        is_last = atomicAdd(p.done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    best_v = NEG_INF;
+    best_i = 0xffffffffu;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x)
+        argmax_merge(best_v, best_i, __uint_as_float(__ldcg(p.part + 2 * b)), __ldcg(p.part + 2 * b + 1));
+    warp_argmax(best_v, best_i);
+    __syncthreads();  // partial / sidx are reused
+    if (lane == 0) { partial[warp] = best_v; sidx[warp] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < MV_WARPS; k++) argmax_merge(best_v, best_i, partial[k], sidx[k]);
+        TokenMeta* m = p.meta;
+        p.history[m->pos + 1] = best_i;
+        m->next = best_i;
+        m->token = best_i;
+        m->pos += 1;
+        *p.done = 0;
+    }
+}
+
+// The variants the host picks from (MV_VARIANTS in src/gpu/baseline.rs): R rows per warp, U
+// 16-byte loads per row per lane in one batch, D double-buffered (R * U loads in flight while
+// the previous batch's FMAs run; one CTA of those per SM for the larger ones).
+#define MV_KERNEL(NAME, R, U, DB, MIN_CTAS)                                                               \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, MIN_CTAS) NAME(const __grid_constant__ MvParams p) { \
+        mv_body<R, U, DB>(p);                                                                             \
+    }
+MV_KERNEL(bl_mv_r1u8, 1, 8, false, 2)
+MV_KERNEL(bl_mv_r1u16, 1, 16, false, 2)
+MV_KERNEL(bl_mv_r2u4, 2, 4, false, 2)
+MV_KERNEL(bl_mv_r2u8, 2, 8, false, 2)
+MV_KERNEL(bl_mv_r4u4, 4, 4, false, 2)
+MV_KERNEL(bl_mv_r1u8d, 1, 8, true, 2)
+MV_KERNEL(bl_mv_r2u4d, 2, 4, true, 2)
+MV_KERNEL(bl_mv_r2u8d, 2, 8, true, 1)
+
 // RoPE (rotate_half pairs i, i + head_dim/2) on q and k in place, then K and V into the cache
 // at meta->pos. One block per head of the q|k|v concatenation, head_dim/2 threads.
 extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cache, const TokenMeta* meta,
@@ -141,24 +429,46 @@ extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cac
     }
 }
 
+// K and V rows [begin, end) of one KV head into L2 (128-byte lines), for an attention kernel
+// to issue before griddepcontrol.wait: rows before the current position do not depend on the
+// QKV kernel it waits for, and the L2 is where that kernel's new row lands, so nothing stale
+// can be read (the attention reads K and V through L2, ld.global.cg).
+__device__ __forceinline__ void prefetch_kv(const bf16_t* k_head, const bf16_t* v_head, int kv_stride, int head_dim,
+                                            int begin, int end) {
+    const int lines = head_dim >> 6;  // 128-byte lines per row (64 bf16 each)
+    for (int i = begin * lines + threadIdx.x; i < end * lines; i += blockDim.x) {
+        const int p = i / lines, l = i - p * lines;
+        // Normal L2 priority (common.cuh's prefetch_l2 marks lines evict_last, which would pin
+        // every layer's K/V).
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(k_head + (size_t)p * kv_stride + l * 64));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(v_head + (size_t)p * kv_stride + l * 64));
+    }
+}
+
 // One block per query head over positions [0, pos]; warps take blocks of 32 positions in
 // turn, then merge. Shared memory: the query, then per warp (m, l, acc[head_dim]).
 extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                                         const TokenMeta* meta, int n_heads, int n_kv, int head_dim) {
     extern __shared__ float st[];
     pdl_launch_next();
-    pdl_wait();
     const int h = blockIdx.x, kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
+    // meta changes only at the end of a step (the argmax), so it may be read before the wait.
     const int len = meta->pos + 1;
+    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, 0, len - 1);
+    pdl_wait();
     float* qs = st + nwarps * (2 + head_dim);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
     __syncthreads();
     float acc[ATT_MAX_D];
     for (int j = 0; j < D; j++) acc[j] = 0.f;
     float m = NEG_INF, l = 0.f;
-    attend_warp(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, rsqrtf((float)head_dim),
-                0, len, warp, nwarps, m, l, acc);
+    if (head_dim == 64)
+        attend_warp<2>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(64.f), 0, len, warp,
+                       nwarps, m, l, acc);
+    else
+        attend_warp<4>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(128.f), 0, len, warp,
+                       nwarps, m, l, acc);
     float* mine = st + warp * (2 + head_dim);
     if (lane == 0) { mine[0] = m; mine[1] = l; }
     for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];
@@ -177,20 +487,26 @@ extern "C" __global__ void bl_attention_part(const float* q, const bf16_t* k_cac
                                              int head_dim, int parts) {
     extern __shared__ float st[];
     pdl_launch_next();
-    pdl_wait();
     const int h = blockIdx.x / parts, p = blockIdx.x - h * parts;
     const int kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
+    // meta changes only at the end of a step (the argmax), so it may be read before the wait.
     const int len = meta->pos + 1, span = (len + parts - 1) / parts;
     const int p_begin = min(len, p * span), p_end = min(len, p_begin + span);
+    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, p_begin, min(p_end, len - 1));
+    pdl_wait();
     float* qs = st + nwarps * (2 + head_dim);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
     __syncthreads();
     float acc[ATT_MAX_D];
     for (int j = 0; j < D; j++) acc[j] = 0.f;
     float m = NEG_INF, l = 0.f;
-    attend_warp(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, rsqrtf((float)head_dim),
-                p_begin, p_end, warp, nwarps, m, l, acc);
+    if (head_dim == 64)
+        attend_warp<2>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(64.f), p_begin, p_end,
+                       warp, nwarps, m, l, acc);
+    else
+        attend_warp<4>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(128.f), p_begin, p_end,
+                       warp, nwarps, m, l, acc);
     float* mine = st + warp * (2 + head_dim);
     if (lane == 0) { mine[0] = m; mine[1] = l; }
     for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];

@@ -39,7 +39,7 @@ struct Kernels {
     embed: Kernel,
     rmsnorm: Kernel,
     silu_mul: Kernel,
-    gemv: Kernel,
+    mv: MatVec,
     rope_kv: Kernel,
     attention: Kernel,
     attention_part: Kernel,
@@ -51,8 +51,6 @@ struct Kernels {
     gemv_q: [Kernel; 3],
 }
 
-const GEMV_THREADS: u32 = 256;
-const GEMV_ROWS_PER_BLOCK: u32 = 16; // 8 warps × GEMV_ROWS_PER_WARP
 const ATT_THREADS: u32 = 128;
 /// Caches longer than this get split-KV attention; shorter ones one block per head (the split
 /// costs a merge kernel per layer, which short contexts do not earn back).
@@ -71,53 +69,57 @@ fn quant_smem(cols: usize) -> u32 {
     (cols.div_ceil(256) * 256 * 4) as u32
 }
 
-/// Which elementwise steps `bl_gemv` folds into its input staging instead of running them as
-/// kernels of their own. Folding both saved 5% a token on the SmolLM2 shape (hidden 576, 30
-/// layers) and cost 3% on the Llama-3.2-1B shape (hidden 2048; every one of the LM head's 8016
-/// blocks then normalises the hidden state itself), measured on an H100 (BENCHMARKS.md), so by
-/// default they are folded for hidden sizes under 1024 only. `MEGAINFER_BASELINE_FUSION`
-/// (`norm,silu`, `norm`, `silu` or `none`) overrides, for measuring the variants.
+/// Which steps the projections (`bl_mv`) fold in instead of running them as kernels of their
+/// own: the RMS norm into the input of QKV, gate/up and the LM head (each CTA computes rms(x)
+/// itself: with a grid of one or two CTAs per SM that is a few KiB of L2 reads per CTA, while
+/// the CTA's first weight loads are in flight), SiLU·up into the gate/up epilogue, RoPE and
+/// the K/V cache write into the QKV epilogue (Llama-style layers only: Qwen's bias and q/k
+/// norm come between the product and RoPE), and the greedy argmax into the LM head. The
+/// residual adds are always in the O and down projections. All are folded by default;
+/// `MEGAINFER_BASELINE_FUSION` (a comma list of `norm`, `silu`, `rope`, `argmax`, or `none`)
+/// picks by hand, for measuring what each saves.
 #[derive(Clone, Copy, Debug)]
 struct Fusion {
     norm: bool,
     silu: bool,
+    rope: bool,
+    argmax: bool,
 }
 
 impl Fusion {
-    fn choose(config: &crate::model::Config) -> Result<Self> {
+    fn choose() -> Result<Self> {
         let Ok(v) = std::env::var("MEGAINFER_BASELINE_FUSION") else {
-            let narrow = config.hidden_size < 1024;
             return Ok(Fusion {
-                norm: narrow,
-                silu: narrow,
+                norm: true,
+                silu: true,
+                rope: true,
+                argmax: true,
             });
         };
+        Self::parse(&v).context("MEGAINFER_BASELINE_FUSION")
+    }
+
+    fn parse(v: &str) -> Result<Self> {
         let mut f = Fusion {
             norm: false,
             silu: false,
+            rope: false,
+            argmax: false,
         };
         for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part {
                 "norm" => f.norm = true,
                 "silu" => f.silu = true,
+                "rope" => f.rope = true,
+                "argmax" => f.argmax = true,
                 "none" => {}
                 other => {
-                    bail!("MEGAINFER_BASELINE_FUSION: unknown step '{other}' (norm, silu or none)")
+                    bail!("unknown step '{other}' (norm, silu, rope, argmax or none)")
                 }
             }
         }
         Ok(f)
     }
-}
-
-/// How `bl_gemv` forms its input vector (GEMV_IN_* in kernels/baseline/baseline.cu).
-#[derive(Clone, Copy)]
-enum GemvIn {
-    Plain,
-    /// The RMS norm of x with these weights.
-    Norm(u64),
-    /// silu(gate) · up of x = [gate; up].
-    SiluUp,
 }
 
 pub struct BaselinePath<'g> {
@@ -128,10 +130,12 @@ pub struct BaselinePath<'g> {
     _module: Arc<CudaModule>,
     kv: KvCache,
     x: CudaSlice<f32>,
-    /// The normed hidden and the MLP activation, for the steps not folded into bl_gemv.
+    /// The normed hidden and the MLP activation (silu(gate) · up).
     xn: CudaSlice<f32>,
     act: CudaSlice<f32>,
     fusion: Fusion,
+    /// Each projection's mat-vec geometry, in [`Proj::ALL`] order.
+    mv_cfg: [MvConfig; 5],
     qkv: CudaSlice<f32>,
     attn: CudaSlice<f32>,
     gu: CudaSlice<f32>,
@@ -139,6 +143,9 @@ pub struct BaselinePath<'g> {
     att_parts_st: CudaSlice<f32>,
     att_parts: usize,
     logits: CudaSlice<f32>,
+    /// The fused LM-head argmax's per-CTA partials and arrival counter.
+    argmax_part: CudaSlice<u32>,
+    argmax_done: CudaSlice<u32>,
     /// TokenMeta {token, pos, next, pad}.
     meta: CudaSlice<u32>,
     /// history[p + 1] = greedy token chosen after position p.
@@ -169,17 +176,37 @@ impl<'g> BaselinePath<'g> {
         max_seq: usize,
         expected_len: usize,
     ) -> Result<Self> {
+        Self::make(gpu, model, mode, max_seq, expected_len, Fusion::choose()?)
+    }
+
+    /// As [`Self::new`], folding only the steps `fusion` names (`MEGAINFER_BASELINE_FUSION`'s
+    /// form: a comma list of norm, silu, rope, argmax, or none), whatever the environment says.
+    pub fn with_fusion(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        mode: Mode,
+        max_seq: usize,
+        fusion: &str,
+    ) -> Result<Self> {
+        let f = Fusion::parse(fusion).with_context(|| format!("fusion '{fusion}'"))?;
+        Self::make(gpu, model, mode, max_seq, max_seq, f)
+    }
+
+    fn make(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        mode: Mode,
+        max_seq: usize,
+        expected_len: usize,
+        fusion: Fusion,
+    ) -> Result<Self> {
         let c = &model.config;
-        let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
-        let module = gpu
-            .ctx
-            .load_module(Ptx::from_binary(cubin))
-            .context("loading the baseline CUBIN")?;
+        let module = load_module(gpu)?;
         let k = Kernels {
             embed: Kernel::load(&module, "bl_embed")?,
             rmsnorm: Kernel::load(&module, "bl_rmsnorm")?,
             silu_mul: Kernel::load(&module, "bl_silu_mul")?,
-            gemv: Kernel::load(&module, "bl_gemv")?,
+            mv: MatVec::load(&module, gpu)?,
             rope_kv: Kernel::load(&module, "bl_rope_kv")?,
             attention: Kernel::load(&module, "bl_attention")?,
             attention_part: Kernel::load(&module, "bl_attention_part")?,
@@ -203,7 +230,6 @@ impl<'g> BaselinePath<'g> {
             1
         };
         let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
-        k.gemv.allow_smem(max_cols * 4)?;
         for g in &k.gemv_q {
             g.allow_smem(quant_smem(max_cols) as usize)?;
         }
@@ -213,7 +239,8 @@ impl<'g> BaselinePath<'g> {
             x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
             xn: gpu.alloc_zeros(c.hidden_size, "normed hidden")?,
             act: gpu.alloc_zeros(c.intermediate_size, "mlp activation")?,
-            fusion: Fusion::choose(c)?,
+            fusion,
+            mv_cfg: mv_configs(c, gpu.sm_count)?,
             qkv: gpu.alloc_zeros(qkv_rows, "qkv")?,
             attn: gpu.alloc_zeros(c.q_dim(), "attention output")?,
             gu: gpu.alloc_zeros(2 * c.intermediate_size, "gate/up")?,
@@ -223,6 +250,9 @@ impl<'g> BaselinePath<'g> {
             )?,
             att_parts,
             logits: gpu.alloc_zeros(c.vocab_size, "logits")?,
+            argmax_part: gpu
+                .alloc_zeros(MatVec::argmax_part_words(gpu.sm_count), "argmax partials")?,
+            argmax_done: gpu.alloc_zeros(1, "argmax counter")?,
             meta: gpu.alloc_zeros(4, "token meta")?,
             history: gpu.alloc_zeros(max_seq + 1, "token history")?,
             graph: None,
@@ -241,56 +271,97 @@ impl<'g> BaselinePath<'g> {
         Ok(p)
     }
 
-    /// `y (+)= W · in` over `w`'s rows, `in` formed from x per `input`: bl_gemv for bf16
-    /// weights, the quantised mat-vecs (kernels/quant/quant.cu) for blocks.
-    fn gemv(
+    /// The mat-vec geometry of each projection (`MEGAINFER_BASELINE_MV` form), for logs.
+    pub fn mv_geometry(&self) -> String {
+        Proj::ALL
+            .iter()
+            .zip(&self.mv_cfg)
+            .map(|(p, c)| format!("{}={}", p.key(), c.name()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// One projection: y (op)= W · in.
+    fn mv(&self, proj: Proj, w: u64, x: u64, y: u64, input: MvIn, out: MvOut) -> Result<()> {
+        let (rows, cols) = proj.shape(&self.model.config);
+        let p = MvParams {
+            w,
+            x,
+            y,
+            ..Default::default()
+        };
+        let cfg = self.mv_cfg[Proj::ALL.iter().position(|&q| q == proj).unwrap_or(0)];
+        self.k
+            .mv
+            .launch(&self.gpu.stream, cfg, p, rows, cols, input, out, self.pdl())
+            .with_context(|| format!("the {} projection", proj.key()))
+    }
+
+    /// One projection of `w`: `bl_mv` with its epilogue for a bf16 matrix; for a quantised one
+    /// the quantised mat-vecs (kernels/quant/quant.cu), which store or add only (the forward
+    /// keeps RoPE, SiLU·up and the argmax as kernels of their own for such matrices).
+    fn project(
         &self,
+        proj: Proj,
         w: &DeviceMatrix,
         x: u64,
         y: u64,
-        accumulate: bool,
-        input: GemvIn,
+        input: MvIn,
+        out: MvOut,
     ) -> Result<()> {
-        let (rows, cols) = (w.rows, w.cols);
-        let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
-        let (mode, norm) = match input {
-            GemvIn::Plain => (0i32, 0u64),
-            GemvIn::Norm(n) => (1, n),
-            GemvIn::SiluUp => (2, 0),
-        };
-        let eps = self.model.config.rms_norm_eps;
-        let grid = (rows as u32).div_ceil(GEMV_ROWS_PER_BLOCK);
-        let (wp, pdl, stream) = (w.ptr(self.gpu), self.pdl(), &self.gpu.stream);
+        let g = self.gpu;
         if w.type_code() == 0 {
-            let mut a = kargs![&wp, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
-            // SAFETY: the arguments are the values bl_gemv declares, in order (see
-            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers
-            // of this path or the model that outlive the launch (x holds 2 * cols floats for
-            // SiluUp; norm, cols weights).
-            return unsafe {
-                self.k
-                    .gemv
-                    .launch(stream, grid, GEMV_THREADS, (cols * 4) as u32, pdl, &mut a)
-            };
+            return self.mv(proj, w.ptr(g), x, y, input, out);
         }
-        let sp = w.scales_ptr(self.gpu);
+        let accumulate = match out {
+            MvOut::Store => 0i32,
+            MvOut::Add => 1,
+            other => bail!("the quantised mat-vec has no {other:?} epilogue"),
+        };
+        let (mode, norm, eps) = match input {
+            MvIn::Plain => (0i32, 0u64, 0f32),
+            MvIn::Norm { norm, eps } => (1, norm, eps),
+        };
+        let (rows, cols) = (w.rows as i32, w.cols as i32);
+        let (wp, sp) = (w.ptr(g), w.scales_ptr(g));
         let kernel = &self.k.gemv_q[w.type_code() as usize - 1];
-        let grid = (rows as u32).div_ceil(QUANT_ROWS_PER_BLOCK);
-        let mut a = kargs![&wp, &sp, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps];
+        let grid = (w.rows as u32).div_ceil(QUANT_ROWS_PER_BLOCK);
+        let mut a = kargs![
+            &wp,
+            &sp,
+            &x,
+            &y,
+            &rows,
+            &cols,
+            &accumulate,
+            &mode,
+            &norm,
+            &eps
+        ];
         // SAFETY: the arguments are the values bl_gemv_q8_0/q4_0/q4_1 declare, in order (see
         // kernels/quant/quant.cu), each a live local; the pointers are device buffers of this
         // path or the model that outlive the launch (W and scales hold `rows` rows of `cols`
-        // elements of w's type; x 2 * cols floats for SiluUp; norm, cols weights).
-        unsafe { kernel.launch(stream, grid, QUANT_THREADS, quant_smem(cols), pdl, &mut a) }
+        // elements of w's type; norm, cols weights).
+        unsafe {
+            kernel.launch(
+                &g.stream,
+                grid,
+                QUANT_THREADS,
+                quant_smem(w.cols),
+                self.pdl(),
+                &mut a,
+            )
+        }
     }
 
     /// The input of a mat-vec that reads the RMS norm of x: x itself with the norm folded in,
     /// or xn after a norm kernel.
-    fn normed(&self, x: u64, norm: u64) -> Result<(u64, GemvIn)> {
-        if self.fusion.norm {
-            return Ok((x, GemvIn::Norm(norm)));
-        }
+    fn normed(&self, x: u64, norm: u64) -> Result<(u64, MvIn)> {
         let c = &self.model.config;
+        if self.fusion.norm {
+            let eps = c.rms_norm_eps;
+            return Ok((x, MvIn::Norm { norm, eps }));
+        }
         let (hidden, eps) = (c.hidden_size as i32, c.rms_norm_eps);
         let xn = ptr(&self.xn, &self.gpu.stream);
         // SAFETY: the arguments are the values bl_rmsnorm declares, in order (see
@@ -305,17 +376,12 @@ impl<'g> BaselinePath<'g> {
                 &mut kargs![&x, &norm, &xn, &hidden, &eps],
             )
         }?;
-        Ok((xn, GemvIn::Plain))
+        Ok((xn, MvIn::Plain))
     }
 
-    /// The input of the down projection: gu = [gate; up] with SiLU·up folded in, or act after
-    /// a kernel of its own.
-    fn silu_up(&self, gu: u64) -> Result<(u64, GemvIn)> {
-        if self.fusion.silu {
-            return Ok((gu, GemvIn::SiluUp));
-        }
+    /// act = silu(gate) · up from gu = [gate; up], when not folded into the gate/up epilogue.
+    fn silu_mul(&self, gu: u64, act: u64) -> Result<()> {
         let inter = self.model.config.intermediate_size as i32;
-        let act = ptr(&self.act, &self.gpu.stream);
         // SAFETY: the arguments are the values bl_silu_mul declares, in order (see
         // kernels/baseline/baseline.cu), each a live local; gu holds 2 * inter floats, act inter.
         unsafe {
@@ -327,8 +393,7 @@ impl<'g> BaselinePath<'g> {
                 self.pdl(),
                 &mut kargs![&gu, &act, &inter],
             )
-        }?;
-        Ok((act, GemvIn::Plain))
+        }
     }
 
     fn pdl(&self) -> bool {
@@ -340,11 +405,12 @@ impl<'g> BaselinePath<'g> {
     fn enqueue_step(&self, sampled: bool) -> Result<()> {
         let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
         let pdl = self.pdl();
-        let (x, qkv, attn, gu, logits, meta, history) = (
+        let (x, qkv, attn, gu, act, logits, meta, history) = (
             ptr(&self.x, s),
             ptr(&self.qkv, s),
             ptr(&self.attn, s),
             ptr(&self.gu, s),
+            ptr(&self.act, s),
             ptr(&self.logits, s),
             ptr(&self.meta, s),
             ptr(&self.history, s),
@@ -386,24 +452,37 @@ impl<'g> BaselinePath<'g> {
         }
         let inv_freq = ptr(&self.model.inv_freq, s);
         for (l, lw) in self.model.layers.iter().enumerate() {
-            let (input, how) = self.normed(x, ptr(&lw.attn_norm, s))?;
-            self.gemv(&lw.w_qkv, input, qkv, false, how)?;
-            enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
-            // SAFETY: the arguments are the values bl_rope_kv declares, in order (see
-            // kernels/baseline/baseline.cu), each a live local; the pointers are device buffers of this
-            // path that outlive the launch.
-            unsafe {
-                self.k.rope_kv.launch(
-                    s,
-                    (c.num_heads + 2 * c.num_kv_heads) as u32,
-                    (c.head_dim / 2) as u32,
-                    0,
-                    pdl,
-                    &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
-                )
-            }?;
+            let (input, how) = self.normed(x, ptr(&lw.attn_norm, s))?;
+            if self.fusion.rope && lw.qkv_extras(g).is_none() && lw.w_qkv.type_code() == 0 {
+                let out = MvOut::RopeKv {
+                    k_cache: kc,
+                    v_cache: vc,
+                    meta,
+                    inv_freq,
+                    n_heads: nh,
+                    n_kv: nkv,
+                    head_dim: hd,
+                };
+                self.project(Proj::Qkv, &lw.w_qkv, input, qkv, how, out)?;
+            } else {
+                self.project(Proj::Qkv, &lw.w_qkv, input, qkv, how, MvOut::Store)?;
+                enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
+                // SAFETY: the arguments are the values bl_rope_kv declares, in order (see
+                // kernels/baseline/baseline.cu), each a live local; the pointers are device
+                // buffers of this path that outlive the launch.
+                unsafe {
+                    self.k.rope_kv.launch(
+                        s,
+                        (c.num_heads + 2 * c.num_kv_heads) as u32,
+                        (c.head_dim / 2) as u32,
+                        0,
+                        pdl,
+                        &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
+                    )
+                }?;
+            }
             let att_smem = ((ATT_THREADS / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
             if self.att_parts > 1 {
                 let (st, parts) = (ptr(&self.att_parts_st, s), self.att_parts as i32);
@@ -444,14 +523,28 @@ impl<'g> BaselinePath<'g> {
                     )
                 }?;
             }
-            self.gemv(&lw.wo, attn, x, true, GemvIn::Plain)?;
+            self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, MvOut::Add)?;
             let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
-            self.gemv(&lw.w_gu, input, gu, false, how)?;
-            let (input, how) = self.silu_up(gu)?;
-            self.gemv(&lw.w_down, input, x, true, how)?;
+            if self.fusion.silu && lw.w_gu.type_code() == 0 {
+                self.project(Proj::GateUp, &lw.w_gu, input, act, how, MvOut::Silu)?;
+            } else {
+                self.project(Proj::GateUp, &lw.w_gu, input, gu, how, MvOut::Store)?;
+                self.silu_mul(gu, act)?;
+            }
+            self.project(Proj::Down, &lw.w_down, act, x, MvIn::Plain, MvOut::Add)?;
         }
         let (input, how) = self.normed(x, ptr(&self.model.final_norm, s))?;
-        self.gemv(self.model.lm_head(), input, logits, false, how)?;
+        let lm_head = self.model.lm_head();
+        if !sampled && self.fusion.argmax && lm_head.type_code() == 0 {
+            let out = MvOut::Argmax {
+                meta,
+                history,
+                part: ptr(&self.argmax_part, s),
+                done: ptr(&self.argmax_done, s),
+            };
+            return self.project(Proj::LmHead, lm_head, input, logits, how, out);
+        }
+        self.project(Proj::LmHead, lm_head, input, logits, how, MvOut::Store)?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
             return sampler.enqueue(s, logits, meta, meta, history, pdl);
@@ -580,8 +673,7 @@ impl Steps for BaselinePath<'_> {
 /// Streaming read bandwidth of the device in GB/s (1e9 B/s): a 4 GiB buffer of non-zero
 /// bytes read once per repetition with 16-byte loads, median of several timed runs.
 pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
-    let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
-    let module = gpu.ctx.load_module(Ptx::from_binary(cubin))?;
+    let module = load_module(gpu)?;
     let k = Kernel::load(&module, "bw_read")?;
     let bytes: usize = 4 << 30;
     let mut buf = gpu.alloc_zeros::<u8>(bytes, "bandwidth probe buffer")?;
@@ -619,4 +711,588 @@ pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
     }
     times.sort_by(f64::total_cmp);
     Ok(bytes as f64 / (times[times.len() / 2] * 1e-3) / 1e9)
+}
+
+/// Parameters of `bl_mv` (`MvParams` in kernels/baseline/baseline.cu), field for field: eleven
+/// device addresses (0 where the mode reads none), then the ints and the epsilon.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MvParams {
+    pub w: u64,
+    pub x: u64,
+    pub y: u64,
+    pub norm: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub meta: u64,
+    pub inv_freq: u64,
+    pub part: u64,
+    pub done: u64,
+    pub history: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub ksplit: i32,
+    pub in_mode: i32,
+    pub out_mode: i32,
+    pub n_heads: i32,
+    pub n_kv: i32,
+    pub head_dim: i32,
+    pub eps: f32,
+    /// Set by [`MatVec::launch`] from [`MatVec::evict_first`].
+    pub evict_first: i32,
+}
+
+/// How `bl_mv` forms its input (MV_IN_* in kernels/baseline/baseline.cu).
+#[derive(Clone, Copy, Debug)]
+pub enum MvIn {
+    Plain,
+    /// x / rms(x) * norm, with these norm weights (bf16, cols of them) and epsilon.
+    Norm {
+        norm: u64,
+        eps: f32,
+    },
+}
+
+/// What `bl_mv` does with each row's sum (MV_OUT_* in kernels/baseline/baseline.cu).
+#[derive(Clone, Copy, Debug)]
+pub enum MvOut {
+    Store,
+    /// y += W · in: the residual add.
+    Add,
+    /// The QKV product of one layer: q rotated into y, k rotated and v into the caches at
+    /// meta.pos.
+    RopeKv {
+        k_cache: u64,
+        v_cache: u64,
+        meta: u64,
+        inv_freq: u64,
+        n_heads: i32,
+        n_kv: i32,
+        head_dim: i32,
+    },
+    /// W = [gate; up] (rows = 2 × inter): y[p] = silu(gate p) · up p.
+    Silu,
+    /// Logits into y and the greedy token into meta (token, next, pos + 1) and
+    /// history[pos + 1]. `part` holds 2 words per CTA ([`MatVec::ARGMAX_PART_WORDS`] in all),
+    /// `done` one word that is 0 before the launch (the kernel leaves it 0).
+    Argmax {
+        meta: u64,
+        history: u64,
+        part: u64,
+        done: u64,
+    },
+}
+
+impl MvOut {
+    fn code(&self) -> i32 {
+        match self {
+            MvOut::Store => 0,
+            MvOut::Add => 1,
+            MvOut::RopeKv { .. } => 2,
+            MvOut::Silu => 3,
+            MvOut::Argmax { .. } => 4,
+        }
+    }
+
+    /// The pair modes combine logical rows 2p and 2p + 1 in one epilogue thread.
+    fn pairs(&self) -> bool {
+        matches!(self, MvOut::RopeKv { .. } | MvOut::Silu)
+    }
+}
+
+/// One compiled `bl_mv` variant (MV_KERNEL in kernels/baseline/baseline.cu).
+#[derive(Clone, Copy, Debug)]
+pub struct MvVariant {
+    pub name: &'static str,
+    pub kernel: &'static str,
+    /// Rows per warp (R).
+    pub rows: u32,
+    /// 16-byte loads per row per lane in one batch (U): R × U in flight per thread.
+    pub loads: u32,
+    /// The next batch is loaded before the current one's FMAs (twice the registers).
+    pub double_buffered: bool,
+    /// CTAs per SM its register budget allows (its `__launch_bounds__`).
+    pub max_ctas_per_sm: u32,
+}
+
+const fn variant(
+    name: &'static str,
+    kernel: &'static str,
+    r: u32,
+    u: u32,
+    db: bool,
+    ctas: u32,
+) -> MvVariant {
+    MvVariant {
+        name,
+        kernel,
+        rows: r,
+        loads: u,
+        double_buffered: db,
+        max_ctas_per_sm: ctas,
+    }
+}
+
+pub const MV_VARIANTS: [MvVariant; 8] = [
+    variant("r1u8", "bl_mv_r1u8", 1, 8, false, 2),
+    variant("r1u16", "bl_mv_r1u16", 1, 16, false, 2),
+    variant("r2u4", "bl_mv_r2u4", 2, 4, false, 2),
+    variant("r2u8", "bl_mv_r2u8", 2, 8, false, 2),
+    variant("r4u4", "bl_mv_r4u4", 4, 4, false, 2),
+    variant("r1u8d", "bl_mv_r1u8d", 1, 8, true, 2),
+    variant("r2u4d", "bl_mv_r2u4d", 2, 4, true, 2),
+    variant("r2u8d", "bl_mv_r2u8d", 2, 8, true, 1),
+];
+const MV_WARPS: u32 = 8;
+const MV_THREADS: u32 = MV_WARPS * 32;
+/// CTAs per SM a launch may ask for at most (the kernels are built for two resident).
+pub const MV_MAX_CTAS_PER_SM: u32 = 2;
+
+/// One launch geometry of `bl_mv`: which variant, how many warps of a CTA split each row's
+/// columns (1, 2, 4 or 8), and how many CTAs per SM the grid holds (the CTAs loop over the
+/// tasks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MvConfig {
+    pub variant: usize,
+    pub ksplit: u32,
+    pub ctas_per_sm: u32,
+}
+
+impl MvConfig {
+    /// `r2u8:2:1` style: variant, ksplit, CTAs per SM.
+    pub fn parse(s: &str) -> Result<Self> {
+        let parts: Vec<&str> = s.split(':').collect();
+        let [v, k, c] = parts[..] else {
+            bail!("mat-vec config '{s}': expected VARIANT:KSPLIT:CTAS_PER_SM, e.g. r2u8:2:1");
+        };
+        let variant = MV_VARIANTS
+            .iter()
+            .position(|x| x.name == v)
+            .with_context(|| {
+                let names: Vec<&str> = MV_VARIANTS.iter().map(|x| x.name).collect();
+                format!("mat-vec config '{s}': unknown variant '{v}' (one of {names:?})")
+            })?;
+        let ksplit: u32 = k
+            .parse()
+            .with_context(|| format!("mat-vec config '{s}': ksplit '{k}' is not a number"))?;
+        let ctas_per_sm: u32 = c
+            .parse()
+            .with_context(|| format!("mat-vec config '{s}': CTAs per SM '{c}' is not a number"))?;
+        let cfg = MvConfig {
+            variant,
+            ksplit,
+            ctas_per_sm,
+        };
+        cfg.validate(false)
+            .with_context(|| format!("mat-vec config '{s}'"))?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, pairs: bool) -> Result<()> {
+        if ![1, 2, 4, 8].contains(&self.ksplit) {
+            bail!("ksplit must be 1, 2, 4 or 8, not {}", self.ksplit);
+        }
+        if self.ctas_per_sm == 0 || self.ctas_per_sm > MV_MAX_CTAS_PER_SM {
+            bail!(
+                "CTAs per SM must be 1 to {MV_MAX_CTAS_PER_SM}, not {}",
+                self.ctas_per_sm
+            );
+        }
+        let v = &MV_VARIANTS[self.variant];
+        if self.ctas_per_sm > v.max_ctas_per_sm {
+            bail!(
+                "{} is built for at most {} CTA(s) per SM, not {}",
+                v.name,
+                v.max_ctas_per_sm,
+                self.ctas_per_sm
+            );
+        }
+        if pairs && !self.rows_per_task().is_multiple_of(2) {
+            bail!(
+                "{}: an epilogue that pairs rows needs an even number of rows per CTA task, not {}",
+                self.name(),
+                self.rows_per_task()
+            );
+        }
+        Ok(())
+    }
+
+    pub fn rows_per_task(&self) -> u32 {
+        MV_VARIANTS[self.variant].rows * (MV_WARPS / self.ksplit)
+    }
+
+    pub fn name(&self) -> String {
+        format!(
+            "{}:{}:{}",
+            MV_VARIANTS[self.variant].name, self.ksplit, self.ctas_per_sm
+        )
+    }
+
+    /// Every geometry, for sweeps.
+    pub fn all() -> Vec<MvConfig> {
+        let mut v = Vec::new();
+        for (variant, mv) in MV_VARIANTS.iter().enumerate() {
+            for ksplit in [1, 2, 4, 8] {
+                for ctas_per_sm in 1..=mv.max_ctas_per_sm {
+                    v.push(MvConfig {
+                        variant,
+                        ksplit,
+                        ctas_per_sm,
+                    });
+                }
+            }
+        }
+        v
+    }
+
+    /// Tasks and grid for a rows × cols product on `sms` SMs.
+    pub fn grid(&self, rows: usize, sms: usize) -> (usize, usize) {
+        let tasks = rows.div_ceil(self.rows_per_task() as usize);
+        (tasks, tasks.min(sms * self.ctas_per_sm as usize))
+    }
+
+    /// A rough time estimate (seconds, at `bw` bytes/s): the bytes of the busiest SM at the
+    /// rate its loads in flight sustain (at most its share of the bandwidth), or one memory
+    /// latency per batch of loads in series, whichever is longer. Only ranks geometries; the
+    /// harness (tests/gpu_gemv_bench.rs) measures them.
+    fn estimate(&self, rows: usize, cols: usize, sms: usize, bw: f64) -> f64 {
+        const LATENCY: f64 = 0.8e-6;
+        const LOADED_LATENCY: f64 = 1.2e-6;
+        let v = MV_VARIANTS[self.variant];
+        let (r, u) = (v.rows, v.loads);
+        let (tasks, grid) = self.grid(rows, sms);
+        let rounds = tasks.div_ceil(grid);
+        let busiest_ctas = grid.div_ceil(sms);
+        let task_bytes = (self.rows_per_task() as usize * cols * 2) as f64;
+        let busiest = (busiest_ctas * rounds) as f64 * task_bytes;
+        let slice = (cols / 8).div_ceil(self.ksplit as usize);
+        let batches = slice.div_ceil(32 * u as usize);
+        // 16-byte loads in flight per warp, and per thread on average (idle lanes count).
+        let warp_loads = r as usize * slice.min(32 * u as usize);
+        let in_flight = warp_loads / 32;
+        let sm_bytes_in_flight = (busiest_ctas * MV_WARPS as usize * warp_loads * 16) as f64;
+        let sm_rate = (bw / sms as f64).min(sm_bytes_in_flight / LOADED_LATENCY);
+        let streaming = busiest / sm_rate;
+        let latency = (rounds * batches) as f64 * LATENCY / self.ctas_per_sm as f64;
+        // Near-ties go to more loads in flight per thread, then to one CTA per SM (room for
+        // the next kernel's CTAs under PDL).
+        // Without double buffering a warp has nothing in flight during its FMAs, when a task
+        // takes more than one batch.
+        let bubbles = !v.double_buffered && rounds * batches > 1;
+        let margin = 1.0
+            + 0.01 * (16 - in_flight.min(16)) as f64 / 8.0
+            + 0.005 * (self.ctas_per_sm - 1) as f64
+            + if bubbles { 0.03 } else { 0.0 };
+        streaming.max(latency) * margin
+    }
+
+    /// The geometry the estimate ranks first for a rows × cols product (`pairs`: the epilogue
+    /// pairs rows).
+    pub fn choose(rows: usize, cols: usize, pairs: bool, sms: usize) -> MvConfig {
+        let mut best: Option<(f64, MvConfig)> = None;
+        for c in Self::all() {
+            if c.validate(pairs).is_err() {
+                continue;
+            }
+            let t = c.estimate(rows, cols, sms, 3.0e12);
+            if best.is_none_or(|(bt, _)| t < bt) {
+                best = Some((t, c));
+            }
+        }
+        best.expect("at least one mat-vec geometry is valid").1
+    }
+}
+
+/// The projections of a decode step, each with its own geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proj {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+    LmHead,
+}
+
+impl Proj {
+    pub const ALL: [Proj; 5] = [Proj::Qkv, Proj::O, Proj::GateUp, Proj::Down, Proj::LmHead];
+
+    /// The key in `MEGAINFER_BASELINE_MV`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Proj::Qkv => "qkv",
+            Proj::O => "o",
+            Proj::GateUp => "gu",
+            Proj::Down => "down",
+            Proj::LmHead => "lm",
+        }
+    }
+
+    /// (rows, cols) of this projection for a model.
+    pub fn shape(self, c: &crate::model::Config) -> (usize, usize) {
+        match self {
+            Proj::Qkv => (c.q_dim() + 2 * c.kv_dim(), c.hidden_size),
+            Proj::O => (c.hidden_size, c.q_dim()),
+            Proj::GateUp => (2 * c.intermediate_size, c.hidden_size),
+            Proj::Down => (c.hidden_size, c.intermediate_size),
+            Proj::LmHead => (c.vocab_size, c.hidden_size),
+        }
+    }
+
+    /// Whether its fused epilogue pairs rows (RoPE, SiLU·up).
+    fn pairs(self) -> bool {
+        matches!(self, Proj::Qkv | Proj::GateUp)
+    }
+}
+
+/// The geometry of each projection: [`MvConfig::choose`]'s, or as `MEGAINFER_BASELINE_MV`
+/// says (`qkv=r2u8:1:1,down=r2u8:4:1`, keys qkv, o, gu, down, lm; the harness prints the
+/// measured winners in this form).
+pub fn mv_configs(c: &crate::model::Config, sms: usize) -> Result<[MvConfig; 5]> {
+    let mut out = Proj::ALL.map(|p| {
+        let (rows, cols) = p.shape(c);
+        MvConfig::choose(rows, cols, p.pairs(), sms)
+    });
+    if let Ok(v) = std::env::var("MEGAINFER_BASELINE_MV") {
+        for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, cfg) = item.split_once('=').with_context(|| {
+                format!("MEGAINFER_BASELINE_MV: '{item}' is not KEY=VARIANT:KSPLIT:CTAS")
+            })?;
+            let i = Proj::ALL
+                .iter()
+                .position(|p| p.key() == key.trim())
+                .with_context(|| {
+                    format!("MEGAINFER_BASELINE_MV: unknown projection '{key}' (qkv, o, gu, down or lm)")
+                })?;
+            let cfg = MvConfig::parse(cfg.trim())
+                .with_context(|| format!("MEGAINFER_BASELINE_MV: {key}"))?;
+            cfg.validate(Proj::ALL[i].pairs())
+                .with_context(|| format!("MEGAINFER_BASELINE_MV: {key}"))?;
+            out[i] = cfg;
+        }
+    }
+    Ok(out)
+}
+
+/// The `bl_mv` kernels of a loaded baseline module, and the launch rules they need.
+pub struct MatVec {
+    kernels: Vec<Kernel>,
+    sm_count: usize,
+    max_cols: usize,
+    /// Weights marked first to leave L2 (on unless `MEGAINFER_BASELINE_EVICT_FIRST=0`): a
+    /// token's weights stream through the L2 many times over and would otherwise evict the
+    /// activations, K/V rows and kernel code that are read again soon.
+    pub evict_first: bool,
+}
+
+impl MatVec {
+    /// Words of the argmax mode's per-CTA partials for any geometry on this many SMs.
+    pub fn argmax_part_words(sm_count: usize) -> usize {
+        2 * sm_count * MV_MAX_CTAS_PER_SM as usize
+    }
+
+    pub fn load(module: &Arc<CudaModule>, gpu: &Gpu) -> Result<Self> {
+        let mut kernels = Vec::new();
+        let mut static_smem = 0;
+        for v in MV_VARIANTS {
+            let k = Kernel::load(module, v.kernel)?;
+            static_smem = static_smem.max(k.static_smem()?);
+            kernels.push(k);
+        }
+        let dynamic = gpu.max_smem_per_block.saturating_sub(static_smem);
+        for k in &kernels {
+            k.allow_smem(dynamic)?;
+        }
+        let evict_first = match std::env::var("MEGAINFER_BASELINE_EVICT_FIRST").as_deref() {
+            Err(_) | Ok("1") => true,
+            Ok("0") => false,
+            Ok(other) => bail!("MEGAINFER_BASELINE_EVICT_FIRST: '{other}' is not 0 or 1"),
+        };
+        Ok(Self {
+            kernels,
+            sm_count: gpu.sm_count,
+            max_cols: dynamic / 4,
+            evict_first,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    /// Enqueues y = W · in for a rows × cols W (`p.w`, bf16, row-major) on `stream`; `p`'s
+    /// addresses set by the caller, the rest here from the arguments.
+    pub fn launch(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        cfg: MvConfig,
+        mut p: MvParams,
+        rows: usize,
+        cols: usize,
+        input: MvIn,
+        out: MvOut,
+        pdl: bool,
+    ) -> Result<()> {
+        cfg.validate(out.pairs())?;
+        if rows == 0 || !cols.is_multiple_of(8) || cols > self.max_cols {
+            bail!(
+                "mat-vec of {rows} x {cols}: needs rows > 0 and cols a multiple of 8 of at most {}",
+                self.max_cols
+            );
+        }
+        if out.pairs() && !rows.is_multiple_of(2) {
+            bail!("mat-vec of {rows} rows: a paired epilogue needs an even row count");
+        }
+        p.rows = rows as i32;
+        p.cols = cols as i32;
+        p.ksplit = cfg.ksplit as i32;
+        p.evict_first = self.evict_first as i32;
+        p.out_mode = out.code();
+        match input {
+            MvIn::Plain => p.in_mode = 0,
+            MvIn::Norm { norm, eps } => {
+                p.in_mode = 1;
+                p.norm = norm;
+                p.eps = eps;
+            }
+        }
+        match out {
+            MvOut::Store | MvOut::Add | MvOut::Silu => {}
+            MvOut::RopeKv {
+                k_cache,
+                v_cache,
+                meta,
+                inv_freq,
+                n_heads,
+                n_kv,
+                head_dim,
+            } => {
+                if rows != ((n_heads + 2 * n_kv) * head_dim) as usize {
+                    bail!(
+                        "mat-vec RoPE epilogue: {rows} rows is not (heads + 2 kv heads) x head_dim"
+                    );
+                }
+                (p.k_cache, p.v_cache, p.meta, p.inv_freq) = (k_cache, v_cache, meta, inv_freq);
+                (p.n_heads, p.n_kv, p.head_dim) = (n_heads, n_kv, head_dim);
+            }
+            MvOut::Argmax {
+                meta,
+                history,
+                part,
+                done,
+            } => (p.meta, p.history, p.part, p.done) = (meta, history, part, done),
+        }
+        let (_, grid) = cfg.grid(rows, self.sm_count);
+        let mut a = kargs![&p];
+        // SAFETY: bl_mv takes one MvParams by value, which `p` mirrors (#[repr(C)], field for
+        // field); its addresses are the caller's device buffers of the sizes the modes read
+        // and write (x cols floats, y rows — rows / 2 for Silu —, part
+        // argmax_part_words(sm_count) words), live until the launch completes.
+        unsafe {
+            self.kernels[cfg.variant].launch(
+                stream,
+                grid as u32,
+                MV_THREADS,
+                (cols * 4) as u32,
+                pdl,
+                &mut a,
+            )
+        }
+    }
+}
+
+/// The baseline module for this GPU (the harness loads its kernels from it).
+pub fn load_module(gpu: &Gpu) -> Result<Arc<CudaModule>> {
+    let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
+    gpu.ctx
+        .load_module(Ptx::from_binary(cubin))
+        .context("loading the baseline CUBIN")
+}
+
+/// The first mat-vec kernel, `bl_gemv` (kernels/baseline/baseline.cu), kept as the harness's
+/// reference point (tests/gpu_gemv_bench.rs): plain input, y = W · x, 16 rows per CTA.
+pub struct OldGemv(Kernel);
+
+impl OldGemv {
+    pub fn load(module: &Arc<CudaModule>, max_cols: usize) -> Result<Self> {
+        let k = Kernel::load(module, "bl_gemv")?;
+        k.allow_smem(max_cols * 4)?;
+        Ok(Self(k))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        w: u64,
+        x: u64,
+        y: u64,
+        rows: usize,
+        cols: usize,
+        pdl: bool,
+    ) -> Result<()> {
+        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let (acc, mode, norm, eps) = (0i32, 0i32, 0u64, 0f32);
+        let grid = (rows as u32).div_ceil(16);
+        // SAFETY: the arguments are the values bl_gemv declares, in order, each a live local;
+        // w, x and y are the caller's device buffers of rows × cols, cols and rows elements.
+        unsafe {
+            self.0.launch(
+                stream,
+                grid,
+                256,
+                (cols * 4) as u32,
+                pdl,
+                &mut kargs![&w, &x, &y, &rows_i, &cols_i, &acc, &mode, &norm, &eps],
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::presets;
+
+    #[test]
+    fn every_projection_gets_a_valid_geometry() {
+        for &model in presets::NAMES {
+            let c = presets::by_name(model).unwrap();
+            for sms in [132, 114, 78] {
+                for p in Proj::ALL {
+                    let (rows, cols) = p.shape(&c);
+                    let cfg = MvConfig::choose(rows, cols, p.pairs(), sms);
+                    cfg.validate(p.pairs()).unwrap();
+                    let (tasks, grid) = cfg.grid(rows, sms);
+                    assert!(grid >= 1 && grid <= tasks && grid <= 2 * sms);
+                    // The input row fits the shared memory bl_mv stages it in (H100: 227 KiB).
+                    assert!(cols * 4 <= 227 * 1024 - 1024, "{model} {}", p.key());
+                    if sms == 132 {
+                        println!(
+                            "{model} {} {rows}x{cols}: {} ({tasks} tasks, grid {grid})",
+                            p.key(),
+                            cfg.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn geometry_strings_round_trip_and_bad_ones_are_named() {
+        for cfg in MvConfig::all() {
+            assert_eq!(MvConfig::parse(&cfg.name()).unwrap(), cfg);
+        }
+        for (bad, says) in [
+            ("r3u8:1:1", "unknown variant 'r3u8'"),
+            ("r2u8:3:1", "ksplit must be 1, 2, 4 or 8"),
+            ("r2u8:1:9", "CTAs per SM must be 1 to 2"),
+            ("r2u8:1", "expected VARIANT:KSPLIT:CTAS_PER_SM"),
+            ("r2u8:x:1", "ksplit 'x' is not a number"),
+            ("r2u8d:1:2", "r2u8d is built for at most 1 CTA(s) per SM"),
+        ] {
+            let e = format!("{:#}", MvConfig::parse(bad).unwrap_err());
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // One row per task cannot pair rows (RoPE, SiLU·up).
+        let one = MvConfig::parse("r1u8:8:1").unwrap();
+        assert!(one.validate(true).is_err() && one.validate(false).is_ok());
+    }
 }

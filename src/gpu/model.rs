@@ -193,7 +193,7 @@ impl DeviceModel {
         }
         // Asked before anything is uploaded, so that a model too large for the GPU fails with
         // the sizes, not at whichever tensor happens to run out.
-        let need = w.bytes_per_token() + w.lm_head.as_ref().map_or(0, |_| 2 * w.embed.len());
+        let need: usize = w.bytes_by_type().iter().map(|(_, b)| b).sum();
         let free = gpu.free_memory()?;
         if need > free {
             let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
