@@ -160,6 +160,54 @@ fn megakernel_attention_longer_than_the_page_ring() {
     }
 }
 
+/// Split-KV with many parts, merged by AttnReduce in batches: 44 parts (SmolLM2's count at 8K:
+/// one part per SM for 3 KV heads), 128 (the most the reduction takes) and 17 (not a multiple
+/// of its batch of 16). Every position is a megakernel step from position 0, so early steps
+/// have more parts than positions (empty parts: max -inf, sum 0). Logits are compared with the
+/// CPU reference at several positions, the last past the page ring.
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_split_kv_with_many_parts_matches_reference() {
+    let gpu = gpu();
+    const LEN: usize = 700;
+    let checks = [3usize, 60, 200, LEN - 1];
+    for (label, cfg) in [
+        ("hd64-g3", tiny(192, 9, 3, 64, 520)),
+        ("hd128-g2", tiny(256, 4, 2, 128, 520)),
+    ] {
+        let w = random_weights(&cfg, 33);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let tokens: Vec<u32> = (0..LEN as u32).map(|k| (k * 53 + 11) % 1000).collect();
+        let mut cpu = CpuForward::new(&cfg, &w, LEN);
+        let mut want = Vec::new();
+        let mut fed = 0;
+        for &c in &checks {
+            want.push(cpu.forward(&tokens[fed..=c]).unwrap());
+            fed = c + 1;
+        }
+        for parts in [17, 44, 128] {
+            let sched = schedule_for(&cfg, &gpu, LEN, Some(parts)).unwrap();
+            let mut mk = MegakernelPath::new(&gpu, &dm, &sched, LEN).unwrap();
+            let mut fed = 0;
+            let mut worst = 0f64;
+            for (&c, want) in checks.iter().zip(&want) {
+                let got = feed_steps(&mut mk, &tokens[fed..=c]).unwrap();
+                fed = c + 1;
+                let err = rel_l2(&got, want);
+                worst = worst.max(err);
+                println!("{label} parts={parts} at position {c}: rel L2 {err:.2e}");
+                assert!(
+                    err <= TOL_LONG_ATTENTION,
+                    "{label} parts={parts} at position {c}: rel L2 {err:.2e} > {TOL_LONG_ATTENTION:.0e}"
+                );
+            }
+            println!(
+                "{label} parts={parts}: worst rel L2 {worst:.2e} (tolerance {TOL_LONG_ATTENTION:.0e})"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_and_graph_agree_on_greedy_tokens() {

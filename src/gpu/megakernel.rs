@@ -32,6 +32,11 @@ pub use launch::MAX_EPOCH;
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
 
+/// The most split-KV parts an `AttnReduce` merges: it keeps two floats per (query head, part)
+/// in the attention scratch's score rows (see megakernel/ops/attn_reduce.cuh).
+pub const MAX_REDUCE_PARTS: usize = abi::ATT_ROUND / 2;
+const _: () = assert!(MAX_REDUCE_PARTS >= scheduler::options::MAX_ATTN_PARTS);
+
 /// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
 
@@ -115,6 +120,11 @@ impl<'g> MegakernelPath<'g> {
                 }
                 _ => 0,
             };
+            if let Op::AttnReduce { parts, .. } = *op {
+                if parts as usize > MAX_REDUCE_PARTS {
+                    bail!("schedule: {op:?} merges {parts} split-KV parts; the megakernel merges at most {MAX_REDUCE_PARTS}");
+                }
+            }
             // O-proj keeps its residual rows in the second half of the row buffer.
             let limit = if matches!(op, Op::OProjResidual { .. }) {
                 RES_MAX / 2
