@@ -51,8 +51,9 @@ pub struct TimelineInstr {
     pub kind: &'static str,
     /// `Schedule::describe`.
     pub desc: String,
-    /// Attention: profile words 4 and 5 are its own scores/softmax and values stamps, not the
-    /// loader's first page wait and last tile issued.
+    /// Attention: profile words 4 and 5 are its own stamps (computed by rounds: the last
+    /// round's scores/softmax and values done; by warps: its pages streamed and its warps'
+    /// results merged), not the loader's first page wait and last tile issued.
     pub attention: bool,
 }
 
@@ -69,7 +70,7 @@ impl Timeline {
     /// One line per instruction and step: `step,pos,sm,kind,desc,` then the stamps (ns from
     /// the step's first start). extra1, extra2: a mat-vec's first page wait and last tile
     /// issued by the loader; attention's scores and softmax done, and its weighted values done
-    /// (last round).
+    /// (last round; by warps: pages streamed, warps merged).
     pub fn to_csv(&self) -> String {
         let mut csv = format!("step,pos,sm,kind,desc,{}\n", prof::NAMES.join(","));
         for (step, (_, stamps)) in self.steps.iter().enumerate() {
