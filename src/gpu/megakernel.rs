@@ -542,10 +542,10 @@ pub fn megakernel_gpu_shape(
     }
 }
 
-/// The schedule the megakernel runs for `config` on a GPU of shape `gpu` with `cost` (for
-/// `run` and `bench`: `CostModel::megakernel(context)`), granularity overridden by
-/// `overrides`. `run`, `bench` (through [`schedule_for`]) and `megainfer schedule` all build
-/// their schedules here.
+/// A schedule of the megakernel for `config` on a GPU of shape `gpu` with `cost`, granularity
+/// overridden by `overrides` (`scheduler::plan`). `megainfer schedule` and [`schedule_for`]
+/// build theirs here; `run` and `bench` build one per context bucket by the same plan and cost
+/// model ([`buckets_for`]), which `megainfer schedule` lists at its end.
 pub fn megakernel_schedule(
     config: &crate::model::Config,
     gpu: &scheduler::GpuShape,
@@ -556,8 +556,8 @@ pub fn megakernel_schedule(
     scheduler::plan(&shape, gpu, cost, overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
 }
 
-/// The schedule the megakernel runs for `config` on `gpu`, attention costed at `context`
-/// positions (the prompt plus the new tokens), `attn_parts` overriding the split-KV
+/// One schedule for `config` on `gpu`, attention costed at `context` positions (tests and
+/// tools; `run` and `bench` use [`buckets_for`]), `attn_parts` overriding the split-KV
 /// partitions.
 pub fn schedule_for(
     config: &crate::model::Config,
