@@ -85,7 +85,7 @@ __device__ __forceinline__ u32 op_prepare(u32 op, const MkParams& p, const u32* 
         case OP_OPROJ: prepare_oproj(p, w, m, sm); return 0;
         case OP_DOWN: prepare_down(p, w, sm); return 0;
         case OP_ATTN: return op_attention(p, w, m, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, prof);
-        case OP_ATTN_REDUCE: op_attn_reduce(p, w); return 0;
+        case OP_ATTN_REDUCE: op_attn_reduce(p, w, sm.xs); return 0;
         case OP_ARGMAX: op_argmax(p, m, sm.red); return 0;
         default: return 0;
     }

@@ -102,6 +102,45 @@ fn defaults_are_the_gpus_or_an_h100s() {
     }
 }
 
+/// The context buckets `run` and `bench` switch between are listed, as
+/// `scheduler::plan_buckets` makes them for an H100.
+#[test]
+fn context_buckets_are_listed() {
+    let cfg = presets::by_name("smollm2-135m").unwrap();
+    let shape = megakernel_gpu_shape(&cfg, H100_SMS, H100_SMEM_PER_BLOCK);
+    let model = megainfer::reference::sliced::shape_of(&cfg);
+    let buckets = scheduler::plan_buckets(
+        &model,
+        &shape,
+        &CostModel::megakernel(8192),
+        &Overrides::default(),
+        8192,
+    )
+    .unwrap();
+    let (stdout, _) = printed(&[
+        "--preset",
+        "smollm2-135m",
+        "--sms",
+        "132",
+        "--pages",
+        "12",
+        "--context",
+        "8192",
+    ]);
+    assert!(
+        stdout.contains("context buckets for sequences up to 8192 positions:"),
+        "{stdout}"
+    );
+    assert!(buckets.len() >= 2);
+    for b in &buckets {
+        let line = format!(
+            "up to {:>7}: {:>3} split-KV parts",
+            b.upto, b.schedule.options.attn_parts
+        );
+        assert!(stdout.contains(&line), "{line} not in\n{stdout}");
+    }
+}
+
 #[test]
 fn impossible_options_are_refused_by_name() {
     let cases: &[(&[&str], &str)] = &[

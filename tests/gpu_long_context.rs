@@ -47,6 +47,45 @@ fn teacher_forced_past_16k_positions() {
     }
 }
 
+/// The megakernel as `run` makes it (one set of streams per context bucket up to max_seq): a
+/// 250-token prompt through batched prefill, then twelve decode steps across the switch at 256
+/// positions (up to 256 whole, then split; SmolLM2's attention shape: 3 KV heads of 3 query
+/// heads), each step's logits against the CPU reference's.
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_switches_buckets_after_prefill() {
+    let gpu = gpu();
+    const PROMPT: usize = 250;
+    const MAX_SEQ: usize = 300;
+    let cfg = tiny(192, 9, 3, 64, 520);
+    let w = random_weights(&cfg, 43);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let prompt: Vec<u32> = (0..PROMPT as u32).map(|k| (k * 89 + 7) % 1000).collect();
+    let steps: Vec<u32> = (0..12u32).map(|k| (k * 13 + 1) % 1000).collect();
+    let mut cpu = CpuForward::new(&cfg, &w, MAX_SEQ);
+    let want = prompt_then_steps(&mut cpu, &prompt, &steps);
+    let mut path = GpuPath::new(PathKind::Megakernel, &gpu, &dm, MAX_SEQ, MAX_SEQ).unwrap();
+    let buckets = path.as_megakernel().unwrap().buckets().0;
+    println!("megakernel buckets (up to, parts): {buckets:?}");
+    assert!(
+        buckets.len() >= 2 && buckets[0].0 == 256,
+        "expected a bucket up to 256 positions and another after it: {buckets:?}"
+    );
+    let got = prompt_then_steps(&mut path, &prompt, &steps);
+    let worst = check_positions("megakernel", &got, &want, PROMPT - 1, TOL_LONG);
+    let (_, last) = path.as_megakernel().unwrap().buckets();
+    assert_eq!(
+        last,
+        buckets.len() - 1,
+        "the last steps run the last bucket"
+    );
+    println!(
+        "megakernel positions {}..{}: worst rel L2 {worst:.2e} (tolerance {TOL_LONG:.0e})",
+        PROMPT - 1,
+        PROMPT - 1 + steps.len()
+    );
+}
+
 /// A five-digit number in about 7,000 tokens of filler, asked for at the end: the CPU reference
 /// finds it, and every GPU path answers with the CPU reference's greedy tokens.
 #[test]

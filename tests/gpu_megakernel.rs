@@ -16,7 +16,7 @@ use megainfer::gpu::stepping::feed_steps;
 use megainfer::model::{presets, random::random_weights, Config, Weights};
 use megainfer::reference::CpuForward;
 use megainfer::sampling::argmax;
-use scheduler::Op;
+use scheduler::{Op, Schedule};
 
 /// Tolerances: about ten times the teacher-forced relative L2 error of the logits measured on
 /// an H100 (docs/testing.md). Each test prints its errors, so a change shows in the log.
@@ -158,6 +158,145 @@ fn megakernel_attention_longer_than_the_page_ring() {
             );
         }
     }
+}
+
+/// Split-KV with many parts, merged by AttnReduce in batches: 44 parts (SmolLM2's count at 8K:
+/// one part per SM for 3 KV heads), 128 (the most the reduction takes) and 17 (not a multiple
+/// of its batch of 16). Every position is a megakernel step from position 0, so early steps
+/// have more parts than positions (empty parts: max -inf, sum 0). Logits are compared with the
+/// CPU reference at several positions, the last past the page ring.
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_split_kv_with_many_parts_matches_reference() {
+    let gpu = gpu();
+    const LEN: usize = 700;
+    let checks = [3usize, 60, 200, LEN - 1];
+    for (label, cfg) in [
+        ("hd64-g3", tiny(192, 9, 3, 64, 520)),
+        ("hd128-g2", tiny(256, 4, 2, 128, 520)),
+    ] {
+        let w = random_weights(&cfg, 33);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let tokens: Vec<u32> = (0..LEN as u32).map(|k| (k * 53 + 11) % 1000).collect();
+        let mut cpu = CpuForward::new(&cfg, &w, LEN);
+        let mut want = Vec::new();
+        let mut fed = 0;
+        for &c in &checks {
+            want.push(cpu.forward(&tokens[fed..=c]).unwrap());
+            fed = c + 1;
+        }
+        for parts in [17, 44, 128] {
+            let sched = schedule_for(&cfg, &gpu, LEN, Some(parts)).unwrap();
+            let mut mk = MegakernelPath::new(&gpu, &dm, &sched, LEN).unwrap();
+            let mut fed = 0;
+            let mut worst = 0f64;
+            for (&c, want) in checks.iter().zip(&want) {
+                let got = feed_steps(&mut mk, &tokens[fed..=c]).unwrap();
+                fed = c + 1;
+                let err = rel_l2(&got, want);
+                worst = worst.max(err);
+                println!("{label} parts={parts} at position {c}: rel L2 {err:.2e}");
+                assert!(
+                    err <= TOL_LONG_ATTENTION,
+                    "{label} parts={parts} at position {c}: rel L2 {err:.2e} > {TOL_LONG_ATTENTION:.0e}"
+                );
+            }
+            println!(
+                "{label} parts={parts}: worst rel L2 {worst:.2e} (tolerance {TOL_LONG_ATTENTION:.0e})"
+            );
+        }
+    }
+}
+
+/// A path with three context buckets (up to 40 positions whole, up to 150 in 5 parts, then
+/// 44 parts) switches streams as the sequence grows, between host-fed steps and inside a run
+/// of greedy steps chained on the device. Logits on both sides of each switch match the CPU
+/// reference; the greedy tokens are the reference's argmax (or within a near-tie of it).
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_switches_context_buckets_mid_generation() {
+    let gpu = gpu();
+    const LEN: usize = 400;
+    let cfg = tiny(192, 9, 3, 64, 520);
+    let w = random_weights(&cfg, 45);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let plan = [(40usize, 1usize), (150, 5), (LEN, 44)];
+    let scheds: Vec<Schedule> = plan
+        .iter()
+        .map(|&(upto, parts)| schedule_for(&cfg, &gpu, upto, Some(parts)).unwrap())
+        .collect();
+    let list: Vec<(usize, &Schedule)> = plan.iter().zip(&scheds).map(|(b, s)| (b.0, s)).collect();
+    let mut mk = MegakernelPath::with_buckets(&gpu, &dm, &list, LEN).unwrap();
+    assert_eq!(
+        mk.buckets().0,
+        plan.to_vec(),
+        "buckets as given (up to, parts)"
+    );
+    let mut cpu = CpuForward::new(&cfg, &w, LEN);
+    let tokens: Vec<u32> = (0..LEN as u32).map(|k| (k * 71 + 3) % 1000).collect();
+    let mut worst = 0f64;
+    let mut compare = |what: String, got: &[f32], want: &[f32]| {
+        let err = rel_l2(got, want);
+        worst = worst.max(err);
+        println!("buckets: {what}: rel L2 {err:.2e}");
+        assert!(
+            err <= TOL_LONG_ATTENTION,
+            "{what}: rel L2 {err:.2e} > {TOL_LONG_ATTENTION:.0e}"
+        );
+    };
+
+    // Positions 0..=35 in bucket 0, one step each.
+    let got = feed_steps(&mut mk, &tokens[..36]).unwrap();
+    compare(
+        "position 35 (bucket 0)".into(),
+        &got,
+        &cpu.forward(&tokens[..36]).unwrap(),
+    );
+    assert_eq!(mk.buckets().1, 0);
+
+    // Greedy steps chained on the device through positions 36..=59: the switch to bucket 1
+    // (at position 40) happens between launches the host queues back to back.
+    let first = argmax(&got) as u32;
+    let chosen = mk.decode_greedy(first, 24).unwrap();
+    assert_eq!(mk.buckets().1, 1, "positions past 40 run bucket 1");
+    let mut fed = first;
+    for (i, &t) in chosen.iter().enumerate() {
+        let want = cpu.forward(&[fed]).unwrap();
+        let best = argmax(&want);
+        let gap = want[best as usize] - want[t as usize];
+        println!(
+            "buckets: greedy position {}: token {t}, reference {best} (gap {gap:.2e})",
+            36 + i
+        );
+        assert!(
+            best == t || gap <= 1e-3 * want[best as usize].abs().max(1.0),
+            "greedy position {}: token {t}, reference argmax {best} ahead by {gap}",
+            36 + i
+        );
+        fed = t;
+    }
+    // The last chosen token is fed at position 60; then teacher-forced steps across the
+    // switch to bucket 2 at position 150, compared on both sides of it.
+    let got = feed_steps(&mut mk, &[fed]).unwrap();
+    compare(
+        "position 60 (bucket 1)".into(),
+        &got,
+        &cpu.forward(&[fed]).unwrap(),
+    );
+    let mut pos = 61;
+    for end in [148, 149, 150, 151, 260, LEN - 1] {
+        let seg = &tokens[pos..=end];
+        let got = feed_steps(&mut mk, seg).unwrap();
+        let (_, active) = mk.buckets();
+        compare(
+            format!("position {end} (bucket {active})"),
+            &got,
+            &cpu.forward(seg).unwrap(),
+        );
+        assert_eq!(active, if end < 150 { 1 } else { 2 }, "bucket at {end}");
+        pos = end + 1;
+    }
+    println!("buckets: worst rel L2 {worst:.2e} (tolerance {TOL_LONG_ATTENTION:.0e})");
 }
 
 #[test]

@@ -2,8 +2,16 @@
 // positions [p0, p1) of the sequence.
 //
 // The K and V rows before pos sit in shared memory: the loader staged them in pages (see
-// load_attention below). Row pos (this token's) comes tagged from kv_new. All eight
-// consumer warps work on every step, each step ending at a barrier:
+// load_attention below). Row pos (this token's) comes tagged from kv_new.
+//
+// Two ways to compute it, chosen at compile time by the shape (ATT_BY_WARPS):
+// - by warps (when a lane's queries and output fit its registers: group x head_dim / 8 <= 32,
+//   e.g. Llama-1B and SmolLM2): tile t goes to warp pair t % TILE_GROUPS and each warp of the
+//   pair takes half its rows, with its own online softmax in registers; a warp frees each page
+//   as soon as it is done with it, no barrier until the warps' results are merged once at the
+//   end (see attn_by_warps). A long part streams at the rate the pages arrive.
+// - by rounds (the other shapes): all eight consumer warps work on every step of a round,
+//   each step ending at a barrier:
 //   scores   S[g][j] = q_g · k_j * scale: 8 lanes per position, each a slice of the dims;
 //   softmax  one warp per head: the round's max and sum, S turned into exp(S - max);
 //   values   thread (4 dims, position group) sums P · V over its positions for every head;
@@ -36,6 +44,13 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
     return {p0, p1 == len ? len - 1 : p1, p1 == len};
 }
 
+// Bytes in flight: an SM's share of the read bandwidth is ~3.1 TB/s / 132 = 23.5 GB/s, and a
+// copy takes ~1 µs from issue to landing under load, so by Little's law each SM needs about
+// 23.5 GB/s x 1 µs = ~24 KB in flight to stream at its share. A tile is 16 KB (K and V rows);
+// the loader keeps up to MK_INFLIGHT_STREAM = 4 tiles (64 KB) in flight while the consumers
+// work on this instruction and MK_INFLIGHT = 2 (32 KB) while they are still on earlier ones:
+// both above 24 KB, so the copies keep up as long as the consumers free the pages as fast,
+// i.e. each of the four warp pairs finishes a tile within ~4 x 0.7 µs.
 // Stages an attention instruction's K/V tiles; false when a page wait failed.
 __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
                                u64* full, u64* empty, u64 policy) {
@@ -226,6 +241,196 @@ __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq
     return true;
 }
 
+// ---- by warps ----
+// Tile t (ATT_TR positions) goes to warp pair t % TILE_GROUPS (the page count is a multiple of
+// TILE_GROUPS, so a page is always consumed by the same pair, as for weight tiles); each warp
+// of the pair takes ATT_WROWS of its rows, in blocks of ATT_WSTEPS steps of 4 positions, one
+// per octet of lanes (8 lanes splitting the dims: lane q8 holds dims 64 j + 8 q8 + e, so that an octet
+// reads a row's 16-byte pieces side by side). Each "empty" barrier counts two arrivals: the
+// pair's two warps.
+// A warp's rows are taken ATT_BROWS at a time, one online-softmax step each (16 rows: the
+// scores of a longer block held in registers beside the queries and the output made
+// Llama-1B's kernel spill).
+constexpr int ATT_WROWS = ATT_TR / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4;
+constexpr bool ATT_BY_WARPS = ATT_G * ATT_LANE_DIMS <= 32;
+
+__device__ __forceinline__ int attn_lane_dim(int q8, int k) { return (k >> 3) * 64 + q8 * 8 + (k & 7); }
+
+// Rows [0, rows) of a block of the warp's (1 <= rows <= ATT_BROWS): scores, the online
+// softmax step (running max m, sum l, output acc; per lane a slice of the dims, summed over
+// its octet's positions) and the weighted values. Positions past rows are computed on the last
+// valid row and weigh 0.
+__device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* vp, int rows,
+                                               const float (&q)[ATT_G][ATT_LANE_DIMS], float (&m)[ATT_G],
+                                               float (&l)[ATT_G], float (&acc)[ATT_G][ATT_LANE_DIMS], float scale) {
+    constexpr int G = ATT_G, LD = ATT_LANE_DIMS, HD = ATT_HD, ST = ATT_WSTEPS;
+    const int lane = threadIdx.x & 31, octet = lane >> 3, q8 = lane & 7;
+    float s[G][ST];
+#pragma unroll
+    for (int st = 0; st < ST; st++) {
+        const bf16_t* kr = kp + min(st * 4 + octet, rows - 1) * HD + q8 * 8;
+        float k[LD];
+#pragma unroll
+        for (int j = 0; j < LD / 8; j++) widen8(*(const uint4*)(kr + 64 * j), k + 8 * j);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < LD; i++) d = fmaf(q[g][i], k[i], d);
+            s[g][st] = d;
+        }
+    }
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1)
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int st = 0; st < ST; st++) s[g][st] += __shfl_xor_sync(0xffffffffu, s[g][st], o);
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int st = 0; st < ST; st++) {
+            s[g][st] = st * 4 + octet < rows ? s[g][st] * scale : NEG_INF;
+            mx = fmaxf(mx, s[g][st]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        // Finite (row 0 is valid); the factor is 0 on the warp's first tile (m = -inf).
+        const float mn = fmaxf(m[g], mx), corr = __expf(m[g] - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int st = 0; st < ST; st++) {
+            s[g][st] = __expf(s[g][st] - mn);
+            ps += s[g][st];
+        }
+        ps += __shfl_xor_sync(0xffffffffu, ps, 8);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 16);
+        l[g] = l[g] * corr + ps;
+        m[g] = mn;
+#pragma unroll
+        for (int i = 0; i < LD; i++) acc[g][i] *= corr;
+    }
+#pragma unroll
+    for (int st = 0; st < ST; st++) {
+        const bf16_t* vr = vp + min(st * 4 + octet, rows - 1) * HD + q8 * 8;
+        float v[LD];
+#pragma unroll
+        for (int j = 0; j < LD / 8; j++) widen8(*(const uint4*)(vr + 64 * j), v + 8 * j);
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int i = 0; i < LD; i++) acc[g][i] = fmaf(s[g][st], v[i], acc[g][i]);
+    }
+}
+
+// The whole part by warps (see the top of the file): each warp streams its tiles, then the
+// warps' (max, sum, output) and this token's position are merged by thread (head, dim).
+// Scratch: the S region holds each warp's max and sum per head, then this token's scores;
+// each warp's output goes to its partial region.
+__device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a, u32 instr, u32 seq,
+                             const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof, int n,
+                             int ntiles) {
+    constexpr int G = ATT_G, LD = ATT_LANE_DIMS, HD = ATT_HD, CW = CONSUMER_WARPS;
+    static_assert(ATT_WROWS % ATT_BROWS == 0 && LD % 8 == 0, "a warp's rows are whole blocks");
+    static_assert((2 * CW + 1) * G <= ATT_OFF_PART, "the warps' statistics fit the score rows");
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, q8 = lane & 7, octet = lane >> 3;
+    const int pair = cw >> 1, half = cw & 1;
+    const float* qs = scratch + ATT_OFF_Q;
+    const float* kn = scratch + ATT_OFF_KN;
+    const float* vn = scratch + ATT_OFF_VN;
+    float* partial = scratch + ATT_OFF_PART;
+    float* wstat = scratch;  // [CW][max[G], sum[G]], then this token's score per head
+    const float scale = rsqrtf((float)HD);
+    float q[G][LD], m[G], l[G], acc[G][LD];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < LD; i++) {
+            q[g][i] = qs[g * HD + attn_lane_dim(q8, i)];
+            acc[g][i] = 0.f;
+        }
+    }
+    for (int t = pair; t < ntiles; t += TILE_GROUPS) {
+        const u32 sq = seq + t, slot = sq % p.pages;
+        const bool landed = page_wait(p, &full[slot], (sq / p.pages) & 1, ERR_PAGE_CONSUMER, instr, sq);
+        // The whole warp goes on or stops together (the tile's shuffles need every lane).
+        if (!__all_sync(0xffffffffu, landed)) {
+            set_failed(1);
+            break;
+        }
+        const int rows = min(ATT_TR, n - t * ATT_TR) - half * ATT_WROWS;
+        const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + half * ATT_WROWS * HD;
+#pragma unroll
+        for (int b = 0; b < ATT_WROWS / ATT_BROWS; b++)
+            if (rows > b * ATT_BROWS)
+                attn_warp_block(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
+                                min(rows - b * ATT_BROWS, ATT_BROWS), q, m, l, acc, scale);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+    // The warp's output: its four octets' sums.
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int i = 0; i < LD; i++) {
+            acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], 8);
+            acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], 16);
+        }
+    if (octet == 0)
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int j = 0; j < LD / 8; j++) {
+                float* dst = partial + (cw * G + g) * HD + 64 * j + 8 * q8;
+                *(float4*)dst = make_float4(acc[g][8 * j], acc[g][8 * j + 1], acc[g][8 * j + 2], acc[g][8 * j + 3]);
+                *(float4*)(dst + 4) = make_float4(acc[g][8 * j + 4], acc[g][8 * j + 5], acc[g][8 * j + 6], acc[g][8 * j + 7]);
+            }
+    if (lane == 0)
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            wstat[cw * 2 * G + g] = m[g];
+            wstat[cw * 2 * G + G + g] = l[g];
+        }
+    // This token's score (the last part only), a warp per head.
+    if (a.has_new)
+        for (int g = cw; g < G; g += CW) {
+            float d = 0.f;
+            for (int k = lane; k < HD; k += 32) d = fmaf(qs[g * HD + k], kn[k], d);
+            d = warp_sum(d);
+            if (lane == 0) wstat[2 * CW * G + g] = d * scale;
+        }
+    if (consumers_failed()) return ntiles;
+    // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
+    if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
+    for (int i = ct; i < G * HD; i += CONSUMERS) {
+        const int g = i / HD, d = i % HD;
+        const float sn = a.has_new ? wstat[2 * CW * G + g] : NEG_INF;
+        float M = sn;
+#pragma unroll
+        for (int k = 0; k < CW; k++) M = fmaxf(M, wstat[k * 2 * G + g]);
+        // M is finite: the part has a position (an empty part never gets here). A warp
+        // without one has max -inf and sum 0, and weighs 0.
+        float L = 0.f, o = 0.f;
+#pragma unroll
+        for (int k = 0; k < CW; k++) {
+            const float c = __expf(wstat[k * 2 * G + g] - M);
+            L = fmaf(wstat[k * 2 * G + G + g], c, L);
+            o = fmaf(partial[(k * G + g) * HD + d], c, o);
+        }
+        if (a.has_new) {
+            const float c = __expf(sn - M);
+            L += c;
+            o = fmaf(c, vn[d], o);
+        }
+        attn_store(p, w, i, o / L, M, L);
+    }
+    if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
+    return ntiles;
+}
+
 // Returns how many of the ring's tiles (staged K/V) it consumed.
 __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m, u32 instr, u32 seq,
                             const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof) {
@@ -272,6 +477,9 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         // A part with no position (more parts than positions): an empty softmax.
         for (int i = ct; i < G * hd; i += CONSUMERS) attn_store(p, w, i, 0.f, NEG_INF, 0.f);
         return 0;
+    }
+    if constexpr (ATT_BY_WARPS) {
+        return attn_by_warps(p, w, a, instr, seq, pages, full, empty, scratch, prof, n, ntiles);
     }
     const float scale = rsqrtf((float)hd);
     for (int t0 = 0; t0 == 0 || t0 < ntiles; t0 += round_tiles) {

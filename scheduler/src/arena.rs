@@ -13,11 +13,14 @@
 //! | `q` | `[layers][heads·d]` | `q[l]` |
 //! | `kv_new` | `[layers][2][kv_heads·d]` | this step's row of `k_cache[l]` (0), `v_cache[l]` (1) |
 //! | `attn_out` | `[layers][heads·d]` | `attn_out[l]` |
-//! | `attn_part` | `[layers][heads][parts][d + 2]` | per slot `attn_part[l]`'s `d` values, then `attn_stats[l]`'s 2 |
 //! | `act` | `[layers][intermediate]` | `act[l]` |
 //! | `lm_best` | `[max(blocks, 1)][2]` | `lm_best` |
+//! | `attn_part` | `[layers][heads][parts][d + 2]` | per slot `attn_part[l]`'s `d` values, then `attn_stats[l]`'s 2 |
 //!
 //! `resid_attn` comes first: the kernel reports an element by its offset from there.
+//! `attn_part` comes last: schedules of one model that differ only in their split-KV parts
+//! (the context buckets, see [`crate::buckets`]) agree on every other offset, so one arena,
+//! sized for the most parts, serves them all.
 
 use std::ops::Range;
 
@@ -49,12 +52,12 @@ impl ArenaLayout {
             ("q", l * qd),
             ("kv_new", l * 2 * model.kv_dim()),
             ("attn_out", l * qd),
+            ("act", l * model.intermediate),
+            ("lm_best", 2 * lm_blocks.max(1)),
             (
                 "attn_part",
                 l * model.heads * attn_parts * (model.head_dim + 2),
             ),
-            ("act", l * model.intermediate),
-            ("lm_best", 2 * lm_blocks.max(1)),
         ];
         let mut len = 0;
         let parts = sizes

@@ -225,6 +225,33 @@ impl fmt::Display for Summary {
                 ratio
             )?;
         }
+        // What one SM streams per layer: its share of the K/V cache beside its share of the
+        // weights (the split-KV parts are sized so that every SM takes a share of both).
+        let stage = |k: StageKind| self.stages.iter().find(|st| st.kind == k);
+        let weights: f64 = [
+            StageKind::Qkv,
+            StageKind::OProj,
+            StageKind::UpGate,
+            StageKind::Down,
+        ]
+        .into_iter()
+        .filter_map(stage)
+        .map(|st| st.mean)
+        .sum();
+        if let Some(kv) = stage(StageKind::Attention) {
+            writeln!(
+                f,
+                "per SM and layer: K/V mean {} (max {}), weights mean {}: K/V/weights {:.2}",
+                kib(kv.mean),
+                kib(kv.max as f64),
+                kib(weights),
+                if weights > 0.0 {
+                    kv.mean / weights
+                } else {
+                    0.0
+                }
+            )?;
+        }
         let e = &self.estimate;
         writeln!(
             f,

@@ -10,6 +10,8 @@
 //!   live and how an element is named); [`deps`] derives the edges from [`access`].
 //! - [`Schedule::encode`] gives the words the GPU interprets ([`encode`] documents the layout).
 //! - [`dump`] prints a summary, estimates the time per token and exports JSON.
+//! - [`buckets`] plans one schedule per range of sequence lengths (split-KV attention
+//!   depends on how many positions it reads).
 //! - [`exec`] runs a schedule on the CPU by the GPU's rule in seeded random interleavings over
 //!   any [`Machine`], and predicts what the GPU reports when an instruction is removed.
 //!
@@ -17,6 +19,7 @@
 
 pub mod arena;
 mod assign;
+pub mod buckets;
 mod build;
 pub mod deps;
 pub mod dump;
@@ -31,6 +34,7 @@ pub mod shape;
 pub mod validate;
 
 pub use arena::ArenaLayout;
+pub use buckets::{bucket_bounds, bucket_context, bucket_for, plan_buckets, Bucket};
 pub use build::build;
 pub use deps::dependencies;
 pub use encode::{DecodeError, Encoded, WORDS_PER_INSTR};

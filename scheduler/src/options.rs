@@ -17,7 +17,10 @@ use crate::{build, GpuShape, ModelShape, Schedule, ScheduleError};
 /// four rows at a time), except where the dimension itself is smaller. A coarser step left
 /// small models' stages on a fraction of the SMs, each instruction then taking longer.
 const ROW_GRANULE: usize = 4;
-const MAX_ATTN_PARTS: usize = 64;
+/// The most split-KV partitions the cost model picks per KV head; the megakernel's reduction
+/// keeps two floats per (query head, part) of a KV head in its attention scratch, which holds
+/// 128 parts.
+pub const MAX_ATTN_PARTS: usize = 128;
 
 /// Machine and workload figures the granularity and the time estimate are computed from.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -210,25 +213,44 @@ fn best_rows(
     best.1
 }
 
-/// Partitions per KV head minimising the attention stage plus the reduction it then needs.
-fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, context: usize) -> usize {
-    let head_bytes = (2 * 2 * context * model.head_dim) as u64;
-    let kv = model.kv_heads;
+/// Split-KV partitions per KV head minimising the attention stage plus the reduction it then
+/// needs: `rounds × (part bytes + fixed) + reduction`, `rounds = ceil(kv_heads × parts / SMs)`.
+/// Every count up to [`MAX_ATTN_PARTS`] is a candidate, not only powers of two, so that a model
+/// with few KV heads still spreads its K/V over every SM (SmolLM2's 3 heads take 44 parts on
+/// 132 SMs: each SM streams 1/132 of the cache, as it does of the weights); ties go to fewer
+/// parts (one reduction input less). The reduction of each KV head is one instruction that
+/// reads its parts' outputs from L2 in a few batches, costed as one fixed cost.
+pub fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, context: usize) -> usize {
     let mut best = (u64::MAX, 1);
-    let mut parts = 1;
-    while parts <= MAX_ATTN_PARTS.min(context) {
-        let attn = (kv * parts).div_ceil(sms) as u64 * (head_bytes.div_ceil(parts as u64) + fixed);
-        let reduce = if parts > 1 {
-            kv.div_ceil(sms) as u64 * fixed
-        } else {
-            0
-        };
-        if attn + reduce < best.0 {
-            best = (attn + reduce, parts);
+    for parts in 1..=MAX_ATTN_PARTS.min(context.max(1)) {
+        let cost = attn_stage_cost(model, sms, fixed, context, parts);
+        if cost < best.0 {
+            best = (cost, parts);
         }
-        parts *= 2;
     }
     best.1
+}
+
+/// The cost model's figure for the attention stage (and its reduction) with `parts` per KV
+/// head at `context` positions, in bytes-equivalent on the most loaded SM.
+pub fn attn_stage_cost(
+    model: &ModelShape,
+    sms: usize,
+    fixed: u64,
+    context: usize,
+    parts: usize,
+) -> u64 {
+    let head_bytes = (2 * 2 * context * model.head_dim) as u64;
+    let kv = model.kv_heads;
+    let parts = parts.max(1);
+    let attn =
+        (kv * parts).div_ceil(sms.max(1)) as u64 * (head_bytes.div_ceil(parts as u64) + fixed);
+    let reduce = if parts > 1 {
+        kv.div_ceil(sms.max(1)) as u64 * fixed
+    } else {
+        0
+    };
+    attn + reduce
 }
 
 /// Granularity chosen by hand instead of by the cost model, field by field.

@@ -236,6 +236,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         if let Some(ms) = args.wait_timeout_ms {
             path.set_wait_timeout_ms(ms)?;
         }
+        if let Some(mk) = path.as_megakernel() {
+            eprintln!(
+                "bench: megakernel context buckets (up to, split-KV parts): {:?}",
+                mk.buckets().0
+            );
+        }
         // Warm-up: compilation, module load, first-touch of every buffer.
         decode(&mut path, &prompt, args.gen, &params)?;
         let (mut tpot, mut ttft) = (Vec::new(), Vec::new());

@@ -23,8 +23,9 @@ pub struct ScheduleArgs {
     /// A known shape instead of a model: llama-3.2-1b, llama-3.2-3b, smollm2-135m.
     #[arg(long)]
     pub preset: Option<String>,
-    /// Sequence length attention is costed at (`run` and `bench` use the prompt plus the new
-    /// tokens).
+    /// Sequence length attention is costed at; also the longest sequence of the context
+    /// buckets listed at the end (`run` and `bench` keep one schedule per bucket up to their
+    /// context and switch as the sequence grows).
     #[arg(long, default_value_t = 1024)]
     pub context: usize,
     /// Streaming multiprocessors, one instruction stream each (default: the GPU's, or an
@@ -164,6 +165,38 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{source}")?;
     write!(out, "{}", dump::summarize(&schedule, &cost))?;
+    // The buckets `run` and `bench` switch between for sequences up to --context, with the
+    // K/V each SM streams per layer at a bucket's longest sequence.
+    let shape = crate::reference::sliced::shape_of(&cfg);
+    let overrides = crate::gpu::megakernel::model_overrides(&cfg, &overrides)?;
+    let buckets = scheduler::plan_buckets(&shape, &gpu, &cost, &overrides, args.context)
+        .map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    writeln!(
+        out,
+        "
+context buckets for sequences up to {} positions:",
+        args.context
+    )?;
+    for b in &buckets {
+        let at_end = CostModel {
+            context: b.upto,
+            ..cost
+        };
+        let kv_max = dump::summarize(&b.schedule, &at_end)
+            .stages
+            .iter()
+            .find(|st| st.kind == scheduler::StageKind::Attention)
+            .map_or(0, |st| st.max);
+        writeln!(
+            out,
+            "  up to {:>7}: {:>3} split-KV parts (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB",
+            b.upto,
+            b.schedule.options.attn_parts,
+            b.schedule.options.context,
+            b.upto,
+            kv_max as f64 / 1024.0
+        )?;
+    }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&dump::to_json(&schedule))?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;

@@ -32,6 +32,11 @@ pub use launch::MAX_EPOCH;
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
 
+/// The most split-KV parts an `AttnReduce` merges: it keeps two floats per (query head, part)
+/// in the attention scratch's score rows (see megakernel/ops/attn_reduce.cuh).
+pub const MAX_REDUCE_PARTS: usize = abi::ATT_ROUND / 2;
+const _: () = assert!(MAX_REDUCE_PARTS >= scheduler::options::MAX_ATTN_PARTS);
+
 /// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
 
@@ -42,24 +47,24 @@ pub struct MegakernelPath<'g> {
     _module: Arc<CudaModule>,
     params: MkParams,
     smem: u32,
-    pub instructions: usize,
-    words: CudaSlice<u32>,
-    _sm_offsets: CudaSlice<u32>,
+    /// One set of streams per context bucket, shortest sequences first; `active` is the one
+    /// the next launch runs (see `select_bucket`).
+    buckets: Vec<Streams>,
+    active: usize,
+    /// The position the next launch decodes (its meta's `pos`): the host writes it with the
+    /// meta and every launch advances it, so the bucket is chosen without a device read.
+    next_pos: usize,
     error: CudaSlice<u32>,
     progress: CudaSlice<u32>,
-    sm_offsets: Vec<u32>,
     meta: CudaSlice<u32>,
     history: CudaSlice<u32>,
     logits: CudaSlice<f32>,
-    /// Every tagged activation buffer, one after the other (see `scheduler::arena`).
+    /// Every tagged activation buffer, one after the other (see `scheduler::arena`), sized
+    /// for the bucket with the most split-KV parts (the parts' slots come last).
     arena: CudaSlice<u64>,
-    arena_layout: ArenaLayout,
     _layers: CudaSlice<LayerW>,
     _kv: KvCache,
     seq: Sequence,
-    /// Per encoded position: the instruction, for error messages.
-    descs: Vec<String>,
-    kinds: Vec<&'static str>,
     /// Made on the first sampled step: the draw runs as two small kernels after each launch,
     /// reading the launch's logits and writing the token where the next launch reads it.
     sampler: Option<DeviceSampler>,
@@ -70,16 +75,47 @@ pub const QUANTIZED_UNSUPPORTED: &str = "the megakernel reads bf16 weights only,
      keeps quantised (Q8_0/Q4_0/Q4_1) matrices (--dtype bf16 widens them; the graph paths run them \
      as stored)";
 
+/// One context bucket's instruction streams, uploaded once: sequences of at most `upto`
+/// positions run them (see `scheduler::buckets`).
+struct Streams {
+    upto: usize,
+    attn_parts: usize,
+    instructions: usize,
+    words: CudaSlice<u32>,
+    offsets: CudaSlice<u32>,
+    sm_offsets: Vec<u32>,
+    /// Per encoded position: the instruction, for error messages.
+    descs: Vec<String>,
+    kinds: Vec<&'static str>,
+    /// Names arena offsets as this bucket's schedule lays them out.
+    arena: ArenaLayout,
+}
+
 impl<'g> MegakernelPath<'g> {
+    /// A path running one schedule at every sequence length.
     pub fn new(
         gpu: &'g Gpu,
         model: &'g DeviceModel,
         schedule: &Schedule,
         max_seq: usize,
     ) -> Result<Self> {
+        Self::with_buckets(gpu, model, &[(usize::MAX, schedule)], max_seq)
+    }
+
+    /// A path with one set of streams per context bucket: `(upto, schedule)`, `upto`
+    /// increasing; a step at position `pos` runs the first bucket with `pos + 1 <= upto` (the
+    /// last one beyond). Every schedule is uploaded here, so switching between them at run
+    /// time only changes two pointers of the launch parameters. The schedules must differ in
+    /// their split-KV partitioning only (as `scheduler::plan_buckets` makes them).
+    pub fn with_buckets(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        buckets: &[(usize, &Schedule)],
+        max_seq: usize,
+    ) -> Result<Self> {
         let c = &model.config;
         if c.qk_norm {
-            if let Some(op) = schedule.instrs.iter().find(|op| {
+            if let Some(op) = buckets.iter().flat_map(|(_, s)| &s.instrs).find(|op| {
                 matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != c.head_dim / 2)
             }) {
                 bail!("schedule: {op:?} covers part of a head; a model with q/k norms needs whole heads (qkv_pairs = {})", c.head_dim / 2);
@@ -88,12 +124,45 @@ impl<'g> MegakernelPath<'g> {
         if model.is_quantized() {
             bail!("megakernel: {QUANTIZED_UNSUPPORTED}");
         }
-        if schedule.streams.len() != gpu.sm_count {
-            bail!(
-                "schedule built for {} SMs, the GPU has {}",
-                schedule.streams.len(),
-                gpu.sm_count
-            );
+        let Some(&(_, first)) = buckets.first() else {
+            bail!("megakernel: no schedule given");
+        };
+        for w in buckets.windows(2) {
+            if w[0].0 >= w[1].0 {
+                bail!(
+                    "megakernel: context buckets must grow: up to {} before up to {}",
+                    w[0].0,
+                    w[1].0
+                );
+            }
+        }
+        for &(upto, schedule) in buckets {
+            if schedule.streams.len() != gpu.sm_count {
+                bail!(
+                    "schedule built for {} SMs, the GPU has {}",
+                    schedule.streams.len(),
+                    gpu.sm_count
+                );
+            }
+            let (a, b) = (&first.options, &schedule.options);
+            let same = schedule.model == first.model
+                && (
+                    a.qkv_pairs,
+                    a.oproj_rows,
+                    a.upgate_rows,
+                    a.down_rows,
+                    a.down_chunks,
+                ) == (
+                    b.qkv_pairs,
+                    b.oproj_rows,
+                    b.upgate_rows,
+                    b.down_rows,
+                    b.down_chunks,
+                )
+                && a.lmhead_rows == b.lmhead_rows;
+            if !same {
+                bail!("megakernel: the schedule for sequences up to {upto} differs from the first in more than its split-KV parts");
+            }
         }
         let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
         if attention_scratch > 16384 {
@@ -103,48 +172,58 @@ impl<'g> MegakernelPath<'g> {
                 c.head_dim
             );
         }
-        let enc = schedule.encode();
-        let mut descs = Vec::new();
-        let mut kinds = Vec::new();
         let mut max_cols = c.hidden_size.max(c.q_dim());
-        for &k in schedule.streams.iter().flatten() {
-            let op = &schedule.instrs[k as usize];
-            descs.push(schedule.describe(k as usize));
-            kinds.push(op.kind().name());
-            let rows = match *op {
-                Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
-                Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
-                Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
-                    row_count as usize
+        let mut encoded = Vec::new();
+        for &(upto, schedule) in buckets {
+            let enc = schedule.encode();
+            let mut descs = Vec::new();
+            let mut kinds = Vec::new();
+            for &k in schedule.streams.iter().flatten() {
+                let op = &schedule.instrs[k as usize];
+                descs.push(schedule.describe(k as usize));
+                kinds.push(op.kind().name());
+                let rows = match *op {
+                    Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
+                    Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
+                    Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
+                        row_count as usize
+                    }
+                    Op::DownProjPartial {
+                        row_count,
+                        col_count,
+                        ..
+                    } => {
+                        max_cols = max_cols.max(col_count as usize);
+                        row_count as usize
+                    }
+                    _ => 0,
+                };
+                if let Op::AttnReduce { parts, .. } = *op {
+                    if parts as usize > MAX_REDUCE_PARTS {
+                        bail!("schedule: {op:?} merges {parts} split-KV parts; the megakernel merges at most {MAX_REDUCE_PARTS}");
+                    }
                 }
-                Op::DownProjPartial {
-                    row_count,
-                    col_count,
-                    ..
-                } => {
-                    max_cols = max_cols.max(col_count as usize);
-                    row_count as usize
-                }
-                _ => 0,
-            };
-            // O-proj keeps its residual rows in the second half of the row buffer.
-            let limit = if matches!(op, Op::OProjResidual { .. }) {
-                RES_MAX / 2
-            } else {
-                RES_MAX
-            };
-            if rows > limit {
-                bail!(
+                // O-proj keeps its residual rows in the second half of the row buffer.
+                let limit = if matches!(op, Op::OProjResidual { .. }) {
+                    RES_MAX / 2
+                } else {
+                    RES_MAX
+                };
+                if rows > limit {
+                    bail!(
                     "schedule: {op:?} computes {rows} rows; the megakernel holds at most {limit}"
                 );
+                }
             }
+            encoded.push((upto, schedule, enc, descs, kinds));
         }
         if max_cols * 2 > PAGE_BYTES {
             bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
         }
-        let (words, offsets) = (enc.words, enc.sm_offsets);
-        let (n_lm, chunks) = (enc.lm_blocks as usize, enc.down_chunks as usize);
-        let instructions = words.len() / WORDS;
+        let (n_lm, chunks) = (
+            encoded[0].2.lm_blocks as usize,
+            encoded[0].2.down_chunks as usize,
+        );
         let xs_floats = xs_floats(max_cols, attention_scratch);
         let (module, kernel) = compile::load(gpu, c)?;
         // The kernel's static shared memory (its two flags) sits beside the pages.
@@ -165,8 +244,13 @@ impl<'g> MegakernelPath<'g> {
         let s = &gpu.stream;
         let (l, h) = (c.num_layers, c.hidden_size);
         // The layout the scheduler names elements by (resid_attn first: the kernel reports a
-        // stuck element by its offset from there).
-        let arena = schedule.arena();
+        // stuck element by its offset from there). The buckets' layouts agree but for the
+        // length of attn_part, which comes last: the one with the most parts sizes the arena.
+        let arena = buckets
+            .iter()
+            .map(|(_, s)| s.arena())
+            .max_by_key(|a| a.len())
+            .expect("at least one bucket");
         let arena_d = gpu.alloc_zeros::<u64>(arena.len(), "tagged activations")?;
         let base = ptr(&arena_d, s);
         let at = |name: &str| base + 8 * arena.offset(name) as u64;
@@ -188,16 +272,27 @@ impl<'g> MegakernelPath<'g> {
             .collect();
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
-        let words_d = gpu.upload(&words, "instruction streams")?;
-        let offsets_d = gpu.upload(&offsets, "stream offsets")?;
-        let offsets_host = offsets.clone();
+        let mut streams = Vec::new();
+        for (upto, schedule, enc, descs, kinds) in encoded {
+            streams.push(Streams {
+                upto,
+                attn_parts: schedule.options.attn_parts,
+                instructions: enc.words.len() / WORDS,
+                words: gpu.upload(&enc.words, "instruction streams")?,
+                offsets: gpu.upload(&enc.sm_offsets, "stream offsets")?,
+                sm_offsets: enc.sm_offsets,
+                descs,
+                kinds,
+                arena: schedule.arena(),
+            });
+        }
         let error = gpu.alloc_zeros::<u32>(8, "error word")?;
         let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
         let params = MkParams {
-            instrs: ptr(&words_d, s),
-            sm_offsets: ptr(&offsets_d, s),
+            instrs: ptr(&streams[0].words, s),
+            sm_offsets: ptr(&streams[0].offsets, s),
             error: ptr(&error, s),
             progress: ptr(&progress, s),
             profile: 0,
@@ -242,22 +337,18 @@ impl<'g> MegakernelPath<'g> {
             _module: module,
             params,
             smem,
-            instructions,
-            words: words_d,
-            _sm_offsets: offsets_d,
+            buckets: streams,
+            active: 0,
+            next_pos: 0,
             error,
             progress,
-            sm_offsets: offsets_host,
             meta,
             history,
             logits,
             arena: arena_d,
-            arena_layout: arena,
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
-            descs,
-            kinds,
             sampler: None,
         })
     }
@@ -270,16 +361,60 @@ impl<'g> MegakernelPath<'g> {
     /// (see [`Self::make_noop`]). Not for running models: the kernel trusts its words.
     #[doc(hidden)]
     pub fn poke_word(&mut self, instruction: usize, word: usize, value: u32) -> Result<()> {
-        if instruction >= self.instructions || word >= WORDS {
+        let b = &mut self.buckets[self.active];
+        if instruction >= b.instructions || word >= WORDS {
             bail!(
                 "poke_word: instruction {instruction} word {word} is outside the {} instructions of {WORDS} words",
-                self.instructions
+                b.instructions
             );
         }
-        let mut all = self.gpu.stream.clone_dtoh(&self.words)?;
+        let mut all = self.gpu.stream.clone_dtoh(&b.words)?;
         all[instruction * WORDS + word] = value;
-        self.gpu.stream.memcpy_htod(&all, &mut self.words)?;
+        self.gpu.stream.memcpy_htod(&all, &mut b.words)?;
         Ok(())
+    }
+
+    /// Encoded instructions of the streams the next launch runs.
+    pub fn instructions(&self) -> usize {
+        self.streams().instructions
+    }
+
+    /// The streams the next launch runs.
+    fn streams(&self) -> &Streams {
+        &self.buckets[self.active]
+    }
+
+    /// `(upto, split-KV parts)` of every context bucket, and the index of the one the last
+    /// launch ran (the first before any).
+    pub fn buckets(&self) -> (Vec<(usize, usize)>, usize) {
+        let b = self
+            .buckets
+            .iter()
+            .map(|b| (b.upto, b.attn_parts))
+            .collect();
+        (b, self.active)
+    }
+
+    /// The bucket a step at position `pos` runs in.
+    fn bucket_at(&self, pos: usize) -> usize {
+        let len = pos.saturating_add(1);
+        self.buckets
+            .iter()
+            .position(|b| b.upto >= len)
+            .unwrap_or(self.buckets.len() - 1)
+    }
+
+    /// Points the launch at the streams of the bucket that a step at position `pos` runs in
+    /// (its sequence is `pos + 1` long). Off the per-token path: a comparison per launch,
+    /// and two pointers when the sequence crosses into the next bucket.
+    fn select_bucket(&mut self, pos: usize) {
+        let want = self.bucket_at(pos);
+        if want != self.active {
+            self.active = want;
+            let s = &self.gpu.stream;
+            self.params.instrs = ptr(&self.buckets[want].words, s);
+            self.params.sm_offsets = ptr(&self.buckets[want].offsets, s);
+        }
     }
 
     /// Test hook: turns the instruction at encoded position `instruction` into a no-op
@@ -315,6 +450,7 @@ impl Steps for MegakernelPath<'_> {
 
     /// The step of epoch `e` reads meta slot `e % 2` (its argmax writes the other one).
     fn write_meta(&mut self, token: u32, pos: usize) -> Result<()> {
+        self.next_pos = pos;
         let slot = (self.params.epoch & 1) as usize;
         let mut dst = self.meta.slice_mut(slot * 4..slot * 4 + 4);
         self.gpu
@@ -421,10 +557,10 @@ pub fn megakernel_gpu_shape(
     }
 }
 
-/// The schedule the megakernel runs for `config` on a GPU of shape `gpu` with `cost` (for
-/// `run` and `bench`: `CostModel::megakernel(context)`), granularity overridden by
-/// `overrides`. `run`, `bench` (through [`schedule_for`]) and `megainfer schedule` all build
-/// their schedules here.
+/// A schedule of the megakernel for `config` on a GPU of shape `gpu` with `cost`, granularity
+/// overridden by `overrides` (`scheduler::plan`). `megainfer schedule` and [`schedule_for`]
+/// build theirs here; `run` and `bench` build one per context bucket by the same plan and cost
+/// model ([`buckets_for`]), which `megainfer schedule` lists at its end.
 pub fn megakernel_schedule(
     config: &crate::model::Config,
     gpu: &scheduler::GpuShape,
@@ -432,23 +568,31 @@ pub fn megakernel_schedule(
     overrides: &scheduler::Overrides,
 ) -> Result<Schedule> {
     let shape = crate::reference::sliced::shape_of(config);
-    // A head's q/k norm needs the whole head's sum of squares: such models get one
-    // instruction per head, so that the sum is local to it.
+    let overrides = model_overrides(config, overrides)?;
+    scheduler::plan(&shape, gpu, cost, &overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+}
+
+/// `overrides` with what the model's steps require: a head's q/k norm needs the whole head's
+/// sum of squares, so such models get one QKV instruction per head (the sum is local to it).
+pub fn model_overrides(
+    config: &crate::model::Config,
+    overrides: &scheduler::Overrides,
+) -> Result<scheduler::Overrides> {
     let mut overrides = *overrides;
     if config.qk_norm {
         let whole = config.head_dim / 2;
         match overrides.qkv_pairs {
-            Some(n) if n != whole => anyhow::bail!(
+            Some(n) if n != whole => bail!(
                 "--qkv-pairs {n}: a model with q/k norms (Qwen3) needs whole heads, qkv_pairs = {whole}"
             ),
             _ => overrides.qkv_pairs = Some(whole),
         }
     }
-    scheduler::plan(&shape, gpu, cost, &overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+    Ok(overrides)
 }
 
-/// The schedule the megakernel runs for `config` on `gpu`, attention costed at `context`
-/// positions (the prompt plus the new tokens), `attn_parts` overriding the split-KV
+/// One schedule for `config` on `gpu`, attention costed at `context` positions (tests and
+/// tools; `run` and `bench` use [`buckets_for`]), `attn_parts` overriding the split-KV
 /// partitions.
 pub fn schedule_for(
     config: &crate::model::Config,
@@ -463,4 +607,42 @@ pub fn schedule_for(
     };
     let cost = scheduler::CostModel::megakernel(context);
     megakernel_schedule(config, &shape, &cost, &overrides)
+}
+
+/// One schedule per context bucket for sequences of up to `max_seq` positions on `gpu`
+/// (`scheduler::plan_buckets` with the megakernel's cost model), `attn_parts` overriding the
+/// split-KV partitions of every bucket (then there is one).
+pub fn buckets_for(
+    config: &crate::model::Config,
+    gpu: &Gpu,
+    max_seq: usize,
+    attn_parts: Option<usize>,
+) -> Result<Vec<scheduler::Bucket>> {
+    let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
+    let overrides = model_overrides(
+        config,
+        &scheduler::Overrides {
+            attn_parts,
+            ..Default::default()
+        },
+    )?;
+    let model = crate::reference::sliced::shape_of(config);
+    let cost = scheduler::CostModel::megakernel(max_seq.max(1));
+    scheduler::plan_buckets(&model, &shape, &cost, &overrides, max_seq)
+        .map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+}
+
+impl<'g> MegakernelPath<'g> {
+    /// A path for sequences of up to `max_seq` positions with a set of streams per context
+    /// bucket ([`buckets_for`]).
+    pub fn bucketed(
+        gpu: &'g Gpu,
+        model: &'g DeviceModel,
+        max_seq: usize,
+        attn_parts: Option<usize>,
+    ) -> Result<Self> {
+        let buckets = buckets_for(&model.config, gpu, max_seq, attn_parts)?;
+        let list: Vec<(usize, &Schedule)> = buckets.iter().map(|b| (b.upto, &b.schedule)).collect();
+        Self::with_buckets(gpu, model, &list, max_seq)
+    }
 }

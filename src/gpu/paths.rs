@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 
 use super::baseline::{BaselinePath, Mode};
 use super::device::Gpu;
-use super::megakernel::{schedule_for, MegakernelPath};
+use super::megakernel::MegakernelPath;
 use super::model::DeviceModel;
 use crate::generate::Backend;
 use crate::sampling::Sampler;
@@ -91,9 +91,10 @@ pub enum GpuPath<'g> {
 
 impl<'g> GpuPath<'g> {
     /// `max_seq` sizes the KV cache; `expected_len` is the length the sequence is expected to
-    /// reach, which the megakernel's schedule is costed at and the graph paths choose their
-    /// attention for: splitting attention for a 4096-token cache costs a 40-token answer a
-    /// reduction stage per layer for nothing.
+    /// reach, which the graph paths choose their attention for: splitting attention for a
+    /// 4096-token cache costs a 40-token answer a reduction stage per layer for nothing. The
+    /// megakernel needs no guess: it keeps a schedule per context bucket up to `max_seq` and
+    /// switches as the sequence grows.
     pub fn new(
         kind: PathKind,
         gpu: &'g Gpu,
@@ -103,10 +104,10 @@ impl<'g> GpuPath<'g> {
     ) -> Result<Self> {
         let mode = match kind {
             PathKind::Megakernel => {
-                let context = expected_len.clamp(1, max_seq);
-                let schedule = schedule_for(&model.config, gpu, context, None)?;
-                return Ok(Self::Megakernel(Box::new(MegakernelPath::new(
-                    gpu, model, &schedule, max_seq,
+                // One set of streams per context bucket up to max_seq: the split-KV parts
+                // follow the sequence as it grows.
+                return Ok(Self::Megakernel(Box::new(MegakernelPath::bucketed(
+                    gpu, model, max_seq, None,
                 )?)));
             }
             PathKind::GraphPdl => Mode::GraphPdl,

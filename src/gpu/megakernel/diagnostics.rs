@@ -33,7 +33,7 @@ impl MegakernelPath<'_> {
         let what = match e[6] {
             ERR_DATA => format!(
                 "waited too long for {} (tag {} expected, {} seen): nothing wrote it this step",
-                self.arena_layout.element(e[3] as usize),
+                self.streams().arena.element(e[3] as usize),
                 e[4],
                 e[5]
             ),
@@ -46,11 +46,16 @@ impl MegakernelPath<'_> {
             ),
         };
         let progress = self.gpu.stream.clone_dtoh(&self.progress)?;
-        let stuck: Vec<String> = (0..self.sm_offsets.len() - 1)
+        // The streams of the last launch: later launches return at once after a failure, so
+        // these are the failed launch's unless the sequence crossed into the next context
+        // bucket right after it.
+        let streams = self.streams();
+        let offsets = &streams.sm_offsets;
+        let stuck: Vec<String> = (0..offsets.len() - 1)
             .filter_map(|sm| {
                 let pr = &progress[sm * 4..sm * 4 + 4];
-                let last = self.sm_offsets[sm + 1];
-                (!sm_finished(self.sm_offsets[sm], last, pr)).then(|| {
+                let last = offsets[sm + 1];
+                (!sm_finished(offsets[sm], last, pr)).then(|| {
                     format!(
                         "SM {sm} at {} ({}), loader at {} tile {}",
                         pr[0],
@@ -66,7 +71,7 @@ impl MegakernelPath<'_> {
             "megakernel: SM {} instruction {} ({}) {what}; the schedule cannot make progress. Unfinished: {}",
             e[1],
             e[2],
-            name(&self.descs, e[2]),
+            name(&streams.descs, e[2]),
             stuck.join("; ")
         );
     }

@@ -17,6 +17,7 @@ const _: () = assert!(MAX_EPOCH.is_multiple_of(2));
 
 impl MegakernelPath<'_> {
     pub(super) fn launch(&mut self) -> Result<()> {
+        self.select_bucket(self.next_pos);
         if self.params.epoch >= MAX_EPOCH {
             // The tag would wrap: restart at epoch 0 with every tag cleared, so no old tag
             // matches a restarted one. MAX_EPOCH is even, so epoch 0 reads the same meta slot
@@ -56,6 +57,7 @@ impl MegakernelPath<'_> {
         .result()
         .context("launching the megakernel (co-residency of one CTA per SM is required)")?;
         self.params.epoch += 1;
+        self.next_pos += 1;
         Ok(())
     }
 

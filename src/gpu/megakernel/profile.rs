@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
 use super::abi::{prof, PROF_WORDS};
@@ -51,8 +51,9 @@ pub struct TimelineInstr {
     pub kind: &'static str,
     /// `Schedule::describe`.
     pub desc: String,
-    /// Attention: profile words 4 and 5 are its own scores/softmax and values stamps, not the
-    /// loader's first page wait and last tile issued.
+    /// Attention: profile words 4 and 5 are its own stamps (computed by rounds: the last
+    /// round's scores/softmax and values done; by warps: its pages streamed and its warps'
+    /// results merged), not the loader's first page wait and last tile issued.
     pub attention: bool,
 }
 
@@ -69,7 +70,7 @@ impl Timeline {
     /// One line per instruction and step: `step,pos,sm,kind,desc,` then the stamps (ns from
     /// the step's first start). extra1, extra2: a mat-vec's first page wait and last tile
     /// issued by the loader; attention's scores and softmax done, and its weighted values done
-    /// (last round).
+    /// (last round; by warps: pages streamed, warps merged).
     pub fn to_csv(&self) -> String {
         let mut csv = format!("step,pos,sm,kind,desc,{}\n", prof::NAMES.join(","));
         for (step, (_, stamps)) in self.steps.iter().enumerate() {
@@ -165,7 +166,23 @@ impl MegakernelPath<'_> {
     /// Runs `steps` greedy steps from `token` with per-instruction timestamps (globaltimer)
     /// and returns the mean breakdown per instruction type (and, with `timeline`, every stamp).
     pub fn profile(&mut self, token: u32, steps: usize, timeline: bool) -> Result<Profile> {
-        let n = self.instructions;
+        // The stamps are per encoded instruction: every step must run the same streams.
+        let bucket = self.bucket_at(self.next_pos);
+        if self.bucket_at(self.next_pos + steps.max(1) - 1) != bucket {
+            bail!(
+                "profile: positions {}..{} cross into another context bucket (split-KV parts change); profile fewer steps",
+                self.next_pos,
+                self.next_pos + steps
+            );
+        }
+        self.select_bucket(self.next_pos);
+        let cur = &self.buckets[self.active];
+        let (n, sm_offsets, kinds, descs) = (
+            cur.instructions,
+            cur.sm_offsets.clone(),
+            cur.kinds.clone(),
+            cur.descs.clone(),
+        );
         let buf = self
             .gpu
             .alloc_zeros::<u64>(n * PROF_WORDS, "profile buffer")?;
@@ -175,15 +192,15 @@ impl MegakernelPath<'_> {
         let mut result = Ok(());
         let mut t = token;
         let sm_of: Vec<usize> = (0..n)
-            .map(|pos| self.sm_offsets.partition_point(|&o| o as usize <= pos) - 1)
+            .map(|pos| sm_offsets.partition_point(|&o| o as usize <= pos) - 1)
             .collect();
         let mut tl = timeline.then(|| Timeline {
             instrs: (0..n)
                 .map(|i| TimelineInstr {
                     sm: sm_of[i],
-                    kind: self.kinds[i],
-                    desc: self.descs[i].clone(),
-                    attention: self.kinds[i] == scheduler::StageKind::Attention.name(),
+                    kind: kinds[i],
+                    desc: descs[i].clone(),
+                    attention: kinds[i] == scheduler::StageKind::Attention.name(),
                 })
                 .collect(),
             steps: Vec::new(),
@@ -211,7 +228,7 @@ impl MegakernelPath<'_> {
                 if tl.is_some() {
                     stamps.push(std::array::from_fn(|k| r[k].saturating_sub(start)));
                 }
-                let e = sums.entry(self.kinds[i]).or_default();
+                let e = sums.entry(kinds[i]).or_default();
                 e.0 += 1;
                 for k in 0..3 {
                     e.1[k] += r[k + 1].saturating_sub(r[k]) as f64 / 1e3;
@@ -224,7 +241,7 @@ impl MegakernelPath<'_> {
         }
         self.params.profile = 0;
         result?;
-        let sms = (self.sm_offsets.len() - 1) as f64;
+        let sms = (sm_offsets.len() - 1) as f64;
         let rows = sums
             .into_iter()
             .map(|(k, (c, s))| {
