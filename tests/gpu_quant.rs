@@ -123,7 +123,10 @@ fn quantized_prefill_matches_reference_on_small_random_models() {
             let mut worst = (0f64, 0f64);
             for (i, g) in got.iter().enumerate() {
                 let err = rel_l2(g, &want[5 + i]);
-                let tol = if i == 0 { TOL_PREFILL } else { TOL_DECODE };
+                // The steps after the prompt read K/V that the prefill computed with the
+                // matrices rounded to bf16 (prefill decodes them for cuBLAS), so they carry
+                // the prefill's error, not the decode's (measured 5.54e-3 on Q8_0 tiny0).
+                let tol = TOL_PREFILL;
                 if i == 0 {
                     worst.0 = err;
                 } else {

@@ -252,7 +252,12 @@ __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq
 // scores of a longer block held in registers beside the queries and the output made
 // Llama-1B's kernel spill).
 constexpr int ATT_WROWS = ATT_TR / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4;
-constexpr bool ATT_BY_WARPS = ATT_G * ATT_LANE_DIMS <= 32;
+// MK_ATT_BY_WARPS=0 (through MEGAINFER_MK_DEFINES) keeps the round-based way for every
+// shape, for measuring one against the other.
+#ifndef MK_ATT_BY_WARPS
+#define MK_ATT_BY_WARPS 1
+#endif
+constexpr bool ATT_BY_WARPS = MK_ATT_BY_WARPS && ATT_G * ATT_LANE_DIMS <= 32;
 
 __device__ __forceinline__ int attn_lane_dim(int q8, int k) { return (k >> 3) * 64 + q8 * 8 + (k & 7); }
 
