@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use cudarc::driver::{CudaModule, CudaSlice};
 use scheduler::{ArenaLayout, Op, Schedule};
 
@@ -17,7 +17,6 @@ use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
 use super::stepping::{self, Sequence, Steps};
-use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
 
 pub mod abi;
@@ -28,7 +27,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
-pub use launch::MAX_EPOCH;
+pub use launch::{ChainRun, ChainStop, MAX_EPOCH};
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
 
@@ -60,10 +59,24 @@ pub struct MegakernelPath<'g> {
     /// Per encoded position: the instruction, for error messages.
     descs: Vec<String>,
     kinds: Vec<&'static str>,
-    /// Made on the first sampled step: the draw runs as two small kernels after each launch,
-    /// reading the launch's logits and writing the token where the next launch reads it.
-    sampler: Option<DeviceSampler>,
+    /// The sampled schedule's words ([`scheduler::Schedule::sampled`]): the same streams and
+    /// offsets, ending with `Sample` instead of `Argmax`.
+    sampled_words: CudaSlice<u32>,
+    /// The sampling parameters of the sampled steps (`MkParams::smp`), once set.
+    sampling: Option<SamplingParams>,
+    /// Tokens that end a generation inside a launch of several steps (`MkParams::stop_ids`).
+    stop_ids: CudaSlice<u32>,
+    stop_host: Vec<u32>,
+    /// `[steps run]` of the last launch.
+    run_info: CudaSlice<u32>,
+    /// Mapped pinned host memory: the tokens of a launch as they are drawn, and the stop flag.
+    mapped: Option<launch::Mapped>,
+    /// Steps per launch for [`MegakernelPath::generate`]; 0: the whole generation in one.
+    pub tokens_per_launch: usize,
 }
+
+/// Most tokens that may end a generation on the device (`--eos` ids of a model).
+const MAX_STOP_IDS: usize = 64;
 
 impl<'g> MegakernelPath<'g> {
     pub fn new(
@@ -92,6 +105,8 @@ impl<'g> MegakernelPath<'g> {
             );
         }
         let enc = schedule.encode();
+        let sampled_enc = schedule.sampled().encode();
+        debug_assert_eq!(sampled_enc.sm_offsets, enc.sm_offsets);
         let mut descs = Vec::new();
         let mut kinds = Vec::new();
         let mut max_cols = c.hidden_size.max(c.q_dim());
@@ -174,12 +189,15 @@ impl<'g> MegakernelPath<'g> {
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let words_d = gpu.upload(&words, "instruction streams")?;
+        let sampled_d = gpu.upload(&sampled_enc.words, "sampled instruction streams")?;
         let offsets_d = gpu.upload(&offsets, "stream offsets")?;
         let offsets_host = offsets.clone();
         let error = gpu.alloc_zeros::<u32>(8, "error word")?;
         let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
+        let stop_ids = gpu.alloc_zeros::<u32>(MAX_STOP_IDS, "stop tokens")?;
+        let run_info = gpu.alloc_zeros::<u32>(4, "launch result")?;
         let params = MkParams {
             instrs: ptr(&words_d, s),
             sm_offsets: ptr(&offsets_d, s),
@@ -219,6 +237,19 @@ impl<'g> MegakernelPath<'g> {
             eps: c.rms_norm_eps,
             epoch: 0,
             timeout_ns: DEFAULT_WAIT_TIMEOUT_MS * 1_000_000,
+            smp_block: at("smp_block"),
+            smp_cand: at("smp_cand"),
+            tok_next: at("token"),
+            step_done: at("step_done"),
+            stop_ids: ptr(&stop_ids, s),
+            host_tokens: 0,
+            host_stop: 0,
+            run_info: ptr(&run_info, s),
+            n_stop: 0,
+            steps: 1,
+            sample: 0,
+            pad0: 0,
+            smp: [0; 8],
         };
         Ok(Self {
             gpu,
@@ -243,7 +274,13 @@ impl<'g> MegakernelPath<'g> {
             seq: Sequence::new(max_seq),
             descs,
             kinds,
-            sampler: None,
+            sampled_words: sampled_d,
+            sampling: None,
+            stop_ids,
+            stop_host: Vec::new(),
+            run_info,
+            mapped: None,
+            tokens_per_launch: 0,
         })
     }
 
@@ -312,31 +349,15 @@ impl Steps for MegakernelPath<'_> {
         self.launch()
     }
 
+    /// The draw runs inside the launch (the streams end with `Sample`): only the parameter
+    /// words change.
     fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
-        let vocab = self.model.config.vocab_size;
-        DeviceSampler::prepared(&mut self.sampler, self.gpu, vocab, p)?;
+        self.set_sampling(p)?;
         Ok(true)
     }
 
-    /// The launch reads meta slot `epoch % 2`, its argmax writes the other; the draw then
-    /// overwrites that slot and `history[pos + 1]` with the sampled token (stream order).
     fn launch_sampled_step(&mut self) -> Result<()> {
-        // MAX_EPOCH is even, so a wrap inside `launch` keeps the slot's parity.
-        let slot = (self.params.epoch & 1) as usize;
-        self.launch()?;
-        let s = &self.gpu.stream;
-        let sampler = self.sampler.as_ref().context("device sampler not made")?;
-        let meta = ptr(&self.meta, s);
-        // Four u32 words per TokenMeta.
-        let (cur, next) = (meta + 16 * slot as u64, meta + 16 * (1 - slot) as u64);
-        sampler.enqueue(
-            s,
-            ptr(&self.logits, s),
-            cur,
-            next,
-            ptr(&self.history, s),
-            false,
-        )
+        self.launch_sampled()
     }
 
     fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {
