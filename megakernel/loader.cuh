@@ -42,6 +42,7 @@ __device__ bool loader_step_gate(const MkParams& p, u32 step, u32 instr) {
 // not consumed (tiles mk_cseq .. issued - 1) to land, so none writes shared memory after the CTA
 // exits.
 __device__ void loader_drain(const MkParams& p, u32 issued, u64* full) {
+    __threadfence_block();  // mk_stop was seen: mk_cseq, stored before it, is current
     for (u32 s = *(volatile u32*)&mk_cseq; s < issued; s++)
         while (!mbar_try_wait(&full[s % p.pages], (s / p.pages) & 1)) {}
 }

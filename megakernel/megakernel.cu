@@ -120,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             // The loader may have run ahead into the next step: it stops once its copies landed.
             if (ct == 0) {
                 *(volatile u32*)&mk_cseq = seq;
+                __threadfence_block();  // mk_cseq before mk_stop, as the loader reads them
                 *(volatile u32*)&mk_stop = 1;
             }
             return;
