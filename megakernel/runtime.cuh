@@ -88,7 +88,6 @@ struct MkParams {
     // after this step) and each SM's last finished step (tagged), both in the arena.
     u64* tok_next;
     u64* step_done;      // [SMs]
-    const u32* stop_ids; // tokens that end the generation (eos), n_stop of them
     u32* host_tokens;    // null, or mapped host memory: [steps] token | MK_TOKEN_READY, as drawn
     const u32* host_stop;// null, or mapped host memory: nonzero stops the launch after a step
     u32* run_info;       // [0]: steps this launch ran
@@ -97,6 +96,9 @@ struct MkParams {
     u32 sample;          // 1: the streams end with Sample, and RmsLmHead summarises for it
     u32 pad0;
     SmpParams smp;
+    // Tokens that end the generation (eos), n_stop of them: in the parameter block, so the
+    // check after the step's token needs no memory round trip.
+    u32 stop_ids[MK_MAX_STOP_IDS];
 };
 
 // A published token's flag in host_tokens (an unwritten entry is 0), and the stop flag of the

@@ -10,7 +10,8 @@ __device__ void mk_finish_token(const MkParams& p, const TokenMeta& m, u32 t, bo
     const u32 tag = launch_tag(p), step = tag - 1 - p.epoch;
     const u32 next = bad ? 0u : t;
     bool stop = step + 1 >= p.steps || bad || host_stop != 0;
-    for (int i = 0; i < p.n_stop && !stop; i++) stop = p.stop_ids[i] == t;
+#pragma unroll
+    for (int i = 0; i < MK_MAX_STOP_IDS; i++) stop |= i < p.n_stop && p.stop_ids[i] == t;
     // The next step's CTAs wait for this word: it goes first.
     if (step + 1 < p.steps) st_tagged(p.tok_next, __uint_as_float(next | (stop ? MK_TOKEN_STOP : 0u)), tag);
     // Relaxed stores: in a launch of several steps other CTAs store the same values (see

@@ -64,9 +64,6 @@ pub struct MegakernelPath<'g> {
     sampled_words: CudaSlice<u32>,
     /// The sampling parameters of the sampled steps (`MkParams::smp`), once set.
     sampling: Option<SamplingParams>,
-    /// Tokens that end a generation inside a launch of several steps (`MkParams::stop_ids`).
-    stop_ids: CudaSlice<u32>,
-    stop_host: Vec<u32>,
     /// `[steps run]` of the last launch.
     run_info: CudaSlice<u32>,
     /// Mapped pinned host memory: the tokens of a launch as they are drawn, and the stop flag.
@@ -74,9 +71,6 @@ pub struct MegakernelPath<'g> {
     /// Steps per launch for [`MegakernelPath::generate`]; 0: the whole generation in one.
     pub tokens_per_launch: usize,
 }
-
-/// Most tokens that may end a generation on the device (`--eos` ids of a model).
-const MAX_STOP_IDS: usize = 64;
 
 impl<'g> MegakernelPath<'g> {
     pub fn new(
@@ -196,7 +190,6 @@ impl<'g> MegakernelPath<'g> {
         let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
-        let stop_ids = gpu.alloc_zeros::<u32>(MAX_STOP_IDS, "stop tokens")?;
         let run_info = gpu.alloc_zeros::<u32>(4, "launch result")?;
         let params = MkParams {
             instrs: ptr(&words_d, s),
@@ -241,7 +234,6 @@ impl<'g> MegakernelPath<'g> {
             smp_cand: at("smp_cand"),
             tok_next: at("token"),
             step_done: at("step_done"),
-            stop_ids: ptr(&stop_ids, s),
             host_tokens: 0,
             host_stop: 0,
             run_info: ptr(&run_info, s),
@@ -250,6 +242,7 @@ impl<'g> MegakernelPath<'g> {
             sample: 0,
             pad0: 0,
             smp: [0; 8],
+            stop_ids: [0; abi::MAX_STOP_IDS],
         };
         Ok(Self {
             gpu,
@@ -276,8 +269,6 @@ impl<'g> MegakernelPath<'g> {
             kinds,
             sampled_words: sampled_d,
             sampling: None,
-            stop_ids,
-            stop_host: Vec::new(),
             run_info,
             mapped: None,
             tokens_per_launch: 0,

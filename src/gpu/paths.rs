@@ -187,6 +187,10 @@ impl Backend for GpuPath<'_> {
         let Self::Megakernel(p) = self else {
             return None;
         };
+        // More stop tokens than the kernel checks: one launch per token, the host checking.
+        if stop.len() > super::megakernel::abi::MAX_STOP_IDS {
+            return None;
+        }
         Some(
             p.generate_chained(token, n, Some(sampler), stop, on_token, interrupt)
                 .map(|r| DeviceRun {

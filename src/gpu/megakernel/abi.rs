@@ -143,7 +143,6 @@ abi_struct! {
         smp_cand: u64,
         tok_next: u64,
         step_done: u64,
-        stop_ids: u64,
         host_tokens: u64,
         host_stop: u64,
         run_info: u64,
@@ -153,8 +152,13 @@ abi_struct! {
         pad0: u32,
         /// `SmpParams` (kernels/sampling/select.cuh): `sampling::device::param_words`.
         smp: [u32; 8],
+        stop_ids: [u32; MAX_STOP_IDS],
     }
 }
+
+/// Most tokens that may end a generation inside a launch (`MkParams::stop_ids`; a model's eos
+/// ids are one to three).
+pub const MAX_STOP_IDS: usize = 8;
 
 abi_struct! {
     /// One layer's weight pointers (`LayerW` in runtime.cuh), copied to shared memory.
@@ -197,6 +201,7 @@ pub fn prelude() -> String {
             "MK_SAMPLER_SCRATCH_FLOATS",
             super::layout::SAMPLER_SCRATCH_FLOATS,
         ),
+        ("MK_MAX_STOP_IDS", MAX_STOP_IDS),
     ] {
         writeln!(s, "#define {name} {v}").unwrap();
     }
@@ -316,9 +321,12 @@ mod tests {
             "sizeof(MkParams) == {}",
             std::mem::size_of::<MkParams>()
         )));
-        // The parameter block: 31 pointers, 18 four-byte fields, the timeout and the 8 sampling
-        // words, no padding.
-        assert_eq!(std::mem::size_of::<MkParams>(), 31 * 8 + 18 * 4 + 8 + 32);
+        // The parameter block: 30 pointers, 18 four-byte fields, the timeout, the 8 sampling
+        // words and the stop tokens, no padding.
+        assert_eq!(
+            std::mem::size_of::<MkParams>(),
+            30 * 8 + 18 * 4 + 8 + 32 + 4 * MAX_STOP_IDS
+        );
         assert_eq!(std::mem::size_of::<LayerW>(), 48);
     }
 }

@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{self, CUlaunchAttributeID};
 
-use super::abi::{MkParams, THREADS};
+use super::abi::{MkParams, MAX_STOP_IDS, THREADS};
 use super::MegakernelPath;
 use crate::gpu::device::ptr;
 use crate::sampling::SamplingParams;
@@ -224,18 +224,14 @@ impl MegakernelPath<'_> {
             }
             None => crate::gpu::stepping::begin_greedy_chain(self, token, n)?,
         }
-        if stop.len() > super::MAX_STOP_IDS {
+        if stop.len() > MAX_STOP_IDS {
             bail!(
-                "{} stop tokens; the megakernel takes at most {}",
-                stop.len(),
-                super::MAX_STOP_IDS
+                "{} stop tokens; the megakernel takes at most {MAX_STOP_IDS}",
+                stop.len()
             );
         }
-        if stop != self.stop_host.as_slice() {
-            let mut dst = self.stop_ids.slice_mut(0..stop.len());
-            self.gpu.stream.memcpy_htod(stop, &mut dst)?;
-            self.stop_host = stop.to_vec();
-        }
+        self.params.stop_ids = [0; MAX_STOP_IDS];
+        self.params.stop_ids[..stop.len()].copy_from_slice(stop);
         self.params.n_stop = stop.len() as i32;
         let per = match self.tokens_per_launch {
             0 => n,
