@@ -422,3 +422,65 @@ fn a_generation_across_the_tag_wrap_is_unchanged() {
         assert_eq!(got, want);
     }
 }
+
+/// The sampled step's new dependency, as for the greedy instructions in gpu_megakernel.rs: an
+/// `RmsLmHead` made a no-op leaves its sampler summary unwritten, and the kernel names an
+/// element and a reader that `scheduler::unwritten_if_dropped` predicts for the sampled
+/// schedule (the `Sample` instruction waiting for `smp_block` or `smp_cand`).
+#[test]
+#[ignore = "needs a GPU"]
+fn a_dropped_lm_head_block_is_named_in_a_sampled_step() {
+    let gpu = gpu();
+    let (cfg, w) = tiny_model(3000);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let sched = schedule_for(&cfg, &gpu, 16, None).unwrap();
+    let sampled = sched.sampled();
+    let order = sched.encoded_order();
+    let heads: Vec<u32> = (0..sched.instrs.len() as u32)
+        .filter(|&i| matches!(sched.instrs[i as usize], scheduler::Op::RmsLmHead { .. }))
+        .collect();
+    let params = [
+        SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            ..SamplingParams::greedy()
+        },
+    ];
+    for dropped in [heads[0], *heads.last().unwrap()] {
+        for p in params {
+            let predicted = scheduler::unwritten_if_dropped(&sampled, dropped).unwrap();
+            let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 16).unwrap();
+            mk.set_wait_timeout_ms(200);
+            mk.feed(&[1, 2, 3, 4]).unwrap();
+            let pos = order.iter().position(|&k| k == dropped).unwrap();
+            mk.poke_word(pos, 0, 0).unwrap();
+            let mut sampler = Sampler::new(p);
+            sampler.accept(&[1, 2, 3, 4, 5]);
+            let err = megainfer::gpu::stepping::decode_sampled(&mut mk, &sampler, 5, 1)
+                .unwrap_err()
+                .to_string();
+            println!("{} dropped, {p:?}: {err}", sched.describe(dropped as usize));
+            let element = err
+                .split("waited too long for ")
+                .nth(1)
+                .and_then(|r| r.split(" (tag").next())
+                .expect("an element in the error");
+            let reader: usize = err
+                .split(" instruction ")
+                .nth(1)
+                .and_then(|r| r.split(" (").next())
+                .and_then(|n| n.parse().ok())
+                .expect("an instruction position in the error");
+            assert!(
+                predicted.contains(&(order[reader], element.to_string())),
+                "the kernel names #{} waiting for {element}; the scheduler predicts {predicted:?}",
+                order[reader]
+            );
+            assert!(element.starts_with("smp_"), "{element}");
+        }
+    }
+}

@@ -289,9 +289,12 @@ impl<'g> MegakernelPath<'g> {
                 self.instructions
             );
         }
-        let mut all = self.gpu.stream.clone_dtoh(&self.words)?;
-        all[instruction * WORDS + word] = value;
-        self.gpu.stream.memcpy_htod(&all, &mut self.words)?;
+        // Both encodings (greedy and sampled) have the same layout.
+        for words in [&mut self.words, &mut self.sampled_words] {
+            let mut all = self.gpu.stream.clone_dtoh(words)?;
+            all[instruction * WORDS + word] = value;
+            self.gpu.stream.memcpy_htod(&all, words)?;
+        }
         Ok(())
     }
 
