@@ -43,8 +43,15 @@ __device__ bool loader_step_gate(const MkParams& p, u32 step, u32 instr) {
 // exits.
 __device__ void loader_drain(const MkParams& p, u32 issued, u64* full) {
     __threadfence_block();  // mk_stop was seen: mk_cseq, stored before it, is current
-    for (u32 s = *(volatile u32*)&mk_cseq; s < issued; s++)
-        while (!mbar_try_wait(&full[s % p.pages], (s / p.pages) & 1)) {}
+    const u64 t0 = global_ns();
+    for (u32 s = *(volatile u32*)&mk_cseq; s < issued; s++) {
+        while (!mbar_try_wait(&full[s % p.pages], (s / p.pages) & 1)) {
+            if (global_ns() - t0 > p.timeout_ns) {
+                raise_error(p, ERR_PAGE_LOADER, current_instr(), s, (s / p.pages) & 1, 0);
+                return;
+            }
+        }
+    }
 }
 
 __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, bf16_t* pages, u64* full,

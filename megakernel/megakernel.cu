@@ -110,8 +110,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
             }
         }
         if (step + 1 >= p.steps) return;
-        // The next step's token (and whether there is one); mk_tag doubles as its carrier, so
-        // one barrier hands both to every consumer thread.
+        // The next step's token (and whether there is one), handed to every consumer thread
+        // through shared memory by the barrier that also says whether the wait failed.
         __shared__ u32 mk_next_token;
         if (ct == 0) mk_next_token = step_boundary(p, launch_tag(p), wrote_kv);
         if (consumers_failed()) return;

@@ -69,11 +69,10 @@ __device__ void settle_all(const MkParams& p, Addr a, int n) {
     }
 }
 
-// A tagged word known to carry this step's tag (settle_all passed), read past L1: L1 may
-// still hold the word from an earlier step of this launch.
-__device__ __forceinline__ float mk_current(const u64* a) {
-    return __uint_as_float((u32)__ldcg((const unsigned long long*)a));
-}
+// A tagged word known to carry this step's tag (settle_all passed): read again as the writer
+// stored it (relaxed, past L1, which may still hold the word from an earlier step of this
+// launch), without a wait.
+__device__ __forceinline__ float mk_current(const u64* a) { return tagged_float(ld_tagged(a)); }
 
 // In place of op_argmax when sampling, by every consumer thread: the drawn token into
 // history[pos + 1] and on to the next step (the fed token into history[pos], for the penalty).
