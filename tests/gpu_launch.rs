@@ -83,26 +83,23 @@ fn greedy_per_token(mk: &mut MegakernelPath, prompt: &[u32], n: usize) -> Vec<u3
         .collect()
 }
 
-/// The CPU reference's greedy tokens, and how many of them come before the first step whose
-/// two best logits are within `tie` (past such a near tie, rounding may pick either).
-fn cpu_greedy(cfg: &Config, w: &Weights, prompt: &[u32], n: usize, tie: f32) -> (Vec<u32>, usize) {
+/// The CPU reference's greedy tokens and its logits at each step.
+fn cpu_greedy(cfg: &Config, w: &Weights, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut cpu = CpuForward::new(cfg, w, prompt.len() + n + 2);
-    let mut logits = cpu.forward(prompt).unwrap();
-    let mut toks = Vec::new();
-    let mut clear = None;
-    for i in 0..=n {
-        let t = argmax(&logits);
-        let mut sorted = logits.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        if clear.is_none() && sorted[0] - sorted[1] < tie {
-            clear = Some(i);
-        }
-        toks.push(t);
-        if i < n {
-            logits = cpu.forward(&[t]).unwrap();
-        }
+    let mut logits = vec![cpu.forward(prompt).unwrap()];
+    let mut toks = vec![argmax(&logits[0])];
+    while toks.len() <= n {
+        logits.push(cpu.forward(&[*toks.last().unwrap()]).unwrap());
+        toks.push(argmax(logits.last().unwrap()));
     }
-    (toks, clear.unwrap_or(n + 1))
+    (toks, logits)
+}
+
+fn top5(l: &[f32]) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..l.len() as u32).collect();
+    idx.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+    idx.truncate(5);
+    idx
 }
 
 fn check_greedy(name: &str, gpu: &Gpu, cfg: &Config, w: &Weights, prompt: &[u32], n: usize) {
@@ -111,10 +108,9 @@ fn check_greedy(name: &str, gpu: &Gpu, cfg: &Config, w: &Weights, prompt: &[u32]
     let per_token = greedy_per_token(&mut mk, prompt, n);
     let (one, stop, launches) = greedy_in_launch(&mut mk, prompt, n, 0, &[]);
     let (sevens, _, launches7) = greedy_in_launch(&mut mk, prompt, n, 7, &[]);
-    let (cpu, clear) = cpu_greedy(cfg, w, prompt, n, 1e-3);
-    let agree = cpu.iter().zip(&one).take_while(|(a, b)| a == b).count();
+    let (cpu, cpu_logits) = cpu_greedy(cfg, w, prompt, n);
     println!(
-        "{name}: {} tokens; one launch ({launches}) vs one per token: {}; launches of 7 ({launches7}): {}; CPU reference agrees on the first {agree} (its first near tie at token {clear})",
+        "{name}: {} tokens; one launch ({launches}) vs one per token: {}; launches of 7 ({launches7}): {}",
         one.len(),
         if one == per_token { "identical" } else { "DIFFERENT" },
         if sevens == per_token { "identical" } else { "DIFFERENT" },
@@ -127,10 +123,31 @@ fn check_greedy(name: &str, gpu: &Gpu, cfg: &Config, w: &Weights, prompt: &[u32]
         "{name}: one launch differs from one launch per token"
     );
     assert_eq!(sevens, per_token, "{name}: launches of 7 steps differ");
-    assert!(
-        agree >= clear.min(one.len()),
-        "{name}: the CPU reference differs at token {agree}, before any near tie ({clear})"
-    );
+    // Against the CPU reference, the project's rule (tests/gpu_smollm2.rs): identical, or
+    // parting at a near tie, where each side's token is in the other's top 5 (teacher-forced
+    // logits: both saw the same tokens until then); not compared after it.
+    match cpu.iter().zip(&one).position(|(a, b)| a != b) {
+        None => println!(
+            "{name}: {} greedy tokens identical to the CPU reference",
+            one.len()
+        ),
+        Some(i) => {
+            mk.reset();
+            let mut logits = mk.feed(prompt).unwrap();
+            for &t in &one[..i] {
+                logits = mk.feed(&[t]).unwrap();
+            }
+            let (want5, got5) = (top5(&cpu_logits[i]), top5(&logits));
+            println!(
+                "{name}: parts from the CPU reference at token {i}: {} (CPU top 5 {want5:?}) vs {} (GPU top 5 {got5:?})",
+                one[i], cpu[i]
+            );
+            assert!(
+                want5.contains(&one[i]) && got5.contains(&cpu[i]),
+                "{name}: not a near tie"
+            );
+        }
+    }
 }
 
 #[test]
