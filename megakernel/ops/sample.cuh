@@ -54,18 +54,20 @@ __device__ void mk_sample_block(const MkParams& p, const u32* w, const TokenMeta
         mk_smp(sm), ct, CONSUMERS, [] { consumers_sync(); });
 }
 
-// Waits until the n words at a(i) (i < n) carry this step's tag, each consumer thread COPY_MAX
-// of them at a time (all in flight together), without keeping them: once every word is
-// current, the merge reads them as plain values (mk_current), many times over.
+// Waits until the n words at a(i) (i < n) carry this step's tag, each consumer thread
+// SETTLE_BATCH of them at a time (all in flight together), without keeping them: once every
+// word is current, the merge reads them as plain values (mk_current), many times over.
+#define SETTLE_BATCH 16
 template <typename Addr>
-__device__ void settle_all(const MkParams& p, Addr a, int n) {
+__device__ __noinline__ void settle_all(const MkParams& p, Addr a, int n) {
     const int ct = threadIdx.x - 32;
-    for (int i0 = 0; i0 < n; i0 += COPY_MAX * CONSUMERS) {
-        u64 raw[COPY_MAX];
-        const int first = i0 + ct, mine = n > first ? min(COPY_MAX, (n - first + CONSUMERS - 1) / CONSUMERS) : 0;
+    for (int i0 = 0; i0 < n; i0 += SETTLE_BATCH * CONSUMERS) {
+        u64 raw[SETTLE_BATCH];
+        const int first = i0 + ct;
+        const int mine = n > first ? min(SETTLE_BATCH, (n - first + CONSUMERS - 1) / CONSUMERS) : 0;
 #pragma unroll
-        for (int k = 0; k < COPY_MAX; k++) raw[k] = k < mine ? ld_tagged(a(first + k * CONSUMERS)) : 0;
-        settle<COPY_MAX>(p, raw, [&](int k) { return a(first + k * CONSUMERS); }, mine);
+        for (int k = 0; k < SETTLE_BATCH; k++) raw[k] = k < mine ? ld_tagged(a(first + k * CONSUMERS)) : 0;
+        settle<SETTLE_BATCH>(p, raw, [&](int k) { return a(first + k * CONSUMERS); }, mine);
     }
 }
 
