@@ -78,6 +78,29 @@ pub enum ExecError {
     Target(u32),
     #[error("{0}")]
     Schedule(#[from] ScheduleError),
+    #[error(
+        "step {step}: {writer} overwrites {element} while {reader} has yet to read it for step \
+         {}", step - 1
+    )]
+    WriteAfterRead {
+        step: u32,
+        writer: String,
+        reader: String,
+        element: String,
+    },
+    #[error(
+        "step {step}: {attention} would stage K/V rows before {writer} wrote its row of step {}",
+        step - 1
+    )]
+    KvRowNotWritten {
+        step: u32,
+        attention: String,
+        writer: String,
+    },
+    #[error("step {step}: {reader} reads the token step {} has not drawn yet", step - 1)]
+    TokenNotReady { step: u32, reader: String },
+    #[error("the schedule has no instruction that writes token_out")]
+    NoToken,
 }
 
 /// Where one SM stands.
@@ -289,6 +312,172 @@ impl<'a> Executor<'a> {
             pc,
             stuck: false,
         })
+    }
+
+    /// Runs `steps` steps the way one megakernel launch of several steps runs them: every SM
+    /// goes through its stream once per step, each instruction waiting for the tags of what it
+    /// reads as in [`Executor::run_token`]. With `token_boundary` (what the kernel does) an SM
+    /// starts step `s + 1` only once step `s`'s token is out, i.e. the instruction that writes
+    /// `token_out` has run; without it, only the tags order the steps. Checks what the tags
+    /// alone do not order: that no instruction of step `s + 1` overwrites an element a step-`s`
+    /// instruction has yet to read (write after read), that none reads the fed token of step
+    /// `s + 1` before step `s` drew it, and that no `Attention` of step `s + 1`
+    /// runs before every writer of the KV cache's step-`s` row did (its earlier rows are staged
+    /// by the loader, untagged). Returns, per step, the instructions in the order they ran.
+    pub fn run_steps<M: Machine>(
+        &mut self,
+        machine: &mut M,
+        steps: u32,
+        seed: u64,
+        token_boundary: bool,
+    ) -> Result<Vec<Vec<u32>>, ExecError> {
+        let s = self.schedule;
+        let sms = s.streams.len();
+        let n = s.instrs.len();
+        let token_writer = (0..n)
+            .find(|&x| {
+                s.access(&s.instrs[x])
+                    .writes
+                    .iter()
+                    .any(|w| w.buffer == crate::Buffer::TokenOut)
+            })
+            .ok_or(ExecError::NoToken)?;
+        let kv_writers: Vec<usize> = (0..n)
+            .filter(|&x| {
+                s.access(&s.instrs[x]).writes.iter().any(|w| {
+                    matches!(
+                        w.buffer,
+                        crate::Buffer::KCache { .. } | crate::Buffer::VCache { .. }
+                    )
+                })
+            })
+            .collect();
+        // Readers of the fed token (element 0 of token_in; its position is known ahead).
+        let reads_token: Vec<bool> = (0..n)
+            .map(|x| {
+                s.access(&s.instrs[x])
+                    .reads
+                    .iter()
+                    .any(|r| r.buffer == crate::Buffer::TokenIn && r.elements.contains(&0))
+            })
+            .collect();
+        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); self.tags.len()];
+        for (x, rs) in self.reads.iter().enumerate() {
+            for r in rs {
+                for o in r.clone() {
+                    if let Some(v) = readers.get_mut(o) {
+                        v.push(x as u32);
+                    }
+                }
+            }
+        }
+        let base = self.step;
+        let mut rng = SplitMix::new(seed);
+        // Per instruction, the last step it ran in (relative to `base`).
+        let mut ran: Vec<Option<u32>> = vec![None; n];
+        let mut step = vec![0u32; sms];
+        let mut pc = vec![0usize; sms];
+        let mut order = vec![Vec::with_capacity(n); steps as usize];
+        let mut ready = Vec::with_capacity(sms);
+        loop {
+            ready.clear();
+            let mut all_done = true;
+            for sm in 0..sms {
+                // At the end of its stream an SM waits for the step's token, then starts over.
+                while step[sm] < steps && pc[sm] == s.streams[sm].len() {
+                    if token_boundary && step[sm] + 1 < steps && ran[token_writer] != Some(step[sm])
+                    {
+                        break;
+                    }
+                    step[sm] += 1;
+                    pc[sm] = 0;
+                }
+                if step[sm] == steps {
+                    continue;
+                }
+                all_done = false;
+                if pc[sm] == s.streams[sm].len() {
+                    continue;
+                }
+                let x = s.streams[sm][pc[sm]] as usize;
+                let tag = base.wrapping_add(step[sm]).wrapping_add(1);
+                let stale = !self.noop[x]
+                    && self.reads[x].iter().any(|r| {
+                        r.clone()
+                            .any(|o| self.tags.get(o).copied().unwrap_or(0) != tag)
+                    });
+                if !stale {
+                    ready.push(sm);
+                }
+            }
+            if all_done {
+                break;
+            }
+            if ready.is_empty() {
+                let at = (0..sms).min_by_key(|&sm| step[sm]).unwrap_or(0);
+                self.step = base.wrapping_add(step[at]);
+                let pcs: Vec<usize> = (0..sms)
+                    .map(|sm| {
+                        if step[sm] > step[at] {
+                            s.streams[sm].len()
+                        } else {
+                            pc[sm]
+                        }
+                    })
+                    .collect();
+                return Err(self.deadlock(&pcs, order.iter().map(Vec::len).sum()));
+            }
+            let sm = ready[rng.below(ready.len())];
+            let x = s.streams[sm][pc[sm]] as usize;
+            let st = step[sm];
+            if !self.noop[x] {
+                if st > 0 && reads_token[x] && ran[token_writer].is_none_or(|r| r + 1 < st) {
+                    return Err(ExecError::TokenNotReady {
+                        step: st,
+                        reader: s.describe(x),
+                    });
+                }
+                if st > 0 && matches!(s.instrs[x], Op::Attention { .. }) {
+                    if let Some(&w) = kv_writers
+                        .iter()
+                        .find(|&&w| ran[w].is_none_or(|r| r + 1 < st))
+                    {
+                        return Err(ExecError::KvRowNotWritten {
+                            step: st,
+                            attention: s.describe(x),
+                            writer: s.describe(w),
+                        });
+                    }
+                }
+                if st > 0 {
+                    for r in &self.writes[x] {
+                        for o in r.clone() {
+                            let late = readers[o].iter().find(|&&y| {
+                                y as usize != x && ran[y as usize].is_none_or(|r| r + 1 < st)
+                            });
+                            if let Some(&y) = late {
+                                return Err(ExecError::WriteAfterRead {
+                                    step: st,
+                                    writer: s.describe(x),
+                                    reader: s.describe(y as usize),
+                                    element: self.arena.element(o),
+                                });
+                            }
+                        }
+                    }
+                }
+                machine.exec(&s.instrs[x]);
+                let tag = base.wrapping_add(st).wrapping_add(1);
+                for r in &self.writes[x] {
+                    self.tags[r.clone()].fill(tag);
+                }
+            }
+            ran[x] = Some(st);
+            pc[sm] += 1;
+            order[st as usize].push(x as u32);
+        }
+        self.step = base.wrapping_add(steps);
+        Ok(order)
     }
 
     /// The writer of arena offset `o`, if any.

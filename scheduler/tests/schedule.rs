@@ -606,3 +606,96 @@ fn many_sms_build_quickly() {
     );
     assert!(took.as_secs() < 60, "{took:?}");
 }
+
+/// Several steps in one launch, greedy and sampled: with the kernel's step boundary (no SM
+/// starts step s + 1 before step s's token is out) no interleaving overwrites an element a
+/// step-s instruction has yet to read, reads a token not drawn yet, or stages K/V rows before
+/// they were written; the tags advance by the number of steps. Without the boundary the check
+/// finds such a hazard (the tags alone let step s + 1 read its token too early).
+#[test]
+fn several_steps_per_launch_are_race_free_with_the_token_boundary() {
+    for sms in [1, 3, 7, 16] {
+        for s in [tiny(sms), tiny(sms).sampled()] {
+            assert!(validate(&s).is_ok());
+            for seed in 0..12 {
+                let mut ex = Executor::new(&s).unwrap();
+                ex.run_token(&mut Blind, Interleaving::Random { seed })
+                    .unwrap();
+                let order = ex
+                    .run_steps(&mut Blind, 4, seed, true)
+                    .unwrap_or_else(|e| panic!("{sms} SMs, seed {seed}: {e}"));
+                assert_eq!(order.len(), 4);
+                assert!(order.iter().all(|o| o.len() == s.instrs.len()));
+                assert_eq!(ex.epoch(), 5);
+                // The executor goes on with single steps from there.
+                ex.run_token(&mut Blind, Interleaving::Random { seed })
+                    .unwrap();
+            }
+        }
+    }
+    let s = tiny(7);
+    let hazards = (0..32)
+        .filter_map(|seed| {
+            Executor::new(&s)
+                .unwrap()
+                .run_steps(&mut Blind, 3, seed, false)
+                .err()
+        })
+        .filter(|e| {
+            matches!(
+                e,
+                ExecError::WriteAfterRead { .. }
+                    | ExecError::KvRowNotWritten { .. }
+                    | ExecError::TokenNotReady { .. }
+            )
+        })
+        .count();
+    println!("without the token boundary: a hazard in {hazards} of 32 interleavings");
+    assert!(hazards > 0);
+}
+
+/// The sampled schedule: the same streams and instructions but Sample for Argmax, reading the
+/// LM-head blocks' sampler summaries, and its words differ in that opcode only.
+#[test]
+fn the_sampled_schedule_ends_with_sample_on_the_same_streams() {
+    let g = tiny(5);
+    let s = g.sampled();
+    assert_eq!(g.streams, s.streams);
+    let blocks = g.lm_blocks() as u32;
+    for (a, b) in g.instrs.iter().zip(&s.instrs) {
+        match (a, b) {
+            (Op::Argmax { blocks: x }, Op::Sample { blocks: y }) => {
+                assert_eq!((*x, *y), (blocks, blocks))
+            }
+            _ => assert_eq!(a, b),
+        }
+    }
+    assert_eq!(
+        s.instrs
+            .iter()
+            .filter(|o| matches!(o, Op::Sample { .. }))
+            .count(),
+        1
+    );
+    let (ge, se) = (g.encode(), s.encode());
+    assert_eq!(ge.sm_offsets, se.sm_offsets);
+    let differ: Vec<usize> = (0..ge.words.len())
+        .filter(|&i| ge.words[i] != se.words[i])
+        .collect();
+    assert_eq!(differ.len(), 1, "{differ:?}");
+    assert_eq!(se.words[differ[0]], scheduler::encode::opcode::SAMPLE);
+    assert_eq!(se.decode().unwrap().concat().len(), s.instrs.len());
+    // Sample reads every block's summary and candidates, which only RmsLmHead writes.
+    let sample = s
+        .instrs
+        .iter()
+        .find(|o| matches!(o, Op::Sample { .. }))
+        .unwrap();
+    let reads = s.access(sample).reads;
+    assert!(reads
+        .iter()
+        .any(|r| r.buffer == Buffer::SmpBlock && r.elements == (0..6 * blocks)));
+    assert!(reads
+        .iter()
+        .any(|r| r.buffer == Buffer::SmpCand && r.elements == (0..256 * blocks)));
+}
