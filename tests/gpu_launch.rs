@@ -163,10 +163,7 @@ fn greedy_in_one_launch_matches_one_launch_per_token_and_the_cpu_small_model() {
 fn greedy_in_one_launch_matches_one_launch_per_token_and_the_cpu_default_model() {
     let gpu = gpu();
     let path = megainfer::fetch::default_model().expect("default model");
-    let mut model = megainfer::model::load(&path).expect("loading the default model");
-    // The megakernel reads bf16 only: the Q4_1 file is widened, as `run` does for it (the CPU
-    // reference then computes from the same widened values).
-    model.weights.widen_to_bf16();
+    let model = megainfer::model::load(&path).expect("loading the default model");
     let prompt = model
         .tokenizer
         .as_ref()
