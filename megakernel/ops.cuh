@@ -87,7 +87,6 @@ __device__ __forceinline__ u32 op_prepare(u32 op, const MkParams& p, const u32* 
         case OP_ATTN: return op_attention(p, w, m, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, prof);
         case OP_ATTN_REDUCE: op_attn_reduce(p, w, sm.xs); return 0;
         case OP_ARGMAX: op_argmax(p, m, sm.red); return 0;
-        case OP_SAMPLE: op_sample(p, m, sm); return 0;
         default: return 0;
     }
 }
@@ -110,11 +109,7 @@ __device__ __forceinline__ void op_post(u32 op, const MkParams& p, const u32* w,
         case OP_OPROJ: post_oproj(p, w, sm.res); break;
         case OP_UPGATE: post_upgate(p, w, sm.res, scale); break;
         case OP_DOWN: post_down(p, w, sm.res); break;
-        case OP_LMHEAD:
-            post_lmhead(p, w, sm.res, sm.red, scale);
-            // Every consumer thread: it has consumer barriers.
-            if (p.sample) mk_sample_block(p, w, m, sm);
-            break;
+        case OP_LMHEAD: post_lmhead(p, w, sm.res, sm.red, scale); break;
         default: break;
     }
 }

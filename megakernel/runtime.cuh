@@ -83,31 +83,7 @@ struct MkParams {
     float eps;
     u32 epoch;
     u64 timeout_ns;
-    // Sampled steps (ops/sample.cuh), in the arena: per LM-head block its summary and its
-    // candidates.
-    u64* smp_block;      // [n_lm][SMP_MK_BLOCK_WORDS]
-    u64* smp_cand;       // [n_lm][SMP_KMAX][2]
-    // A launch of several steps (megakernel.cu): the next step's token (tagged, bit 31: stop
-    // after this step) and each SM's last finished step (tagged), both in the arena.
-    u64* tok_next;
-    u64* step_done;      // [SMs]
-    u32* host_tokens;    // null, or mapped host memory: [steps] token | MK_TOKEN_READY, as drawn
-    const u32* host_stop;// null, or mapped host memory: nonzero stops the launch after a step
-    u32* run_info;       // [0]: steps this launch ran
-    int n_stop;
-    u32 steps;           // steps in this launch (>= 1)
-    u32 sample;          // 1: the streams end with Sample, and RmsLmHead summarises for it
-    u32 pad0;
-    SmpParams smp;
-    // Tokens that end the generation (eos), n_stop of them: in the parameter block, so the
-    // check after the step's token needs no memory round trip.
-    u32 stop_ids[MK_MAX_STOP_IDS];
 };
-
-// A published token's flag in host_tokens (an unwritten entry is 0), and the stop flag of the
-// tagged next token.
-#define MK_TOKEN_READY 0x80000000u
-#define MK_TOKEN_STOP 0x80000000u
 
 // Shared memory as the interpreter uses it; carved by MK_SMEM_* (from the host's plan, see
 // megakernel.cu).
@@ -144,14 +120,6 @@ __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr,
 __shared__ u32 mk_failed;
 // The instruction the consumers are on, for error reports and the loader's in-flight limit.
 __shared__ u32 mk_instr;
-// The tag of the step the consumers are on (epoch + step + 1), set by consumer thread 0 between
-// steps (the loader, which runs ahead into the next step, keeps its own count).
-__shared__ u32 mk_tag;
-// Set by consumer thread 0 when the launch ends before its last step (eos, a stop token, the
-// host's flag): the loader, which may have run ahead, stops and lets its copies land. With it,
-// mk_cseq: the ring tiles the consumers had consumed.
-__shared__ u32 mk_stop;
-__shared__ u32 mk_cseq;
 // Both are written by one thread while others read them, so every access is volatile (PTX
 // treats a volatile load or store as relaxed at system scope: no data race, no stale value
 // kept in a register). Only their last value matters, so no ordering beyond that is needed.
@@ -160,11 +128,7 @@ __device__ __forceinline__ bool any_failed() { return *(volatile u32*)&mk_failed
 __device__ __forceinline__ void set_current_instr(u32 v) { *(volatile u32*)&mk_instr = v; }
 __device__ __forceinline__ u32 current_instr() { return *(volatile u32*)&mk_instr; }
 
-__device__ __forceinline__ bool stop_requested() { return *(volatile u32*)&mk_stop != 0; }
-
-// The tag of the consumers' current step: in a launch of several steps, step s of the launch
-// carries p.epoch + s + 1.
-__device__ __forceinline__ u32 launch_tag(const MkParams&) { return *(volatile u32*)&mk_tag; }
+__device__ __forceinline__ u32 launch_tag(const MkParams& p) { return p.epoch + 1; }
 
 __device__ __forceinline__ void st_tagged(u64* a, float v, u32 tag) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(((u64)tag << 32) | __float_as_uint(v)) : "memory");
@@ -212,22 +176,6 @@ __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, i
 
 __device__ __forceinline__ float tagged_float(u64 raw) { return __uint_as_float((u32)raw); }
 
-__device__ __forceinline__ void st_relaxed_u32(u32* a, u32 v) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(a), "r"(v) : "memory");
-}
-
-// Mapped host memory: a store the host sees (system scope), and a read of a flag the host
-// writes (0 when there is none).
-__device__ __forceinline__ void st_sys_u32(u32* a, u32 v) {
-    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(a), "r"(v) : "memory");
-}
-__device__ __forceinline__ u32 ld_host_flag(const u32* a) {
-    if (a == nullptr) return 0;
-    u32 v;
-    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
-    return v;
-}
-
 __device__ __forceinline__ float ld_value(const MkParams& p, const u64* a) {
     u64 raw = ld_tagged(a);
     settle<1>(p, &raw, [&](int) { return a; }, 1);
@@ -246,8 +194,7 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
     for (int spins = 1;; spins++) {
         if (mbar_try_wait(bar, parity)) return true;
         if (spins % ABORT_CHECK_SPINS == 0) {
-            // A stopped launch (mk_stop) leaves the loader's waits without an error.
-            if (aborted(p) || stop_requested()) return false;
+            if (aborted(p)) return false;
             if (global_ns() - t0 > p.timeout_ns) {
                 raise_error(p, kind, instr, tile, parity, 0);
                 return false;

@@ -28,41 +28,6 @@ pub trait Backend {
     fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
         Ok(sampler.sample(&self.feed(&[token])?))
     }
-
-    /// Feeds `token` and generates up to `n` tokens after it without the host in the loop
-    /// (greedy, or drawn by `sampler`, whose context ends with `token`), ending after a token
-    /// of `stop` (the last of the tokens) or once `interrupt()` is true; `on_token` gets each
-    /// token as soon as the host sees it. `None` where the backend has no such loop (then
-    /// [`generate`] steps one token at a time): the megakernel runs it inside its launches.
-    fn generate_on_device(
-        &mut self,
-        _token: u32,
-        _n: usize,
-        _sampler: &Sampler,
-        _stop: &[u32],
-        _on_token: &mut dyn FnMut(u32) -> Result<()>,
-        _interrupt: &dyn Fn() -> bool,
-    ) -> Option<Result<DeviceRun>> {
-        None
-    }
-}
-
-/// Why a generation on the device ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceStop {
-    /// The token budget.
-    Budget,
-    /// A stop token (eos), the last of the tokens.
-    StopToken,
-    /// Ctrl-C: the host's flag.
-    Interrupted,
-}
-
-/// What [`Backend::generate_on_device`] generated.
-#[derive(Debug, Clone)]
-pub struct DeviceRun {
-    pub tokens: Vec<u32>,
-    pub stop: DeviceStop,
 }
 
 impl Backend for CpuForward<'_> {
@@ -191,29 +156,6 @@ pub fn generate_after(
             break;
         }
         sampler.accept(&[token]);
-        let left = max_tokens - stats.generated;
-        let mut streamed = 0usize;
-        let on_device = backend.generate_on_device(
-            token,
-            left,
-            sampler,
-            eos,
-            &mut |t| {
-                streamed += 1;
-                on_token(t)
-            },
-            &|| generating.stop_requested(),
-        );
-        if let Some(run) = on_device {
-            let run = run?;
-            stats.generated += streamed;
-            stats.stopped_on_eos = run.stop == DeviceStop::StopToken;
-            stats.interrupted = run.stop == DeviceStop::Interrupted;
-            if let Some((_, fed)) = run.tokens.split_last() {
-                sampler.accept(fed);
-            }
-            break;
-        }
         token = if greedy {
             backend.feed_greedy(token)?
         } else {

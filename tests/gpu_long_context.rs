@@ -86,64 +86,6 @@ fn megakernel_switches_buckets_after_prefill() {
     );
 }
 
-/// A launch of many steps ends where the context bucket does: a 250-token prompt, then twelve
-/// greedy tokens chained on the device with `--tokens-per-launch 0` across the switch at 256
-/// positions. As many launches as buckets the steps' positions touch, the last bucket active
-/// afterwards, and the same tokens as one launch per token (whose logits the test above checks
-/// against the CPU reference across the same switch).
-#[test]
-#[ignore = "needs a GPU"]
-fn megakernel_launch_of_many_steps_splits_at_bucket_boundary() {
-    let gpu = gpu();
-    const PROMPT: usize = 250;
-    const N: usize = 12;
-    const MAX_SEQ: usize = 300;
-    let cfg = tiny(192, 9, 3, 64, 520);
-    let w = random_weights(&cfg, 43);
-    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-    let prompt: Vec<u32> = (0..PROMPT as u32).map(|k| (k * 89 + 7) % 1000).collect();
-    let mut path = GpuPath::new(PathKind::Megakernel, &gpu, &dm, MAX_SEQ, MAX_SEQ).unwrap();
-    let mk = path.as_megakernel().unwrap();
-    let buckets = mk.buckets().0;
-    assert!(
-        buckets.len() >= 2 && buckets[0].0 == 256,
-        "expected a bucket up to 256 positions and another after it: {buckets:?}"
-    );
-    // The first generated token is fed at position PROMPT; step k decodes position PROMPT + k.
-    let bucket_of = |pos: usize| {
-        buckets
-            .iter()
-            .position(|b| b.0 > pos)
-            .unwrap_or(buckets.len() - 1)
-    };
-    let mut touched: Vec<usize> = (PROMPT..PROMPT + N).map(bucket_of).collect();
-    touched.dedup();
-
-    let first = argmax(&mk.feed(&prompt).unwrap());
-    let per_token: Vec<u32> = mk.decode_greedy(first, N).unwrap();
-
-    mk.reset();
-    let first2 = argmax(&mk.feed(&prompt).unwrap());
-    assert_eq!(first2, first, "prefill differs between two runs");
-    mk.tokens_per_launch = 0;
-    let run = mk
-        .generate_chained(first, N, None, &[], &mut |_| Ok(()), &|| false)
-        .unwrap();
-    let (_, active) = mk.buckets();
-    println!(
-        "buckets {buckets:?}; positions {PROMPT}..{} touch buckets {touched:?}: {} launches, bucket {active} active after; in-launch tokens {} one launch per token",
-        PROMPT + N,
-        run.launches,
-        if run.tokens == per_token { "identical to" } else { "DIFFERENT from" }
-    );
-    assert_eq!(run.launches, touched.len(), "one launch per bucket touched");
-    assert_eq!(active, *touched.last().unwrap());
-    assert_eq!(
-        run.tokens, per_token,
-        "chained launches across the bucket switch differ from one launch per token"
-    );
-}
-
 /// A five-digit number in about 7,000 tokens of filler, asked for at the end: the CPU reference
 /// finds it, and every GPU path answers with the CPU reference's greedy tokens.
 #[test]

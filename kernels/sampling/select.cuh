@@ -60,21 +60,6 @@ __device__ __forceinline__ bool smp_truncates(const SmpParams& s) {
 }
 __device__ __forceinline__ bool smp_penalises(const SmpParams& s) { return s.penalty != 1.f && s.last_n > 0; }
 
-// Candidates each block lists: the top-k when top-k is set (the global top k is contained in
-// the union of the blocks' top k), else SMP_KMAX. Fewer candidates make the final merge
-// shorter; a block's list still has SMP_KMAX slots, of which the first this many are used.
-__device__ __forceinline__ smp_u32 smp_cands_per_block(const SmpParams& s) {
-    return s.top_k > 0 && s.top_k < SMP_KMAX ? s.top_k : SMP_KMAX;
-}
-
-// history is written during a launch of several megakernel steps by other CTAs (the value of
-// each entry the same whoever writes it): a relaxed load, past L1, sees the latest.
-__device__ __forceinline__ smp_u32 smp_history(const smp_u32* h, smp_u32 q) {
-    smp_u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(h + q));
-    return v;
-}
-
 // NaN reads as -inf: it can never be drawn (the host does the same).
 __device__ __forceinline__ float smp_clean(float x) {
     return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? __int_as_float(0xff800000u) : x;
@@ -232,8 +217,8 @@ __device__ void smp_compact_top(KeyAt key_at, int n, smp_u32 kth, smp_u32 take_e
 // Rows base .. base + rows - 1 (rows <= SMP_MAX_ROWS) with raw logits raw_at(j), j < rows.
 // The step fed `token` at `pos`; history[q] is the token at position q < pos. Writes the
 // block's summary through put_block (called by thread 0) and, when truncating at T > 0, its
-// top min(rows, kc) rows through put_cand(slot, value, index) for every slot < kc =
-// smp_cands_per_block(s) (empty slots get index SMP_NONE).
+// top min(rows, SMP_KMAX) rows through put_cand(slot, value, index) for every slot < SMP_KMAX
+// (empty slots get index SMP_NONE).
 template <typename RawAt, typename PutBlock, typename PutCand, typename Sync>
 __device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpParams& s, smp_u32 pos, smp_u32 token,
                                const smp_u32* history, PutBlock put_block, PutCand put_cand, SmpShared& sm, int tid,
@@ -244,7 +229,7 @@ __device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpPa
         sync();
         const smp_u32 first = pos + 1 > s.last_n ? pos + 1 - s.last_n : 0;
         for (smp_u32 q = first + tid; q <= pos; q += nthreads) {
-            const smp_u32 j = (q == pos ? token : smp_history(history, q)) - base;
+            const smp_u32 j = (q == pos ? token : history[q]) - base;
             if (j < (smp_u32)rows) atomicOr(&sm.bitmap[j >> 5], 1u << (j & 31));
         }
         sync();
@@ -280,20 +265,19 @@ __device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpPa
         put_block(b);
     }
     if (draw_all) return;
-    const smp_u32 kc = smp_cands_per_block(s), k = min((smp_u32)rows, kc);
+    const smp_u32 k = min(rows, SMP_KMAX);
     auto key_at = [&](int j) { return smp_key(val(j)); };
     smp_u32 kth, take_eq;
     smp_radix_select(key_at, rows, k, sm, tid, nthreads, sync, kth, take_eq);
     smp_compact_top(key_at, rows, kth, take_eq, [&](smp_u32 slot, int j) { put_cand(slot, val(j), base + j); }, sm, tid,
                     nthreads, sync);
-    for (int slot = k + tid; slot < (int)kc; slot += nthreads) put_cand(slot, __uint_as_float(0xffffffffu), SMP_NONE);
+    for (int slot = k + tid; slot < SMP_KMAX; slot += nthreads) put_cand(slot, __uint_as_float(0xffffffffu), SMP_NONE);
 }
 
 // ---- the final part ----
-// Over nb blocks: block b's summary get_block(b); when truncating, block b's candidate slot j
-// as cand_val(b * SMP_KMAX + j), cand_idx(b * SMP_KMAX + j), for j < smp_cands_per_block(s).
-// Returns the drawn token in thread 0 (SMP_NONE when there is nothing to draw from: every
-// logit -inf or NaN).
+// Over nb blocks: block b's summary get_block(b); when truncating, candidate i (of
+// nb * SMP_KMAX, block after block) as cand_val(i), cand_idx(i). Returns the drawn token in
+// thread 0 (SMP_NONE when there is nothing to draw from: every logit -inf or NaN).
 template <typename GetBlock, typename CandVal, typename CandIdx, typename Sync>
 __device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, CandIdx cand_idx, const SmpParams& s,
                                   smp_u32 pos, SmpShared& sm, int tid, int nthreads, Sync sync) {
@@ -321,20 +305,14 @@ __device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, 
         }
         z_all = smp_block_sum(z_all, sm, tid, nthreads, sync);
     }
-    // The global top SMP_KMAX among the blocks' lists (kc each), in index order, then sorted.
-    const smp_u32 kc = smp_cands_per_block(s);
-    const int n = nb * (int)kc;
+    // The global top SMP_KMAX among the blocks' lists, in index order, then sorted.
+    const int n = nb * SMP_KMAX;
     const smp_u32 k = min(n, SMP_KMAX);
-    auto slot_of = [&](int i) { return (i / (int)kc) * SMP_KMAX + i % (int)kc; };
-    auto key_at = [&](int i) {
-        const int c = slot_of(i);
-        return cand_idx(c) == SMP_NONE ? 0u : smp_key(cand_val(c));
-    };
+    auto key_at = [&](int i) { return cand_idx(i) == SMP_NONE ? 0u : smp_key(cand_val(i)); };
     smp_u32 kth, take_eq;
     smp_radix_select(key_at, n, k, sm, tid, nthreads, sync, kth, take_eq);
     if (tid == 0) sm.count = 0;
-    smp_compact_top(key_at, n, kth, take_eq,
-                    [&](smp_u32 slot, int i) { sm.cv[slot] = cand_val(slot_of(i)); sm.ci[slot] = cand_idx(slot_of(i)); },
+    smp_compact_top(key_at, n, kth, take_eq, [&](smp_u32 slot, int i) { sm.cv[slot] = cand_val(i); sm.ci[slot] = cand_idx(i); },
                     sm, tid, nthreads, sync);
     sync();
     for (int j = tid; j < (int)k; j += nthreads) {

@@ -15,18 +15,7 @@
 //! | `attn_out` | `[layers][heads·d]` | `attn_out[l]` |
 //! | `act` | `[layers][intermediate]` | `act[l]` |
 //! | `lm_best` | `[max(blocks, 1)][2]` | `lm_best` |
-//! | `smp_block` | `[max(blocks, 1)][6]` | `smp_block` |
-//! | `smp_cand` | `[max(blocks, 1)][128][2]` | `smp_cand` |
-//! | `token` | 1 | in a launch of several steps: the next step's token (see below) |
-//! | `step_done` | `[sm_count]` | in a launch of several steps: each SM's last finished step |
 //! | `attn_part` | `[layers][heads][parts][d + 2]` | per slot `attn_part[l]`'s `d` values, then `attn_stats[l]`'s 2 |
-//!
-//! `token` and `step_done` are the megakernel's own (no instruction declares them): the
-//! `Argmax` or `Sample` of step `e` also stores its token there with tag `e + 1`, and every SM
-//! reads it before it starts step `e + 1`; each SM stores its `step_done` word after a release
-//! fence when it has finished a step, and its loader waits for all of them before it stages
-//! KV-cache rows that the previous step wrote (see docs/megakernel.md, "Many steps per
-//! launch"). [`crate::exec::Executor::run_steps`] checks the ordering this gives.
 //!
 //! `resid_attn` comes first: the kernel reports an element by its offset from there.
 //! `attn_part` comes last: schedules of one model that differ only in their split-KV parts
@@ -54,14 +43,8 @@ pub struct ArenaLayout {
 
 impl ArenaLayout {
     /// The layout for `model` with `chunks` down-projection k-chunks, `attn_parts` split-KV
-    /// partitions, `lm_blocks` LM-head blocks and `sm_count` SMs (one `step_done` word each).
-    pub fn new(
-        model: &ModelShape,
-        chunks: usize,
-        attn_parts: usize,
-        lm_blocks: usize,
-        sm_count: usize,
-    ) -> Self {
+    /// partitions and `lm_blocks` LM-head blocks.
+    pub fn new(model: &ModelShape, chunks: usize, attn_parts: usize, lm_blocks: usize) -> Self {
         let (l, h, qd) = (model.layers, model.hidden, model.q_dim());
         let sizes = [
             ("resid_attn", l * h),
@@ -71,16 +54,6 @@ impl ArenaLayout {
             ("attn_out", l * qd),
             ("act", l * model.intermediate),
             ("lm_best", 2 * lm_blocks.max(1)),
-            (
-                "smp_block",
-                crate::instruction::SMP_BLOCK_WORDS * lm_blocks.max(1),
-            ),
-            (
-                "smp_cand",
-                2 * crate::instruction::SMP_CANDIDATES * lm_blocks.max(1),
-            ),
-            ("token", 1),
-            ("step_done", sm_count),
             (
                 "attn_part",
                 l * model.heads * attn_parts * (model.head_dim + 2),
@@ -162,8 +135,6 @@ impl ArenaLayout {
             Buffer::AttnOut { layer } => linear("attn_out", layer as usize * self.q_dim),
             Buffer::Act { layer } => linear("act", layer as usize * self.intermediate),
             Buffer::LmBest => linear("lm_best", 0),
-            Buffer::SmpBlock => linear("smp_block", 0),
-            Buffer::SmpCand => linear("smp_cand", 0),
             // Slot s = head·parts + part: d values, then (max, sum).
             Buffer::AttnPart { layer } | Buffer::AttnStats { layer } => {
                 let (per_slot, skip) = match span.buffer {

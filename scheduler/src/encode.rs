@@ -5,7 +5,7 @@
 //! | word | meaning |
 //! | --- | --- |
 //! | 0 | opcode (see [`opcode`]) |
-//! | 1 | layer (0 for `RmsLmHead`, `Argmax` and `Sample`) |
+//! | 1 | layer (0 for `RmsLmHead` and `Argmax`) |
 //! | 2..=7 | six operands `a0..a5`, by opcode below; unused ones are 0 |
 //!
 //! Nothing else: an instruction's inputs are tagged activations the interpreter waits for
@@ -23,7 +23,6 @@
 //! | 6 | `DownProjPartial` | row_start | row_count | chunk | col_start | col_count |
 //! | 7 | `RmsLmHead` | row_start | row_count | block | | |
 //! | 8 | `Argmax` | blocks | | | | |
-//! | 9 | `Sample` | blocks | | | | |
 //!
 //! SM `s` runs instructions `sm_offsets[s] .. sm_offsets[s+1]` (instruction indices, not word
 //! indices: instruction `i` is `words[8·i .. 8·i + 8]`) in order.
@@ -46,7 +45,6 @@ pub mod opcode {
     pub const DOWN_PROJ_PARTIAL: u32 = 6;
     pub const RMS_LM_HEAD: u32 = 7;
     pub const ARGMAX: u32 = 8;
-    pub const SAMPLE: u32 = 9;
 }
 
 /// A schedule as the GPU receives it, with the constants the kernel is compiled with.
@@ -142,7 +140,6 @@ fn fields(op: &Op) -> (u32, u32, [u32; 6]) {
             [row_start, row_count, block, 0, 0, 0],
         ),
         Op::Argmax { blocks } => (opcode::ARGMAX, 0, [blocks, 0, 0, 0, 0, 0]),
-        Op::Sample { blocks } => (opcode::SAMPLE, 0, [blocks, 0, 0, 0, 0, 0]),
     }
 }
 
@@ -189,7 +186,6 @@ fn op_of(code: u32, layer: u32, a: [u32; 6]) -> Option<Op> {
             block: a[2],
         },
         opcode::ARGMAX => Op::Argmax { blocks: a[0] },
-        opcode::SAMPLE => Op::Sample { blocks: a[0] },
         _ => return None,
     })
 }

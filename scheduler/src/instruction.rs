@@ -20,19 +20,12 @@
 //! | `mlp_part[l][c]` | hidden | `DownProjPartial` of k-chunk `c` (partial dot products) |
 //! | `logits` | vocab | `RmsLmHead` |
 //! | `lm_best` | `[blocks, 2]`: (max logit as f32 bits, its row) | `RmsLmHead` |
-//! | `smp_block` | `[blocks, 6]`: the sampler's block summary (`SMP_MK_BLOCK_WORDS`) | `RmsLmHead` (sampled steps) |
-//! | `smp_cand` | `[blocks, 128, 2]`: the block's top candidates (logit, token) | `RmsLmHead` (sampled steps) |
 //!
 //! The residual stream after layer `l` is never stored: it is the virtual sum
 //! `resid_attn[l] + (mlp_part[l][0] + mlp_part[l][1] + …)` (chunks summed first, in order, then
 //! added), which each consumer (the next layer's `RmsQkvRope` and `OProjResidual`, and
 //! `RmsLmHead`) computes itself for the elements it needs. Layer 0's input is the embedding row
 //! of `token_in.token`, read straight from the embedding table (no embedding instruction).
-//!
-//! A sampled step ends with `Sample` instead of `Argmax` ([`crate::Schedule::sampled`]): the
-//! same streams, the same `RmsLmHead` instructions, which then also summarise their rows for
-//! the sampler (`smp_block`, `smp_cand`; a greedy step leaves them alone, and nothing reads
-//! them there).
 //!
 //! `token_in` and `token_out` must be distinct memory, since `Argmax` writes the next token
 //! while the launch may still read the current one: e.g. two slots, launch `e` reading slot
@@ -122,9 +115,6 @@ pub enum Op {
     /// First maximum over `lm_best[0..blocks]` (blocks in row order, so ties go to the lowest
     /// token id); writes `token_out = (row, pos + 1)`.
     Argmax { blocks: u32 },
-    /// The sampled step's `Argmax`: draws the next token from the blocks' sampler summaries
-    /// (`smp_block`, `smp_cand`) by the host's rule (src/sampling), writes `token_out`.
-    Sample { blocks: u32 },
 }
 
 /// The stage an instruction belongs to; the global order runs stage by stage.
@@ -138,11 +128,10 @@ pub enum StageKind {
     Down,
     LmHead,
     Argmax,
-    Sample,
 }
 
 impl StageKind {
-    pub const ALL: [StageKind; 9] = [
+    pub const ALL: [StageKind; 8] = [
         StageKind::Qkv,
         StageKind::Attention,
         StageKind::AttnReduce,
@@ -151,7 +140,6 @@ impl StageKind {
         StageKind::Down,
         StageKind::LmHead,
         StageKind::Argmax,
-        StageKind::Sample,
     ];
 
     /// The instruction's name.
@@ -165,7 +153,6 @@ impl StageKind {
             StageKind::Down => "DownProjPartial",
             StageKind::LmHead => "RmsLmHead",
             StageKind::Argmax => "Argmax",
-            StageKind::Sample => "Sample",
         }
     }
 }
@@ -181,7 +168,6 @@ impl Op {
             Op::DownProjPartial { .. } => StageKind::Down,
             Op::RmsLmHead { .. } => StageKind::LmHead,
             Op::Argmax { .. } => StageKind::Argmax,
-            Op::Sample { .. } => StageKind::Sample,
         }
     }
 
@@ -194,7 +180,7 @@ impl Op {
             | Op::OProjResidual { layer, .. }
             | Op::RmsUpGateSilu { layer, .. }
             | Op::DownProjPartial { layer, .. } => Some(layer),
-            Op::RmsLmHead { .. } | Op::Argmax { .. } | Op::Sample { .. } => None,
+            Op::RmsLmHead { .. } | Op::Argmax { .. } => None,
         }
     }
 
@@ -209,7 +195,7 @@ impl Op {
                 let positions = (p + 1) * ctx / n - p * ctx / n;
                 2 * 2 * positions * hd
             }
-            Op::AttnReduce { .. } | Op::Argmax { .. } | Op::Sample { .. } => 0,
+            Op::AttnReduce { .. } | Op::Argmax { .. } => 0,
             Op::OProjResidual { row_count, .. } => 2 * row_count as u64 * m.q_dim() as u64,
             Op::RmsUpGateSilu { row_count, .. } => 2 * 2 * row_count as u64 * h,
             Op::DownProjPartial {
@@ -238,8 +224,6 @@ pub enum Buffer {
     MlpPart { layer: u32, chunk: u32 },
     Logits,
     LmBest,
-    SmpBlock,
-    SmpCand,
 }
 
 impl Buffer {
@@ -279,8 +263,6 @@ impl Buffer {
             ),
             Buffer::Logits => (true, model.vocab),
             Buffer::LmBest => (true, 2 * lm_blocks),
-            Buffer::SmpBlock => (true, SMP_BLOCK_WORDS * lm_blocks),
-            Buffer::SmpCand => (true, 2 * SMP_CANDIDATES * lm_blocks),
         };
         ok.then_some(n)
     }
@@ -303,8 +285,6 @@ impl std::fmt::Display for Buffer {
             Buffer::MlpPart { layer, chunk } => write!(f, "mlp_part[{layer}][{chunk}]"),
             Buffer::Logits => write!(f, "logits"),
             Buffer::LmBest => write!(f, "lm_best"),
-            Buffer::SmpBlock => write!(f, "smp_block"),
-            Buffer::SmpCand => write!(f, "smp_cand"),
         }
     }
 }
@@ -322,12 +302,6 @@ pub struct Access {
     pub reads: Vec<Span>,
     pub writes: Vec<Span>,
 }
-
-/// Words of one LM-head block's sampler summary (`SMP_MK_BLOCK_WORDS` in
-/// megakernel/ops/sample.cuh).
-pub const SMP_BLOCK_WORDS: usize = 6;
-/// Candidates each LM-head block lists for the sampler (`SMP_KMAX`, the host's `K_MAX`).
-pub const SMP_CANDIDATES: usize = 128;
 
 /// Elements of `token_in` / `token_out`.
 const TOKEN: u32 = 0;
@@ -485,20 +459,10 @@ pub fn access(op: &Op, model: &ModelShape, opts: &Options) -> Access {
             layer_input(model.layers as u32, 0..hidden, chunks, &mut a.reads);
             a.writes.push(span(Buffer::Logits, row_start, row_count));
             a.writes.push(span(Buffer::LmBest, 2 * block, 2));
-            let (bw, cw) = (SMP_BLOCK_WORDS as u32, 2 * SMP_CANDIDATES as u32);
-            a.writes.push(span(Buffer::SmpBlock, bw * block, bw));
-            a.writes.push(span(Buffer::SmpCand, cw * block, cw));
         }
         Op::Argmax { blocks } => {
             a.reads.push(span(Buffer::LmBest, 0, 2 * blocks));
             a.reads.push(span(Buffer::TokenIn, POS, 1));
-            a.writes.push(span(Buffer::TokenOut, 0, 2));
-        }
-        Op::Sample { blocks } => {
-            let (bw, cw) = (SMP_BLOCK_WORDS as u32, 2 * SMP_CANDIDATES as u32);
-            a.reads.push(span(Buffer::SmpBlock, 0, bw * blocks));
-            a.reads.push(span(Buffer::SmpCand, 0, cw * blocks));
-            a.reads.push(span(Buffer::TokenIn, TOKEN, 2));
             a.writes.push(span(Buffer::TokenOut, 0, 2));
         }
     }

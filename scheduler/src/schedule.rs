@@ -39,21 +39,7 @@ impl Schedule {
             self.options.down_chunks,
             self.options.attn_parts,
             self.lm_blocks(),
-            self.gpu.sm_count,
         )
-    }
-
-    /// The same streams ending with `Sample` where this one has `Argmax`: the schedule of a
-    /// step whose token is drawn by the sampler. Every instruction keeps its index and SM, so
-    /// the encoded words differ only in the one opcode.
-    pub fn sampled(&self) -> Schedule {
-        let mut s = self.clone();
-        for op in &mut s.instrs {
-            if let Op::Argmax { blocks } = *op {
-                *op = Op::Sample { blocks };
-            }
-        }
-        s
     }
 
     /// The instructions in encoded order (SM 0's stream, then SM 1's, …): entry `p` is the

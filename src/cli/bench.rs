@@ -59,20 +59,6 @@ pub struct BenchArgs {
     /// Sampled decoding instead of greedy (--temperature > 0 or a repetition penalty).
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Megakernel: besides one launch per token (the `megakernel` row), a row with this many
-    /// decode steps per launch (0: the whole generation in one launch, row
-    /// `megakernel-1launch`).
-    #[arg(long, default_value_t = 0)]
-    pub tokens_per_launch: usize,
-}
-
-/// How a path's timed steps are launched.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Launches {
-    /// One launch (or graph) per token, back to back.
-    PerToken,
-    /// The megakernel's generation inside launches of this many steps (0: one launch).
-    InLaunch(usize),
 }
 
 /// The first token from the prompt's logits and the remaining `gen - 1` chained on the
@@ -82,7 +68,6 @@ fn decode(
     prompt: &[u32],
     gen: usize,
     params: &SamplingParams,
-    launches: Launches,
 ) -> Result<(u32, std::time::Duration, Vec<u32>)> {
     let t0 = Instant::now();
     let logits = path.feed(prompt)?;
@@ -94,22 +79,11 @@ fn decode(
         sampler.sample(&logits)
     };
     let ttft = t0.elapsed();
-    sampler.accept(&[first]);
-    let rest = match (launches, path.as_megakernel()) {
-        (Launches::InLaunch(per), Some(mk)) => {
-            mk.tokens_per_launch = per;
-            mk.generate_chained(
-                first,
-                gen - 1,
-                Some(&sampler),
-                &[],
-                &mut |_| Ok(()),
-                &|| false,
-            )?
-            .tokens
-        }
-        _ if params.is_greedy() => path.decode_greedy(first, gen - 1)?,
-        _ => path.decode_sampled(&sampler, first, gen - 1)?,
+    let rest = if params.is_greedy() {
+        path.decode_greedy(first, gen - 1)?
+    } else {
+        sampler.accept(&[first]);
+        path.decode_sampled(&sampler, first, gen - 1)?
     };
     Ok((first, ttft, rest))
 }
@@ -249,30 +223,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let floor_ms = step_bytes as f64 / (bw * 1e9) * 1e3;
     let mut results = Vec::new();
     let mut profile = None;
-    let mut runs = Vec::new();
     for kind in paths {
-        runs.push((kind, Launches::PerToken));
-        if kind == PathKind::Megakernel {
-            runs.push((kind, Launches::InLaunch(args.tokens_per_launch)));
-        }
-    }
-    for (kind, launches) in runs {
         if kind == PathKind::Megakernel && quantized {
-            if launches == Launches::PerToken {
-                eprintln!(
-                    "bench: skipping the megakernel: {}",
-                    crate::gpu::megakernel::QUANTIZED_UNSUPPORTED
-                );
-            }
+            eprintln!(
+                "bench: skipping the megakernel: {}",
+                crate::gpu::megakernel::QUANTIZED_UNSUPPORTED
+            );
             continue;
         }
-        let name = match launches {
-            Launches::PerToken => kind.name().to_string(),
-            Launches::InLaunch(0) => format!("{}-1launch", kind.name()),
-            Launches::InLaunch(n) => format!("{}-{n}perlaunch", kind.name()),
-        };
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
-            .with_context(|| format!("setting up {name}"))?;
+            .with_context(|| format!("setting up {}", kind.name()))?;
         if let Some(ms) = args.wait_timeout_ms {
             path.set_wait_timeout_ms(ms)?;
         }
@@ -283,20 +243,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             );
         }
         // Warm-up: compilation, module load, first-touch of every buffer.
-        decode(&mut path, &prompt, args.gen, &params, launches)?;
+        decode(&mut path, &prompt, args.gen, &params)?;
         let (mut tpot, mut ttft) = (Vec::new(), Vec::new());
         let mut tokens = Vec::new();
         for _ in 0..args.reps {
             path.reset();
             let t0 = Instant::now();
-            let (first, first_time, rest) =
-                decode(&mut path, &prompt, args.gen, &params, launches)?;
+            let (first, first_time, rest) = decode(&mut path, &prompt, args.gen, &params)?;
             let total = t0.elapsed();
             ttft.push(first_time.as_secs_f64() * 1e3);
             tpot.push((total - first_time).as_secs_f64() * 1e3 / (args.gen - 1) as f64);
             tokens = std::iter::once(first).chain(rest).collect();
         }
-        if args.profile && launches == Launches::PerToken {
+        if args.profile {
             if let Some(mk) = path.as_megakernel() {
                 mk.reset();
                 let first = argmax(&mk.feed(&prompt)?);
@@ -313,7 +272,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let ttft_med = median(&mut ttft);
         let gbps = step_bytes as f64 / (med * 1e-3) / 1e9;
         results.push(PathResult {
-            path: name,
+            path: kind.name().into(),
             tpot_ms_median: med,
             tpot_ms_min: lo,
             tpot_ms_max: hi,
@@ -390,11 +349,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     println!("GB/s and % of BW: (weights + the K/V a step reads) / TPOT, against the measured read bandwidth; 100% is the floor.");
     println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, crate::gpu::prefill::DEFAULT_CHUNK);
-    if results.iter().any(|r| r.path.starts_with("megakernel-")) {
-        println!("megakernel: one launch per token, launched back to back; megakernel-1launch: the {} steps inside one launch (megakernel-N perlaunch: N steps per launch), each token published to mapped host memory as it is drawn, the host polling it.", args.gen - 1);
-    }
-    if !params.is_greedy() {
-        println!("Sampled steps draw on the device on every path: the graph paths with two sampler kernels after each step, the megakernel inside its launch (its Sample instruction after the LM head).");
+    if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
+        println!("Sampled steps draw on the device on every path; the megakernel's draw runs as two small kernels after each launch (not yet inside the launch).");
     }
     if let Some(path) = &args.json {
         let report = Report {

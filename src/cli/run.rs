@@ -42,10 +42,6 @@ pub struct ModelArgs {
     /// GPU decode path.
     #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
     pub path: PathKind,
-    /// Megakernel only: decode steps per launch (0: the whole generation in one launch, the
-    /// tokens streamed to the host as they are drawn; 1: one launch per token).
-    #[arg(long, default_value_t = 0)]
-    pub tokens_per_launch: usize,
     /// Storage of the weight matrices. Default: as the file stores them (GGUF Q8_0, Q4_0 and
     /// Q4_1 stay quantised; everything else is bf16). `bf16` widens them; a quantised type
     /// quantises every matrix with the project's quantiser.
@@ -247,7 +243,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
         let mut backend = GpuPath::new(path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
-        backend.set_tokens_per_launch(args.common.tokens_per_launch);
         if let Some(ms) = args.wait_timeout_ms {
             backend.set_wait_timeout_ms(ms)?;
         }

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::{CudaModule, CudaSlice};
 use scheduler::{ArenaLayout, Op, Schedule};
 
@@ -17,6 +17,7 @@ use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
 use super::stepping::{self, Sequence, Steps};
+use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
 
 pub mod abi;
@@ -27,7 +28,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
-pub use launch::{ChainRun, ChainStop, MAX_EPOCH};
+pub use launch::MAX_EPOCH;
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
 
@@ -64,14 +65,9 @@ pub struct MegakernelPath<'g> {
     _layers: CudaSlice<LayerW>,
     _kv: KvCache,
     seq: Sequence,
-    /// The sampling parameters of the sampled steps (`MkParams::smp`), once set.
-    sampling: Option<SamplingParams>,
-    /// `[steps run]` of the last launch.
-    run_info: CudaSlice<u32>,
-    /// Mapped pinned host memory: the tokens of a launch as they are drawn, and the stop flag.
-    mapped: Option<launch::Mapped>,
-    /// Steps per launch for [`MegakernelPath::generate`]; 0: the whole generation in one.
-    pub tokens_per_launch: usize,
+    /// Made on the first sampled step: the draw runs as two small kernels after each launch,
+    /// reading the launch's logits and writing the token where the next launch reads it.
+    sampler: Option<DeviceSampler>,
 }
 
 /// Why the megakernel refuses a model with quantised matrices.
@@ -86,9 +82,6 @@ struct Streams {
     attn_parts: usize,
     instructions: usize,
     words: CudaSlice<u32>,
-    /// The sampled schedule's words ([`scheduler::Schedule::sampled`]): the same streams and
-    /// offsets, ending with `Sample` instead of `Argmax`.
-    sampled_words: CudaSlice<u32>,
     offsets: CudaSlice<u32>,
     sm_offsets: Vec<u32>,
     /// Per encoded position: the instruction, for error messages.
@@ -183,8 +176,6 @@ impl<'g> MegakernelPath<'g> {
         let mut encoded = Vec::new();
         for &(upto, schedule) in buckets {
             let enc = schedule.encode();
-            let sampled = schedule.sampled().encode();
-            debug_assert_eq!(sampled.sm_offsets, enc.sm_offsets);
             let mut descs = Vec::new();
             let mut kinds = Vec::new();
             for &k in schedule.streams.iter().flatten() {
@@ -224,7 +215,7 @@ impl<'g> MegakernelPath<'g> {
                 );
                 }
             }
-            encoded.push((upto, schedule, enc, sampled.words, descs, kinds));
+            encoded.push((upto, schedule, enc, descs, kinds));
         }
         if max_cols * 2 > PAGE_BYTES {
             bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
@@ -282,13 +273,12 @@ impl<'g> MegakernelPath<'g> {
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
-        for (upto, schedule, enc, sampled_words, descs, kinds) in encoded {
+        for (upto, schedule, enc, descs, kinds) in encoded {
             streams.push(Streams {
                 upto,
                 attn_parts: schedule.options.attn_parts,
                 instructions: enc.words.len() / WORDS,
                 words: gpu.upload(&enc.words, "instruction streams")?,
-                sampled_words: gpu.upload(&sampled_words, "sampled instruction streams")?,
                 offsets: gpu.upload(&enc.sm_offsets, "stream offsets")?,
                 sm_offsets: enc.sm_offsets,
                 descs,
@@ -300,7 +290,6 @@ impl<'g> MegakernelPath<'g> {
         let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
-        let run_info = gpu.alloc_zeros::<u32>(4, "launch result")?;
         let params = MkParams {
             instrs: ptr(&streams[0].words, s),
             sm_offsets: ptr(&streams[0].offsets, s),
@@ -340,19 +329,6 @@ impl<'g> MegakernelPath<'g> {
             eps: c.rms_norm_eps,
             epoch: 0,
             timeout_ns: DEFAULT_WAIT_TIMEOUT_MS * 1_000_000,
-            smp_block: at("smp_block"),
-            smp_cand: at("smp_cand"),
-            tok_next: at("token"),
-            step_done: at("step_done"),
-            host_tokens: 0,
-            host_stop: 0,
-            run_info: ptr(&run_info, s),
-            n_stop: 0,
-            steps: 1,
-            sample: 0,
-            pad0: 0,
-            smp: [0; 8],
-            stop_ids: [0; abi::MAX_STOP_IDS],
         };
         Ok(Self {
             gpu,
@@ -373,10 +349,7 @@ impl<'g> MegakernelPath<'g> {
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
-            sampling: None,
-            run_info,
-            mapped: None,
-            tokens_per_launch: 0,
+            sampler: None,
         })
     }
 
@@ -395,12 +368,9 @@ impl<'g> MegakernelPath<'g> {
                 b.instructions
             );
         }
-        // Both encodings (greedy and sampled) have the same layout.
-        for words in [&mut b.words, &mut b.sampled_words] {
-            let mut all = self.gpu.stream.clone_dtoh(words)?;
-            all[instruction * WORDS + word] = value;
-            self.gpu.stream.memcpy_htod(&all, words)?;
-        }
+        let mut all = self.gpu.stream.clone_dtoh(&b.words)?;
+        all[instruction * WORDS + word] = value;
+        self.gpu.stream.memcpy_htod(&all, &mut b.words)?;
         Ok(())
     }
 
@@ -435,25 +405,15 @@ impl<'g> MegakernelPath<'g> {
     }
 
     /// Points the launch at the streams of the bucket that a step at position `pos` runs in
-    /// (its sequence is `pos + 1` long), the greedy or the `sample`d words. Off the per-token
-    /// path: a comparison and two pointers per launch.
-    fn select_bucket(&mut self, pos: usize, sample: bool) {
-        self.active = self.bucket_at(pos);
-        let b = &self.buckets[self.active];
-        let words = if sample { &b.sampled_words } else { &b.words };
-        let s = &self.gpu.stream;
-        self.params.instrs = ptr(words, s);
-        self.params.sm_offsets = ptr(&b.offsets, s);
-    }
-
-    /// How many consecutive steps from position `pos` run in `pos`'s bucket: a launch of
-    /// several steps runs one set of streams, so it ends where the next bucket starts.
-    fn steps_in_bucket(&self, pos: usize) -> usize {
-        let b = self.bucket_at(pos);
-        if b + 1 == self.buckets.len() {
-            usize::MAX
-        } else {
-            self.buckets[b].upto - pos
+    /// (its sequence is `pos + 1` long). Off the per-token path: a comparison per launch,
+    /// and two pointers when the sequence crosses into the next bucket.
+    fn select_bucket(&mut self, pos: usize) {
+        let want = self.bucket_at(pos);
+        if want != self.active {
+            self.active = want;
+            let s = &self.gpu.stream;
+            self.params.instrs = ptr(&self.buckets[want].words, s);
+            self.params.sm_offsets = ptr(&self.buckets[want].offsets, s);
         }
     }
 
@@ -503,15 +463,31 @@ impl Steps for MegakernelPath<'_> {
         self.launch()
     }
 
-    /// The draw runs inside the launch (the streams end with `Sample`): only the parameter
-    /// words change.
     fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
-        self.set_sampling(p)?;
+        let vocab = self.model.config.vocab_size;
+        DeviceSampler::prepared(&mut self.sampler, self.gpu, vocab, p)?;
         Ok(true)
     }
 
+    /// The launch reads meta slot `epoch % 2`, its argmax writes the other; the draw then
+    /// overwrites that slot and `history[pos + 1]` with the sampled token (stream order).
     fn launch_sampled_step(&mut self) -> Result<()> {
-        self.launch_sampled()
+        // MAX_EPOCH is even, so a wrap inside `launch` keeps the slot's parity.
+        let slot = (self.params.epoch & 1) as usize;
+        self.launch()?;
+        let s = &self.gpu.stream;
+        let sampler = self.sampler.as_ref().context("device sampler not made")?;
+        let meta = ptr(&self.meta, s);
+        // Four u32 words per TokenMeta.
+        let (cur, next) = (meta + 16 * slot as u64, meta + 16 * (1 - slot) as u64);
+        sampler.enqueue(
+            s,
+            ptr(&self.logits, s),
+            cur,
+            next,
+            ptr(&self.history, s),
+            false,
+        )
     }
 
     fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {

@@ -4,9 +4,9 @@ use anyhow::{bail, Result};
 
 use super::baseline::{BaselinePath, Mode};
 use super::device::Gpu;
-use super::megakernel::{ChainStop, MegakernelPath};
+use super::megakernel::MegakernelPath;
 use super::model::DeviceModel;
-use crate::generate::{Backend, DeviceRun, DeviceStop};
+use crate::generate::Backend;
 use crate::sampling::Sampler;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,14 +142,6 @@ impl<'g> GpuPath<'g> {
         Ok(())
     }
 
-    /// Steps per megakernel launch when a generation runs on the device (0: the whole
-    /// generation in one launch; 1: one launch per token). The other paths launch per token.
-    pub fn set_tokens_per_launch(&mut self, n: usize) {
-        if let Self::Megakernel(p) = self {
-            p.tokens_per_launch = n;
-        }
-    }
-
     pub fn reset(&mut self) {
         match self {
             Self::Megakernel(p) => p.reset(),
@@ -195,35 +187,5 @@ impl Backend for GpuPath<'_> {
 
     fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
         Ok(self.decode_sampled(sampler, token, 1)?[0])
-    }
-
-    /// The megakernel runs the generation inside its launches (`--tokens-per-launch`).
-    fn generate_on_device(
-        &mut self,
-        token: u32,
-        n: usize,
-        sampler: &Sampler,
-        stop: &[u32],
-        on_token: &mut dyn FnMut(u32) -> Result<()>,
-        interrupt: &dyn Fn() -> bool,
-    ) -> Option<Result<DeviceRun>> {
-        let Self::Megakernel(p) = self else {
-            return None;
-        };
-        // More stop tokens than the kernel checks: one launch per token, the host checking.
-        if stop.len() > super::megakernel::abi::MAX_STOP_IDS {
-            return None;
-        }
-        Some(
-            p.generate_chained(token, n, Some(sampler), stop, on_token, interrupt)
-                .map(|r| DeviceRun {
-                    tokens: r.tokens,
-                    stop: match r.stop {
-                        ChainStop::Budget => DeviceStop::Budget,
-                        ChainStop::StopToken => DeviceStop::StopToken,
-                        ChainStop::Interrupted => DeviceStop::Interrupted,
-                    },
-                }),
-        )
     }
 }

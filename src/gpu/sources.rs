@@ -16,7 +16,7 @@ pub const QUANT: &str = include_str!("../../kernels/quant/quant.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
 /// One header per instruction (model.cuh: what several of them read), in dependency order.
-const OPS: [&str; 10] = [
+const OPS: [&str; 9] = [
     include_str!("../../megakernel/ops/model.cuh"),
     include_str!("../../megakernel/ops/rms_qkv_rope.cuh"),
     include_str!("../../megakernel/ops/attention.cuh"),
@@ -26,7 +26,6 @@ const OPS: [&str; 10] = [
     include_str!("../../megakernel/ops/down_proj.cuh"),
     include_str!("../../megakernel/ops/rms_lm_head.cuh"),
     include_str!("../../megakernel/ops/argmax.cuh"),
-    include_str!("../../megakernel/ops/sample.cuh"),
 ];
 /// The instruction table: the interpreter's only view of the instructions.
 const TABLE: &str = include_str!("../../megakernel/ops.cuh");
@@ -69,12 +68,10 @@ pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
 }
 
 /// The persistent interpreter (compile it with `megakernel_defines`): the host's definitions
-/// (abi::prelude) first, the sampler's device functions before the runtime (its parameters are
-/// part of `MkParams`), its layout checks (abi::checks) last.
+/// (abi::prelude) first, its layout checks (abi::checks) last.
 pub fn megakernel() -> String {
     let (prelude, checks) = (abi::prelude(), abi::checks());
-    let sampler = crate::sampling::device::device_functions();
-    let mut parts = vec![COMMON, ROPE, &prelude, &sampler, PIPELINE, RUNTIME];
+    let mut parts = vec![COMMON, ROPE, &prelude, PIPELINE, RUNTIME];
     parts.extend(OPS);
     parts.extend([TABLE, LOADER, MEGAKERNEL, &checks]);
     parts.join("\n")

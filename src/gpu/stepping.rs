@@ -178,8 +178,12 @@ pub fn feed_steps<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
 /// `n` greedy steps from `token` launched back to back: each step's argmax feeds the next on
 /// the device, and the host reads the tokens once at the end.
 pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u32>> {
-    begin_greedy_chain(s, token, n)?;
+    check_tokens(&[token], s.vocab())?;
+    s.seq().check_room(n)?;
     let start = s.seq().pos;
+    if s.seq().meta_current != Some(token) {
+        s.write_meta(token, start)?;
+    }
     for _ in 0..n {
         s.launch_step()?;
     }
@@ -189,12 +193,7 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
 /// After `n` steps chained on the device from position `start`: advances the sequence, checks
 /// the kernels' error state and reads back only the n new tokens (the whole history is max_seq
 /// words), refusing any outside the vocabulary (`chooser` names what picked them).
-pub(crate) fn finish_chained<S: Steps>(
-    s: &mut S,
-    start: usize,
-    n: usize,
-    chooser: &str,
-) -> Result<Vec<u32>> {
+fn finish_chained<S: Steps>(s: &mut S, start: usize, n: usize, chooser: &str) -> Result<Vec<u32>> {
     s.seq().pos += n;
     s.check()?;
     let out = s
@@ -239,34 +238,6 @@ pub fn decode_sampled<S: Steps>(
         }
         return Ok(out);
     }
-    begin_sampled_chain(s, sampler, token, n)?;
-    for _ in 0..n {
-        s.launch_sampled_step()?;
-    }
-    let out = finish_chained(s, start, n, "sampler")?;
-    s.seq().history_synced = true;
-    Ok(out)
-}
-
-/// Before `n` sampled steps chained on the device from `token` (the last token of `sampler`'s
-/// context, fed at the sequence's next position): room in the cache, the token meta, and the
-/// repetition penalty's window in the device history when the host fed the positions before
-/// (the prompt).
-pub fn begin_sampled_chain<S: Steps>(
-    s: &mut S,
-    sampler: &Sampler,
-    token: u32,
-    n: usize,
-) -> Result<()> {
-    check_tokens(&[token], s.vocab())?;
-    let ctx = sampler.context();
-    let start = s.seq().pos;
-    if ctx.last() != Some(&token) || ctx.len() != start + 1 {
-        bail!(
-            "sampler context ({} tokens) does not end with the token fed at position {start}",
-            ctx.len()
-        );
-    }
     s.seq().check_room(n)?;
     if s.seq().meta_current != Some(token) || !s.seq().history_synced {
         // The host fed these positions (the prompt): the penalty's window, the tokens before
@@ -284,19 +255,12 @@ pub fn begin_sampled_chain<S: Steps>(
         }
         s.write_meta(token, start)?;
     }
-    Ok(())
-}
-
-/// Before `n` greedy steps chained on the device from `token`: room in the cache and the
-/// token meta (unless the last chained step left it).
-pub fn begin_greedy_chain<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<()> {
-    check_tokens(&[token], s.vocab())?;
-    s.seq().check_room(n)?;
-    if s.seq().meta_current != Some(token) {
-        let start = s.seq().pos;
-        s.write_meta(token, start)?;
+    for _ in 0..n {
+        s.launch_sampled_step()?;
     }
-    Ok(())
+    let out = finish_chained(s, start, n, "sampler")?;
+    s.seq().history_synced = true;
+    Ok(out)
 }
 
 impl<S: Steps> Backend for S {

@@ -57,10 +57,6 @@ pub struct SlicedMachine<'a> {
     mlp_part: Vec<Vec<Vec<f32>>>,
     logits: Vec<f32>,
     lm_best: Vec<(f32, u32)>,
-    /// What `Sample` draws with (greedy until [`SlicedMachine::set_sampling`]).
-    sampling: crate::sampling::SamplingParams,
-    /// The sequence so far, for the repetition penalty's window.
-    context: Vec<u32>,
 }
 
 impl<'a> SlicedMachine<'a> {
@@ -114,8 +110,6 @@ impl<'a> SlicedMachine<'a> {
             mlp_part: vec![vec![vec![f32::NAN; h]; chunks]; l],
             logits: vec![f32::NAN; cfg.vocab_size],
             lm_best: vec![(f32::NAN, POISON_TOKEN); schedule.lm_blocks()],
-            sampling: crate::sampling::SamplingParams::greedy(),
-            context: Vec::new(),
         })
     }
 
@@ -371,30 +365,6 @@ impl<'a> SlicedMachine<'a> {
         self.lm_best[block] = best;
     }
 
-    /// What a sampled schedule's `Sample` draws with, and the tokens before the next one fed
-    /// (the penalty's window; the token fed at each step is added to it).
-    pub fn set_sampling(&mut self, p: crate::sampling::SamplingParams, context: &[u32]) {
-        self.sampling = p;
-        self.context = context.to_vec();
-    }
-
-    /// The host's rule on the logits the LM-head blocks wrote (any unwritten: poisoned).
-    fn sample(&mut self) {
-        if self.logits.iter().any(|v| v.is_nan()) {
-            self.token_out = [POISON_TOKEN; 2];
-            return;
-        }
-        self.context.truncate(self.pos);
-        self.context.push(self.token);
-        let t = crate::sampling::sample_at(
-            &self.sampling,
-            &self.logits,
-            self.pos as u64,
-            &self.context,
-        );
-        self.token_out = [t, self.pos as u32 + 1];
-    }
-
     fn argmax(&mut self, blocks: usize) {
         let mut best: Option<(f32, u32)> = None;
         for &(max, row) in &self.lm_best[..blocks] {
@@ -496,7 +466,6 @@ impl Machine for SlicedMachine<'_> {
                 block,
             } => self.lm_head(rows(row_start, row_count), u(block)),
             Op::Argmax { blocks } => self.argmax(u(blocks)),
-            Op::Sample { .. } => self.sample(),
         }
     }
 }

@@ -70,7 +70,7 @@ pub const ERR_PAGE_CONSUMER: u32 = 2;
 pub const ERR_PAGE_LOADER: u32 = 3;
 
 /// The opcodes as the interpreter names them.
-const OPCODES: [(&str, u32); 10] = [
+const OPCODES: [(&str, u32); 9] = [
     ("OP_NOOP", 0),
     ("OP_QKV", opcode::RMS_QKV_ROPE),
     ("OP_ATTN", opcode::ATTENTION),
@@ -80,7 +80,6 @@ const OPCODES: [(&str, u32); 10] = [
     ("OP_DOWN", opcode::DOWN_PROJ_PARTIAL),
     ("OP_LMHEAD", opcode::RMS_LM_HEAD),
     ("OP_ARGMAX", opcode::ARGMAX),
-    ("OP_SAMPLE", opcode::SAMPLE),
 ];
 
 /// A `#[repr(C)]` struct whose field offsets are listed for [`checks`].
@@ -139,26 +138,8 @@ abi_struct! {
         eps: f32,
         epoch: u32,
         timeout_ns: u64,
-        smp_block: u64,
-        smp_cand: u64,
-        tok_next: u64,
-        step_done: u64,
-        host_tokens: u64,
-        host_stop: u64,
-        run_info: u64,
-        n_stop: i32,
-        steps: u32,
-        sample: u32,
-        pad0: u32,
-        /// `SmpParams` (kernels/sampling/select.cuh): `sampling::device::param_words`.
-        smp: [u32; 8],
-        stop_ids: [u32; MAX_STOP_IDS],
     }
 }
-
-/// Most tokens that may end a generation inside a launch (`MkParams::stop_ids`; a model's eos
-/// ids are one to three).
-pub const MAX_STOP_IDS: usize = 8;
 
 abi_struct! {
     /// One layer's weight pointers (`LayerW` in runtime.cuh), copied to shared memory.
@@ -201,11 +182,6 @@ pub fn prelude() -> String {
         ("PAGE_BYTES", PAGE_BYTES),
         ("PROF_WORDS", PROF_WORDS),
         ("MK_ATT_ROUND", ATT_ROUND),
-        (
-            "MK_SAMPLER_SCRATCH_FLOATS",
-            super::layout::SAMPLER_SCRATCH_FLOATS,
-        ),
-        ("MK_MAX_STOP_IDS", MAX_STOP_IDS),
     ] {
         writeln!(s, "#define {name} {v}").unwrap();
     }
@@ -325,12 +301,8 @@ mod tests {
             "sizeof(MkParams) == {}",
             std::mem::size_of::<MkParams>()
         )));
-        // The parameter block: 30 pointers, 18 four-byte fields, the timeout, the 8 sampling
-        // words and the stop tokens, no padding.
-        assert_eq!(
-            std::mem::size_of::<MkParams>(),
-            30 * 8 + 18 * 4 + 8 + 32 + 4 * MAX_STOP_IDS
-        );
+        // The parameter block: 23 pointers, 14 four-byte fields and the timeout, no padding.
+        assert_eq!(std::mem::size_of::<MkParams>(), 23 * 8 + 14 * 4 + 8);
         assert_eq!(std::mem::size_of::<LayerW>(), 72);
     }
 }

@@ -129,18 +129,10 @@ pub fn attention_scratch(group: usize, head_dim: usize) -> usize {
     group * round_stride + (CONSUMER_WARPS + 2) * group * head_dim + 2 * head_dim + 3 * group
 }
 
-/// Floats of `xs` the sampler's scratch (`SmpShared`, megakernel/ops/sample.cuh, which checks
-/// its size against this) may take: both sampling parts run when the instruction's input
-/// vector is no longer needed.
-pub const SAMPLER_SCRATCH_FLOATS: usize = 2048;
-
-/// Floats of `xs`: the longest mat-vec input row, the attention scratch or the sampler's,
-/// whichever is more, rounded up to 16 bytes.
+/// Floats of `xs`: the longest mat-vec input row or the attention scratch, whichever is more,
+/// rounded up to 16 bytes.
 pub fn xs_floats(max_cols: usize, attention_scratch: usize) -> usize {
-    max_cols
-        .max(attention_scratch)
-        .max(SAMPLER_SCRATCH_FLOATS)
-        .next_multiple_of(4)
+    max_cols.max(attention_scratch).next_multiple_of(4)
 }
 
 #[cfg(test)]

@@ -175,7 +175,7 @@ impl MegakernelPath<'_> {
                 self.next_pos + steps
             );
         }
-        self.select_bucket(self.next_pos, false);
+        self.select_bucket(self.next_pos);
         let cur = &self.buckets[self.active];
         let (n, sm_offsets, kinds, descs) = (
             cur.instructions,
