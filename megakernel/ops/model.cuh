@@ -11,8 +11,9 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
-// Its parts are read RESID_GROUP at a time (one round trip for up to two k-chunks, not one
-// each), and summed in order.
+// Its parts are read at once (one round trip, not one each) when there are few enough, else
+// RESID_GROUP at a time; summed in order either way.
+#define PREP_CHUNKS 2
 #define RESID_GROUP 3
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
@@ -20,6 +21,17 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
     const u64* base = p.resid_attn + (size_t)l * p.hidden + i;
     const u64* parts = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
     auto addr = [&](int k) { return k == 0 ? base : parts + (size_t)(k - 1) * p.hidden; };
+    if (p.chunks <= PREP_CHUNKS) {
+        u64 raw[1 + PREP_CHUNKS];
+#pragma unroll
+        for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= p.chunks ? ld_tagged(addr(k)) : 0;
+        settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + p.chunks);
+        float v = tagged_float(raw[0]);
+#pragma unroll
+        for (int k = 1; k <= PREP_CHUNKS; k++)
+            if (k <= p.chunks) v += tagged_float(raw[k]);
+        return v;
+    }
     float v = 0.f;
     for (int k0 = 0; k0 <= p.chunks; k0 += RESID_GROUP) {
         const int n = min(RESID_GROUP, p.chunks + 1 - k0);
@@ -45,7 +57,71 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 // 4096 take two rounds, four k-chunks two trips a round).
 #define PREP_MAX 8
 #define PREP_SRC 3
-__device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
+// For hidden sizes of one round: every load of the residual, up to PREP_CHUNKS partial
+// sums and g issued at once, a round trip per element past that (more k-chunks).
+__device__ __forceinline__ void prepare_normed_small(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
+                               float* xs, float* ss) {
+    const int ct = threadIdx.x - 32;
+    const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
+    if (p.hidden <= PREP_MAX * CONSUMERS && nparts <= PREP_CHUNKS) {
+        u64 raw[PREP_MAX], rawp[PREP_CHUNKS][PREP_MAX];
+        float gw[PREP_MAX], v[PREP_MAX];
+        const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
+                          : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
+        const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
+        // The norm's weights (and layer 0's embedding row) do not depend on this step: they
+        // are issued first, so they are in flight while the inputs are waited for.
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            const bool in = i < p.hidden;
+            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
+            gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            const bool in = i < p.hidden;
+            raw[k] = in && base ? ld_tagged(base + i) : 0;
+#pragma unroll
+            for (int c = 0; c < PREP_CHUNKS; c++)
+                rawp[c][k] = in && c < nparts ? ld_tagged(parts + (size_t)c * p.hidden + i) : 0;
+        }
+        const int mine = p.hidden > ct ? (p.hidden - ct + CONSUMERS - 1) / CONSUMERS : 0;
+        if (base) settle<PREP_MAX>(p, raw, [&](int k) { return base + ct + k * CONSUMERS; }, mine);
+#pragma unroll
+        for (int c = 0; c < PREP_CHUNKS; c++)
+            if (c < nparts)
+                settle<PREP_MAX>(p, rawp[c], [&](int k) { return parts + (size_t)c * p.hidden + ct + k * CONSUMERS; }, mine);
+        float sq = 0.f;
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            if (k < mine) {
+                if (base) v[k] = tagged_float(raw[k]);
+#pragma unroll
+                for (int c = 0; c < PREP_CHUNKS; c++)
+                    if (c < nparts) v[k] += tagged_float(rawp[c][k]);
+            }
+            sq += v[k] * v[k];
+        }
+        consumers_partial_sum(sq, ss);
+#pragma unroll
+        for (int k = 0; k < PREP_MAX; k++) {
+            const int i = ct + k * CONSUMERS;
+            if (i < p.hidden) xs[i] = v[k] * gw[k];
+        }
+        return;
+    }
+    float sq = 0.f;
+    for (int i = ct; i < p.hidden; i += CONSUMERS) {
+        float v = after_attn ? ld_value(p, p.resid_attn + (size_t)layer * p.hidden + i) : resid_in(p, layer, token, i);
+        xs[i] = v * bf16_to_f32(g[i]);
+        sq += v * v;
+    }
+    consumers_partial_sum(sq, ss);
+}
+
+__device__ __forceinline__ void prepare_normed_rounds(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* ss) {
     const int ct = threadIdx.x - 32;
     const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
@@ -92,6 +168,14 @@ __device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u3
         }
     }
     consumers_partial_sum(sq, ss);
+}
+
+// Models whose hidden size fits one round compile only the one-round code: the general
+// rounds' extra addresses cost registers (152 -> 168 with spills, measured with ptxas -v).
+__device__ void prepare_normed(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
+                               float* xs, float* ss) {
+    if constexpr (MK_HIDDEN <= PREP_MAX * CONSUMERS) prepare_normed_small(p, layer, after_attn, token, g, xs, ss);
+    else prepare_normed_rounds(p, layer, after_attn, token, g, xs, ss);
 }
 
 __device__ __forceinline__ const bf16_t* kv_row(const MkParams& p, const bf16_t* cache, int layer, int kvh, int row) {
