@@ -194,8 +194,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // As `run`: the file's quantised matrices are widened for the megakernel (all paths then
     // compare on the same weights); a quantisation asked for with --dtype keeps its bytes and
     // the megakernel is skipped.
-    if args.dtype.is_none() && paths.contains(&PathKind::Megakernel) && weights.is_quantized() {
-        weights.widen_to_bf16();
+    if paths.contains(&PathKind::Megakernel)
+        && weights.widen_stored_quantisation(args.dtype.is_some())
+    {
         model_name = format!("{model_name}, widened to bf16");
         eprintln!(
             "bench: the megakernel reads bf16 weights only: the file's quantised matrices are widened to bf16 for every path (--dtype q4_1 or --paths graph,… bench them as stored)"

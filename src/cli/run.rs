@@ -367,8 +367,7 @@ pub fn stream(
 /// quantised matrices are widened for it, as for the megakernel, and a quantisation asked
 /// for with `--dtype` is kept (the GPU tests' reference keeps the exact values either way).
 pub(crate) fn widen_for_cpu(weights: &mut crate::model::Weights, dtype_asked: bool) {
-    if !dtype_asked && weights.is_quantized() {
-        weights.widen_to_bf16();
+    if weights.widen_stored_quantisation(dtype_asked) {
         eprintln!(
             "megainfer: the CPU runs bf16 rows fastest: the quantised matrices are widened ({}); --dtype q4_1 (or q8_0, q4_0) keeps a quantisation",
             weights.describe_memory()

@@ -114,12 +114,8 @@ impl<'g> MegakernelPath<'g> {
         max_seq: usize,
     ) -> Result<Self> {
         let c = &model.config;
-        if c.qk_norm {
-            if let Some(op) = buckets.iter().flat_map(|(_, s)| &s.instrs).find(|op| {
-                matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != c.head_dim / 2)
-            }) {
-                bail!("schedule: {op:?} covers part of a head; a model with q/k norms needs whole heads (qkv_pairs = {})", c.head_dim / 2);
-            }
+        for (_, schedule) in buckets {
+            crate::reference::sliced::check_whole_heads(c, schedule, "schedule")?;
         }
         if model.is_quantized() {
             bail!("megakernel: {QUANTIZED_UNSUPPORTED}");

@@ -493,6 +493,17 @@ impl Weights {
         self.convert(|m| m.to_bf16());
     }
 
+    /// For the paths that read bf16 best (the megakernel, the CPU's `run`): the file's own
+    /// quantised matrices widened to bf16, unless `--dtype` asked for a quantisation
+    /// (`dtype_asked`). True when it widened something.
+    pub fn widen_stored_quantisation(&mut self, dtype_asked: bool) -> bool {
+        let widen = !dtype_asked && self.is_quantized();
+        if widen {
+            self.widen_to_bf16();
+        }
+        widen
+    }
+
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values
     /// quantised with the project's quantiser (`bench --dtype`). Matrices already of `ty` stay
     /// as they are. Fails, changing nothing, when a matrix's rows are not whole blocks.

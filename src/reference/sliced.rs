@@ -33,6 +33,20 @@ pub fn shape_of(cfg: &Config) -> ModelShape {
     }
 }
 
+/// A head's q/k norm needs the whole head's sum of squares, so a model with q/k norms needs
+/// every `RmsQkvRope` of `schedule` to cover a whole head; `who` names the caller.
+pub fn check_whole_heads(cfg: &Config, schedule: &Schedule, who: &str) -> Result<()> {
+    let half = cfg.head_dim / 2;
+    let partial =
+        |op: &&Op| matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != half);
+    match schedule.instrs.iter().find(partial) {
+        Some(op) if cfg.qk_norm => bail!(
+            "{who}: {op:?} covers part of a head; a model with q/k norms needs whole heads (qkv_pairs = {half})"
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// The device buffers of one sequence, on the CPU.
 #[derive(Clone)]
 pub struct SlicedMachine<'a> {
@@ -66,13 +80,7 @@ impl<'a> SlicedMachine<'a> {
         schedule: &Schedule,
         max_seq: usize,
     ) -> Result<Self> {
-        if cfg.qk_norm {
-            if let Some(op) = schedule.instrs.iter().find(|op| {
-                matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != cfg.head_dim / 2)
-            }) {
-                bail!("sliced executor: {op:?} covers part of a head; a model with q/k norms needs whole heads");
-            }
-        }
+        check_whole_heads(cfg, schedule, "sliced executor")?;
         if w.is_quantized() {
             bail!("sliced executor: the megakernel's instructions read bf16 weights only");
         }
