@@ -76,15 +76,22 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 fn megakernel_compiles_for_sm90a() {
     require_nvrtc();
     // Each attention shape the GPU paths support: head_dim 64 and 128, 1 to 9 query heads
-    // per KV head (more than one pass of four).
+    // per KV head (more than one pass of four); attention by warps and by rounds where the
+    // shape allows both (the short-context bucket runs the latter).
     for (hd, group) in [(64, 4), (64, 3), (128, 2), (64, 9), (128, 1)] {
         let mut cfg = presets::by_name("smollm2-135m").unwrap();
         cfg.head_dim = hd;
         cfg.num_kv_heads = 1;
         cfg.num_heads = group;
-        let defines = sources::megakernel_defines(&cfg);
-        let what = format!(" (head_dim {hd}, group {group})");
-        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+        for by_warps in [1, 0] {
+            if by_warps == 0 && group * hd / 8 > 32 {
+                continue; // by rounds only: nothing to choose
+            }
+            let mut defines = sources::megakernel_defines(&cfg);
+            defines.push(format!("-DMK_ATT_BY_WARPS={by_warps}"));
+            let what = format!(" (head_dim {hd}, group {group}, MK_ATT_BY_WARPS={by_warps})");
+            assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+        }
     }
 }
 

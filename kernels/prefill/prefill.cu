@@ -102,11 +102,15 @@ extern "C" __global__ void pf_silu_mul(const float* gu, pf_bf16* act, int inter,
 // ---------------------------------------------------------------------------------------
 // Causal flash attention over the chunk and everything cached before it.
 //
-// Block (query tile of PF_BQ rows, head): 4 warps of 16 query rows each. For each tile of
-// PF_BK keys: K and V from the cache into shared memory (V transposed, so both products read
-// their operands as 32-bit pairs), S = Q K^T on tensor cores (mma.sync m16n8k16 bf16 -> f32),
-// online softmax in registers, O += P V with P re-used from S's accumulators as the A operand.
-// Row strides carry 8 elements of padding so that a fragment's 32 lanes hit 32 banks.
+// Block (query tile of PF_BQ rows, head): 4 warps of 16 query rows each, the queries' mma
+// fragments in registers (read once from global memory). Tiles of PF_BK keys stream through
+// two shared-memory buffers with cp.async, the next tile's copy in flight while the current
+// one is computed. K and V tiles are stored as the cache holds them (row = position); ldmatrix
+// gives S = Q K^T its B fragments, ldmatrix.trans gives O += P V its (V^T) fragments, so no
+// thread transposes anything. mma.sync m16n8k16 bf16 -> f32; online softmax in registers, P
+// re-used from S's accumulators as the A operand. Row strides carry 8 elements of padding so
+// that the eight 16-byte rows one ldmatrix phase reads fall in distinct banks. Only tiles that
+// cross a warp's diagonal (or the end of the keys) are masked.
 
 #define PF_BQ 64
 #define PF_BK 64
@@ -120,19 +124,44 @@ __device__ __forceinline__ void pf_mma(float* c, const pf_u32* a, pf_u32 b0, pf_
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ pf_u32 pf_smem_addr(const void* p) { return (pf_u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void pf_ldmatrix_x4(pf_u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(pf_smem_addr(p)));
+}
+
+__device__ __forceinline__ void pf_ldmatrix_x4_trans(pf_u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(pf_smem_addr(p)));
+}
+
+// 16 bytes global -> shared, asynchronously; `valid` false writes zeros (src is not read).
+__device__ __forceinline__ void pf_cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(pf_smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void pf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void pf_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // q, out: [T, heads * D] bf16 (chunk rows); k_cache, v_cache: the layer's cache, positions
 // [0, start + T) valid; query row t sits at position start + t and sees keys 0..=start + t.
 template <int D>
 __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache,
                                              pf_bf16* out, int T, int start, int n_heads, int n_kv,
                                              long long pos_stride, long long head_stride, float scale_log2) {
-    constexpr int QS = D + 8;      // row stride (elements) of the Q and K tiles
-    constexpr int VS = PF_BK + 8;  // row stride of the transposed V tile
-    constexpr int C8 = D / 8;      // 16-byte pieces per row
+    constexpr int S = D + 8;   // row stride (elements) of the K and V tiles
+    constexpr int C8 = D / 8;  // 16-byte pieces per row
+    constexpr int TILE = PF_BK * S;
     extern __shared__ __align__(16) unsigned char pf_smem[];
-    pf_bf16* qs = (pf_bf16*)pf_smem;  // [PF_BQ][QS]
-    pf_bf16* ks = qs + PF_BQ * QS;    // [PF_BK][QS]
-    pf_bf16* vt = ks + PF_BK * QS;    // [D][VS]
+    pf_bf16* ks = (pf_bf16*)pf_smem;  // [2][PF_BK][S]
+    pf_bf16* vs = ks + 2 * TILE;      // [2][PF_BK][S]
 
     // Blocks in a 1-D grid, heads fastest; the last query tiles (the most keys) start first,
     // so the short ones fill the tail.
@@ -143,115 +172,140 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
     const int q_dim = n_heads * D;
     const pf_bf16* kbase = k_cache + kvh * head_stride;
     const pf_bf16* vbase = v_cache + kvh * head_stride;
+    const int kv_end = start + min(q0 + PF_BQ, T);
+    const int n_kt = (kv_end + PF_BK - 1) / PF_BK;
 
-    for (int idx = threadIdx.x; idx < PF_BQ * C8; idx += PF_ATT_THREADS) {
-        const int r = idx / C8, c = (idx - r * C8) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (q0 + r < T) v = *(const uint4*)(q + (size_t)(q0 + r) * q_dim + h * D + c);
-        *(uint4*)(qs + r * QS + c) = v;
-    }
-    __syncthreads();
+    auto load_tile = [&](int kt, int buf) {
+        pf_bf16* kd = ks + buf * TILE;
+        pf_bf16* vd = vs + buf * TILE;
+        for (int idx = threadIdx.x; idx < PF_BK * C8; idx += PF_ATT_THREADS) {
+            const int r = idx / C8, c = (idx - r * C8) * 8, pos = kt * PF_BK + r;
+            const bool ok = pos < kv_end;
+            const long long off = (long long)(ok ? pos : 0) * pos_stride + c;
+            pf_cp_async16(kd + r * S + c, kbase + off, ok);
+            pf_cp_async16(vd + r * S + c, vbase + off, ok);
+        }
+        pf_cp_async_commit();
+    };
+    load_tile(0, 0);
+
+    // This warp's 16 query rows as A fragments (rows past T read as zeros: computed, never
+    // stored).
     const int wr = warp * 16;
+    const int ra = q0 + wr + g, rb = ra + 8;
     pf_u32 qf[D / 16][4];
+    {
+        const pf_bf16* pa_row = q + (size_t)min(ra, T - 1) * q_dim + h * D + tq * 2;
+        const pf_bf16* pb_row = q + (size_t)min(rb, T - 1) * q_dim + h * D + tq * 2;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        const pf_bf16* p = qs + (wr + g) * QS + kk * 16 + tq * 2;
-        qf[kk][0] = *(const pf_u32*)p;
-        qf[kk][1] = *(const pf_u32*)(p + 8 * QS);
-        qf[kk][2] = *(const pf_u32*)(p + 8);
-        qf[kk][3] = *(const pf_u32*)(p + 8 * QS + 8);
+        for (int kk = 0; kk < D / 16; kk++) {
+            qf[kk][0] = ra < T ? *(const pf_u32*)(pa_row + kk * 16) : 0u;
+            qf[kk][1] = rb < T ? *(const pf_u32*)(pb_row + kk * 16) : 0u;
+            qf[kk][2] = ra < T ? *(const pf_u32*)(pa_row + kk * 16 + 8) : 0u;
+            qf[kk][3] = rb < T ? *(const pf_u32*)(pb_row + kk * 16 + 8) : 0u;
+        }
     }
 
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m_a = PF_NEG_INF, m_b = PF_NEG_INF, l_a = 0.f, l_b = 0.f;
-    // Absolute positions of this thread's two query rows (rows past T are padding: computed,
-    // never stored).
-    const int pa = start + q0 + wr + g, pb = pa + 8;
-    const int kv_end = start + min(q0 + PF_BQ, T);
+    // Absolute positions of this thread's two query rows, and of the warp's first row.
+    const int pa = start + ra, pb = pa + 8, p_first = start + q0 + wr;
+    // ldmatrix row addresses: lane l supplies row (l & 7) of matrix l >> 3.
+    const int lrow = lane & 7, lmat = lane >> 3;
 
-    for (int k0 = 0; k0 < kv_end; k0 += PF_BK) {
-        __syncthreads();  // the previous tile is consumed
-        for (int idx = threadIdx.x; idx < PF_BK * C8; idx += PF_ATT_THREADS) {
-            const int r = idx / C8, c = (idx - r * C8) * 8, pos = k0 + r;
-            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = kv;
-            if (pos < kv_end) {
-                kv = *(const uint4*)(kbase + (long long)pos * pos_stride + c);
-                vv = *(const uint4*)(vbase + (long long)pos * pos_stride + c);
+    for (int kt = 0; kt < n_kt; kt++) {
+        const int buf = kt & 1, k0 = kt * PF_BK;
+        if (kt + 1 < n_kt) {
+            load_tile(kt + 1, buf ^ 1);
+            pf_cp_async_wait<1>();
+        } else {
+            pf_cp_async_wait<0>();
+        }
+        __syncthreads();  // tile kt has landed for every thread
+        const pf_bf16* kt_s = ks + buf * TILE;
+        const pf_bf16* vt_s = vs + buf * TILE;
+        // Keys past every row of the warp: nothing to do on this tile (its barrier is kept).
+        if (k0 <= p_first + 15) {
+            float s[PF_BK / 8][4];
+#pragma unroll
+            for (int n = 0; n < PF_BK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            // S = Q K^T: matrices (keys n*8.., dims kk*16 + {0, 8, 16, 24}..) give b0, b1 of
+            // two k-steps.
+#pragma unroll
+            for (int n = 0; n < PF_BK / 8; n++) {
+#pragma unroll
+                for (int kk = 0; kk < D / 16; kk += 2) {
+                    pf_u32 b[4];
+                    pf_ldmatrix_x4(b, kt_s + (n * 8 + lrow) * S + kk * 16 + lmat * 8);
+                    pf_mma(s[n], qf[kk], b[0], b[1]);
+                    pf_mma(s[n], qf[kk + 1], b[2], b[3]);
+                }
             }
-            *(uint4*)(ks + r * QS + c) = kv;
-            const pf_bf16* ve = (const pf_bf16*)&vv;
+            // Scale into log2 units; mask only a tile that reaches past the warp's first row's
+            // position or the end of the keys: key kp is visible to a row at position pr when
+            // kp <= pr and kp < kv_end.
+            const bool masked = k0 + PF_BK - 1 > p_first || k0 + PF_BK > kv_end;
+            float mx_a = PF_NEG_INF, mx_b = PF_NEG_INF;
 #pragma unroll
-            for (int j = 0; j < 8; j++) vt[(c + j) * VS + r] = ve[j];
-        }
-        __syncthreads();
-
-        float s[PF_BK / 8][4];
+            for (int n = 0; n < PF_BK / 8; n++) {
 #pragma unroll
-        for (int n = 0; n < PF_BK / 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                const pf_bf16* p = ks + (n * 8 + g) * QS + kk * 16 + tq * 2;
-                pf_mma(s[n], qf[kk], *(const pf_u32*)p, *(const pf_u32*)(p + 8));
+                for (int e = 0; e < 2; e++) {
+                    const int kp = k0 + n * 8 + tq * 2 + e;
+                    const bool ok = !masked || kp < kv_end;
+                    s[n][e] = (!masked || (ok && kp <= pa)) ? s[n][e] * scale_log2 : PF_NEG_INF;
+                    s[n][2 + e] = (!masked || (ok && kp <= pb)) ? s[n][2 + e] * scale_log2 : PF_NEG_INF;
+                    mx_a = fmaxf(mx_a, s[n][e]);
+                    mx_b = fmaxf(mx_b, s[n][2 + e]);
+                }
             }
-        }
-        // Scale into log2 units and mask: key kp is visible to a row at position pr when
-        // kp <= pr and kp < kv_end.
-        float mx_a = PF_NEG_INF, mx_b = PF_NEG_INF;
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+            // Key 0 is visible to every row and sits in the first tile, so the running maxima
+            // are finite from the first tile on.
+            const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+            const float alpha_a = exp2f(m_a - new_a), alpha_b = exp2f(m_b - new_b);
+            m_a = new_a;
+            m_b = new_b;
+            float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
-        for (int n = 0; n < PF_BK / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int kp = k0 + n * 8 + tq * 2 + e;
-                const bool ok = kp < kv_end;
-                s[n][e] = (ok && kp <= pa) ? s[n][e] * scale_log2 : PF_NEG_INF;
-                s[n][2 + e] = (ok && kp <= pb) ? s[n][2 + e] * scale_log2 : PF_NEG_INF;
-                mx_a = fmaxf(mx_a, s[n][e]);
-                mx_b = fmaxf(mx_b, s[n][2 + e]);
+            for (int n = 0; n < PF_BK / 8; n++) {
+                s[n][0] = exp2f(s[n][0] - m_a);
+                s[n][1] = exp2f(s[n][1] - m_a);
+                s[n][2] = exp2f(s[n][2] - m_b);
+                s[n][3] = exp2f(s[n][3] - m_b);
+                sum_a += s[n][0] + s[n][1];
+                sum_b += s[n][2] + s[n][3];
             }
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        // Key 0 is visible to every row and sits in the first tile, so the running maxima
-        // are finite from the first tile on.
-        const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-        const float alpha_a = exp2f(m_a - new_a), alpha_b = exp2f(m_b - new_b);
-        m_a = new_a;
-        m_b = new_b;
-        float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-        for (int n = 0; n < PF_BK / 8; n++) {
-            s[n][0] = exp2f(s[n][0] - m_a);
-            s[n][1] = exp2f(s[n][1] - m_a);
-            s[n][2] = exp2f(s[n][2] - m_b);
-            s[n][3] = exp2f(s[n][3] - m_b);
-            sum_a += s[n][0] + s[n][1];
-            sum_b += s[n][2] + s[n][3];
-        }
-        l_a = l_a * alpha_a + sum_a;
-        l_b = l_b * alpha_b + sum_b;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[n][0] *= alpha_a;
-            o[n][1] *= alpha_a;
-            o[n][2] *= alpha_b;
-            o[n][3] *= alpha_b;
-        }
-#pragma unroll
-        for (int kk = 0; kk < PF_BK / 16; kk++) {
-            const pf_u32 a[4] = {pf_pack(s[2 * kk][0], s[2 * kk][1]), pf_pack(s[2 * kk][2], s[2 * kk][3]),
-                                 pf_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                 pf_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            l_a = l_a * alpha_a + sum_a;
+            l_b = l_b * alpha_b + sum_b;
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
-                const pf_bf16* p = vt + (n * 8 + g) * VS + kk * 16 + tq * 2;
-                pf_mma(o[n], a, *(const pf_u32*)p, *(const pf_u32*)(p + 8));
+                o[n][0] *= alpha_a;
+                o[n][1] *= alpha_a;
+                o[n][2] *= alpha_b;
+                o[n][3] *= alpha_b;
+            }
+            // O += P V: matrices (keys kk*16 + {0, 8}.., dims n*8 + {0, 8}..) transposed give
+            // b0, b1 of two n-blocks.
+#pragma unroll
+            for (int kk = 0; kk < PF_BK / 16; kk++) {
+                const pf_u32 a[4] = {pf_pack(s[2 * kk][0], s[2 * kk][1]), pf_pack(s[2 * kk][2], s[2 * kk][3]),
+                                     pf_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                     pf_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < D / 8; n += 2) {
+                    pf_u32 b[4];
+                    pf_ldmatrix_x4_trans(b, vt_s + (kk * 16 + (lmat & 1) * 8 + lrow) * S + n * 8 + (lmat >> 1) * 8);
+                    pf_mma(o[n], a, b[0], b[1]);
+                    pf_mma(o[n + 1], a, b[2], b[3]);
+                }
             }
         }
+        __syncthreads();  // buffer buf is free for tile kt + 2
     }
 
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
@@ -259,7 +313,6 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
     const float ia = 1.f / l_a, ib = 1.f / l_b;
-    const int ra = q0 + wr + g, rb = ra + 8;
 #pragma unroll
     for (int n = 0; n < D / 8; n++) {
         const int d = h * D + n * 8 + tq * 2;
@@ -269,7 +322,7 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
 }
 
 // Grid: ceil(T / PF_BQ) * heads blocks; PF_ATT_THREADS threads; shared memory
-// (2 * PF_BQ * (D + 8) + D * (PF_BK + 8)) * 2 bytes (PF_BQ == PF_BK).
+// 4 * PF_BK * (D + 8) * 2 bytes (two buffers of a K and a V tile).
 extern "C" __global__ void __launch_bounds__(PF_ATT_THREADS)
     pf_attention_64(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache, pf_bf16* out, int T,
                     int start, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {

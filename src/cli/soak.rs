@@ -186,8 +186,9 @@ fn judge<'g>(
     x: u32,
     y: u32,
 ) -> Result<Verdict> {
+    // Batched prefill: the token-by-token forward took most of a soak's time.
     let want = CpuForward::new(&model.config, &model.weights, fed.len())
-        .forward(fed)
+        .prefill(fed, crate::reference::prefill::DEFAULT_CHUNK)
         .context("soak: the CPU reference at the divergence")?;
     let last = fed[fed.len() - 1];
     let mut errs = [0f64; 2];

@@ -577,8 +577,8 @@ impl Prefill {
     }
 }
 
-/// Shared memory of the attention kernel: the Q and K tiles with padded rows, and the
-/// transposed V tile.
+/// Shared memory of the attention kernel: two buffers of a K and a V tile of `BQ` (= the
+/// kernel's PF_BK) positions with padded rows.
 fn attention_smem(head_dim: usize) -> usize {
-    (2 * BQ * (head_dim + 8) + head_dim * (BQ + 8)) * 2
+    4 * BQ * (head_dim + 8) * 2
 }

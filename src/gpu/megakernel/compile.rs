@@ -11,13 +11,21 @@ use crate::gpu::device::Gpu;
 use crate::gpu::launch::Kernel;
 use crate::gpu::sources;
 
-/// The megakernel compiled (or taken from the disk cache) for `config` on `gpu`.
-pub(super) fn load(gpu: &Gpu, config: &crate::model::Config) -> Result<(Arc<CudaModule>, Kernel)> {
-    // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants.
+/// The megakernel compiled (or taken from the disk cache) for `config` on `gpu`, its
+/// attention by warps where the shape allows it (`attn_by_warps`) or by rounds.
+pub(super) fn load(
+    gpu: &Gpu,
+    config: &crate::model::Config,
+    attn_by_warps: bool,
+) -> Result<(Arc<CudaModule>, Kernel)> {
     let mut defines = sources::megakernel_defines(config);
-    if let Ok(v) = std::env::var("MEGAINFER_MK_DEFINES") {
-        defines.extend(v.split_whitespace().map(String::from));
+    // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
+    // MK_ATT_BY_WARPS among them overrides the choice.
+    let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
+    if !extra.contains("MK_ATT_BY_WARPS") {
+        defines.push(format!("-DMK_ATT_BY_WARPS={}", u8::from(attn_by_warps)));
     }
+    defines.extend(extra.split_whitespace().map(String::from));
     let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
     let module = gpu
         .ctx

@@ -62,7 +62,7 @@ impl MegakernelPath<'_> {
     }
 
     fn kernel_fn(&self) -> sys::CUfunction {
-        self.kernel.cu_function()
+        self.kernels[self.streams().kernel].1.cu_function()
     }
 
     /// Makes the next step run at `epoch` (tag `epoch + 1`), as if that many steps had run
