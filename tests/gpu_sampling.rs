@@ -15,7 +15,7 @@ use megainfer::generate::Backend;
 use megainfer::gpu::device::ptr;
 use megainfer::gpu::model::DeviceModel;
 use megainfer::gpu::paths::{GpuPath, PathKind};
-use megainfer::sampling::device::DeviceSampler;
+use megainfer::sampling::device::{DeviceSampler, Kernels};
 use megainfer::sampling::{philox, sample_at, Sampler, SamplingParams};
 use stats::{cases, chi2_test, reference_probs, test_logits};
 
@@ -43,19 +43,23 @@ fn device_philox_is_bit_identical_to_the_host() {
 }
 
 /// The device's draws for every option combination, one per position, against the host's
-/// draw at the same position and the reference distribution.
+/// draw at the same position and the reference distribution; with the fused kernel and with
+/// the two-kernel sampler.
 #[test]
 #[ignore = "needs a GPU"]
 fn device_draws_match_the_host_and_the_distribution() {
     let gpu = gpu();
     let s = &gpu.stream;
     // One block, and three with a last block shorter than the candidate lists.
-    for vocab in [1000usize, 2 * 4096 + 50] {
+    for (vocab, kernels) in [1000usize, 2 * 4096 + 50]
+        .into_iter()
+        .flat_map(|v| [(v, Kernels::Fused), (v, Kernels::TwoPass)])
+    {
         let logits = test_logits(vocab);
         let d_logits = gpu.upload(&logits, "logits").unwrap();
         let mut meta = gpu.alloc_zeros::<u32>(4, "meta").unwrap();
         let first = 100usize;
-        let mut sampler = DeviceSampler::new(&gpu, vocab).unwrap();
+        let mut sampler = DeviceSampler::with_kernels(&gpu, vocab, kernels).unwrap();
         for (name, p, ctx) in cases() {
             // The penalty looks at the set of tokens in the window: a history repeating the
             // window's tokens with its period gives every position the host's window.
@@ -88,13 +92,13 @@ fn device_draws_match_the_host_and_the_distribution() {
             let want = reference_probs(&p, &logits, &ctx);
             let (stat, df, pv) = chi2_test(&counts, &want);
             println!(
-                "vocab {vocab}, {name}: χ² {stat:.1} on {df} df, p = {pv:.4}; {differ} of {DRAWS} tokens differ from the host's"
+                "{kernels:?}, vocab {vocab}, {name}: χ² {stat:.1} on {df} df, p = {pv:.4}; {differ} of {DRAWS} tokens differ from the host's"
             );
-            assert!(pv >= 0.001, "vocab {vocab}, {name}: p = {pv}");
+            assert!(pv >= 0.001, "{kernels:?}, vocab {vocab}, {name}: p = {pv}");
             // Only rounding (the f64 log, the softmax sums' order) can separate the two.
             assert!(
                 differ <= DRAWS / 1000,
-                "vocab {vocab}, {name}: {differ} draws differ from the host's"
+                "{kernels:?}, vocab {vocab}, {name}: {differ} draws differ from the host's"
             );
         }
     }

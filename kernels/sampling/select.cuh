@@ -11,6 +11,8 @@
 // - smp_final_part: over all blocks, the drawn token: the argmax of the blocks' best scores,
 //   or, when truncating, the global top SMP_KMAX (exact: it is contained in the union of the
 //   per-block top lists) cut by top-k, top-p and min-p, then the Gumbel-max among them.
+// Both serve smp_blocks / smp_final (sample.cu); the fused kernel (fused.cu) uses the block
+// reductions and smp_cut_and_draw, the cuts and the draw over the sorted candidates.
 
 #define SMP_KMAX 128            // K_MAX in src/sampling/mod.rs
 #define SMP_NONE 0xffffffffu    // index of an empty candidate slot
@@ -274,6 +276,72 @@ __device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpPa
     for (int slot = k + tid; slot < SMP_KMAX; slot += nthreads) put_cand(slot, __uint_as_float(0xffffffffu), SMP_NONE);
 }
 
+// ---- the cuts and the draw ----
+// Over the sorted candidates sm.sv / sm.si (sm.count of them, largest first, equal values
+// lowest index first): top-k, top-p (against z_all, the softmax denominator over the whole
+// vocabulary relative to sm.sv[0], when top-k is off) and min-p, each a prefix of the list,
+// then the Gumbel-max among what is left. Run by one warp (lane 0 .. 31); returns the token
+// in every lane.
+__device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_all, SmpShared& sm, int lane) {
+    // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3.
+    const int count = sm.count;
+    int keep = count;
+    if (s.top_k > 0) keep = min(keep, (int)s.top_k);
+    const double top = count > 0 ? (double)sm.sv[0] : 0.0;
+    if (s.top_p < 1.f && count > 0) {
+        double w[SMP_KMAX / 32], local = 0.0;
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            const int j = lane * (SMP_KMAX / 32) + q;
+            w[q] = j < keep ? exp((double)sm.sv[j] - top) : 0.0;
+            local += w[q];
+        }
+        double incl = local;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        const double z = s.top_k > 0 ? __shfl_sync(0xffffffffu, incl, 31) : z_all;
+        double acc = incl - local;
+        int cut = SMP_KMAX + 1;
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            const int j = lane * (SMP_KMAX / 32) + q;
+            acc += w[q];
+            if (j < keep && cut > SMP_KMAX && acc / z >= (double)s.top_p) cut = j + 1;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) cut = min(cut, __shfl_xor_sync(0xffffffffu, cut, o));
+        keep = min(keep, cut);
+    }
+    if (s.min_p > 0.f && count > 0) {
+        const double floor = top + log((double)s.min_p);
+        int below = SMP_KMAX + 1;
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            const int j = lane * (SMP_KMAX / 32) + q;
+            if (j < keep && (double)sm.sv[j] < floor) below = min(below, j);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) below = min(below, __shfl_xor_sync(0xffffffffu, below, o));
+        keep = max(1, min(keep, below));
+    }
+    double best = -__longlong_as_double(0x7ff0000000000000ll);
+    smp_u32 idx = SMP_NONE;
+    for (int j = lane; j < keep; j += 32) {
+        const smp_u32 i = sm.si[j];
+        smp_best_merge(best, idx, (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i), i);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const double v2 = __shfl_xor_sync(0xffffffffu, best, o);
+        const smp_u32 i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        smp_best_merge(best, idx, v2, i2);
+    }
+    return idx;
+}
+
 // ---- the final part ----
 // Over nb blocks: block b's summary get_block(b); when truncating, candidate i (of
 // nb * SMP_KMAX, block after block) as cand_val(i), cand_idx(i). Returns the drawn token in
@@ -328,66 +396,7 @@ __device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, 
     }
     sync();
     smp_u32 token = SMP_NONE;
-    if (tid < 32) {
-        // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3.
-        const int lane = tid;
-        const int count = sm.count;
-        int keep = count;
-        if (s.top_k > 0) keep = min(keep, (int)s.top_k);
-        const double top = count > 0 ? (double)sm.sv[0] : 0.0;
-        if (s.top_p < 1.f && count > 0) {
-            double w[SMP_KMAX / 32], local = 0.0;
-#pragma unroll
-            for (int q = 0; q < SMP_KMAX / 32; q++) {
-                const int j = lane * (SMP_KMAX / 32) + q;
-                w[q] = j < keep ? exp((double)sm.sv[j] - top) : 0.0;
-                local += w[q];
-            }
-            double incl = local;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const double y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            const double z = s.top_k > 0 ? __shfl_sync(0xffffffffu, incl, 31) : z_all;
-            double acc = incl - local;
-            int cut = SMP_KMAX + 1;
-#pragma unroll
-            for (int q = 0; q < SMP_KMAX / 32; q++) {
-                const int j = lane * (SMP_KMAX / 32) + q;
-                acc += w[q];
-                if (j < keep && cut > SMP_KMAX && acc / z >= (double)s.top_p) cut = j + 1;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) cut = min(cut, __shfl_xor_sync(0xffffffffu, cut, o));
-            keep = min(keep, cut);
-        }
-        if (s.min_p > 0.f && count > 0) {
-            const double floor = top + log((double)s.min_p);
-            int below = SMP_KMAX + 1;
-#pragma unroll
-            for (int q = 0; q < SMP_KMAX / 32; q++) {
-                const int j = lane * (SMP_KMAX / 32) + q;
-                if (j < keep && (double)sm.sv[j] < floor) below = min(below, j);
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) below = min(below, __shfl_xor_sync(0xffffffffu, below, o));
-            keep = max(1, min(keep, below));
-        }
-        double best = -__longlong_as_double(0x7ff0000000000000ll);
-        smp_u32 idx = SMP_NONE;
-        for (int j = lane; j < keep; j += 32) {
-            const smp_u32 i = sm.si[j];
-            smp_best_merge(best, idx, (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i), i);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const double v2 = __shfl_xor_sync(0xffffffffu, best, o);
-            const smp_u32 i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-            smp_best_merge(best, idx, v2, i2);
-        }
-        token = idx;
-    }
+    if (tid < 32) token = smp_cut_and_draw(s, pos, z_all, sm, tid);
     sync();
     return token;
 }

@@ -1,6 +1,8 @@
-//! The sampler on the GPU for the one-kernel-per-operation paths: kernels/sampling/ compiled on
-//! its own, its parameters in a device buffer (so a captured graph serves any parameters), and
-//! its per-block results.
+//! The sampler on the GPU, run after each decode step by the graph paths and the megakernel:
+//! kernels/sampling/ compiled on its own, its parameters in a device buffer (so a captured
+//! graph serves any parameters), and its per-block results. One kernel (`smp_sample`) draws;
+//! the two-kernel sampler stays selectable ([`Kernels`]) for comparison and for
+//! vocabularies too large for the fused kernel's last CTA.
 
 use std::sync::Arc;
 
@@ -17,17 +19,46 @@ use crate::kargs;
 const PHILOX: &str = include_str!("../../kernels/sampling/philox.cuh");
 const SELECT: &str = include_str!("../../kernels/sampling/select.cuh");
 const SAMPLE: &str = include_str!("../../kernels/sampling/sample.cu");
+const FUSED: &str = include_str!("../../kernels/sampling/fused.cu");
 
-/// Logits per `smp_blocks` CTA, and the CTAs' sizes (as in sample.cu).
+/// Logits per CTA of `smp_blocks` and `smp_sample`, and the CTAs' sizes (as in sample.cu and
+/// fused.cu).
 const CHUNK: usize = 4096;
 const BLOCK_THREADS: u32 = 512;
 const FINAL_THREADS: u32 = 1024;
+const SAMPLE_THREADS: u32 = 512;
+/// `smp_sample`'s key slots per CTA (`SMP1_CAP`), and how many its last CTA can hold
+/// (`SMP1_THREADS * SMP1_FINAL_PER`).
+const SAMPLE_CAP: usize = 160;
+const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
 /// `SmpBlock` is 32 bytes.
 const BLOCK_WORDS: usize = 4;
 
 /// The sampler's compilation unit.
 pub fn source() -> String {
-    [PHILOX, SELECT, SAMPLE].join("\n")
+    [PHILOX, SELECT, SAMPLE, FUSED].join("\n")
+}
+
+/// Which kernels draw the token. Both apply the same rule to the same sums, so they draw the
+/// same token from the same inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// `smp_sample`: one kernel; its last CTA to finish draws.
+    Fused,
+    /// `smp_blocks` then `smp_final`: a per-block kernel and a one-CTA kernel that draws.
+    TwoPass,
+}
+
+impl Kernels {
+    /// The kernels a vocabulary gets: the fused kernel unless its last CTA cannot hold every
+    /// block's keys (vocabularies above 311,296 tokens).
+    pub fn for_vocab(vocab: usize) -> Self {
+        if vocab.div_ceil(CHUNK) * SAMPLE_CAP <= SAMPLE_SLOTS {
+            Kernels::Fused
+        } else {
+            Kernels::TwoPass
+        }
+    }
 }
 
 /// The device functions alone (Philox and the two parts of the rule), for a compilation unit
@@ -56,40 +87,69 @@ pub fn param_words(p: &SamplingParams) -> [u32; 8] {
 }
 
 pub struct DeviceSampler {
+    kernels: Kernels,
     philox_k: Kernel,
     blocks_k: Kernel,
     final_k: Kernel,
+    sample_k: Kernel,
     _module: Arc<CudaModule>,
     params: CudaSlice<u32>,
     current: Option<SamplingParams>,
     blocks: CudaSlice<u64>,
     cand_v: CudaSlice<f32>,
     cand_i: CudaSlice<u32>,
+    /// `smp_sample`'s key slots and its arrival counter.
+    keys: CudaSlice<u64>,
+    done: CudaSlice<u32>,
     vocab: usize,
     n_blocks: usize,
 }
 
 impl DeviceSampler {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        Self::with_kernels(gpu, vocab, Kernels::for_vocab(vocab))
+    }
+
+    /// A sampler drawing with the given kernels (`Fused` only where [`Kernels::for_vocab`]
+    /// would choose it).
+    pub fn with_kernels(gpu: &Gpu, vocab: usize, kernels: Kernels) -> Result<Self> {
+        anyhow::ensure!(
+            kernels == Kernels::TwoPass || Kernels::for_vocab(vocab) == Kernels::Fused,
+            "the fused sampler holds at most {SAMPLE_SLOTS} keys: a vocabulary of {vocab} needs more"
+        );
         let cubin = compile_cubin("sampling", &source(), &gpu.arch(), &[])?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))
             .context("loading the sampling CUBIN")?;
         let n_blocks = vocab.div_ceil(CHUNK);
+        let fused = kernels == Kernels::Fused;
+        let (cand_len, key_len) = if fused {
+            (1, n_blocks * SAMPLE_CAP)
+        } else {
+            (n_blocks * super::K_MAX, 1)
+        };
         Ok(Self {
+            kernels,
             philox_k: Kernel::load(&module, "smp_philox_words")?,
             blocks_k: Kernel::load(&module, "smp_blocks")?,
             final_k: Kernel::load(&module, "smp_final")?,
+            sample_k: Kernel::load(&module, "smp_sample")?,
             _module: module,
             params: gpu.alloc_zeros(8, "sampling parameters")?,
             current: None,
             blocks: gpu.alloc_zeros(n_blocks * BLOCK_WORDS, "sampling block results")?,
-            cand_v: gpu.alloc_zeros(n_blocks * super::K_MAX, "sampling candidate logits")?,
-            cand_i: gpu.alloc_zeros(n_blocks * super::K_MAX, "sampling candidate tokens")?,
+            cand_v: gpu.alloc_zeros(cand_len, "sampling candidate logits")?,
+            cand_i: gpu.alloc_zeros(cand_len, "sampling candidate tokens")?,
+            keys: gpu.alloc_zeros(key_len, "sampling candidate keys")?,
+            done: gpu.alloc_zeros(1, "sampling arrival counter")?,
             vocab,
             n_blocks,
         })
+    }
+
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// Philox4x32-10 of each counter under `key`, computed on the device (for tests).
@@ -168,6 +228,26 @@ impl DeviceSampler {
             ptr(&self.cand_i, stream),
         );
         let (vocab, nb) = (self.vocab as i32, self.n_blocks as i32);
+        if self.kernels == Kernels::Fused {
+            let (keys, done) = (ptr(&self.keys, stream), ptr(&self.done, stream));
+            // SAFETY: the arguments match smp_sample's parameters in fused.cu, in order; params,
+            // blocks, keys (SMP1_CAP per block) and done (zero between launches: the kernel's
+            // last CTA resets it) are this sampler's buffers, sized for `vocab` at construction,
+            // and logits, meta, meta_out and history are the caller's live buffers of the same
+            // vocabulary.
+            return unsafe {
+                self.sample_k.launch(
+                    stream,
+                    self.n_blocks as u32,
+                    SAMPLE_THREADS,
+                    0,
+                    pdl,
+                    &mut kargs![
+                        &logits, &vocab, &meta, &history, &params, &blocks, &keys, &done, &meta_out
+                    ],
+                )
+            };
+        }
         // SAFETY: the arguments match smp_blocks' and smp_final's parameters in sample.cu, in
         // order; params, blocks and candidates are this sampler's buffers (sized for `vocab`
         // and `n_blocks` at construction), and logits, meta, meta_out and history are the caller's live
@@ -189,6 +269,36 @@ impl DeviceSampler {
                 pdl,
                 &mut kargs![&blocks, &nb, &cand_v, &cand_i, &params, &meta, &history, &meta_out],
             )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_kernel_covers_the_vocabularies_its_last_cta_can_hold() {
+        for vocab in [1, 1000, 49_152, 128_256, 151_936, 262_144, 311_296] {
+            assert_eq!(Kernels::for_vocab(vocab), Kernels::Fused, "{vocab}");
+        }
+        assert_eq!(Kernels::for_vocab(311_297), Kernels::TwoPass);
+    }
+
+    /// The sizes the host assumes are fused.cu's.
+    #[test]
+    fn fused_kernel_sizes_match_the_source() {
+        let per = SAMPLE_SLOTS / SAMPLE_THREADS as usize;
+        for define in [
+            format!("#define SMP1_THREADS {SAMPLE_THREADS}\n"),
+            format!("#define SMP1_CAP {SAMPLE_CAP} "),
+            format!("#define SMP1_FINAL_PER {per} "),
+            format!("#define SMP_CHUNK {CHUNK}\n"),
+        ] {
+            assert!(
+                source().contains(&define),
+                "{define:?} missing from the sampler's source"
+            );
         }
     }
 }
