@@ -102,7 +102,7 @@ extern "C" __global__ void pf_silu_mul(const float* gu, pf_bf16* act, int inter,
 // ---------------------------------------------------------------------------------------
 // Causal flash attention over the chunk and everything cached before it.
 //
-// Block (query tile of PF_BQ rows, head): 4 warps of 16 query rows each, the queries' mma
+// Block (query tile of BQ = 16 x WARPS rows, head): WARPS warps of 16 query rows each, the queries' mma
 // fragments in registers (read once from global memory). Tiles of PF_BK keys stream through
 // two shared-memory buffers with cp.async, the next tile's copy in flight while the current
 // one is computed. K and V tiles are stored as the cache holds them (row = position); ldmatrix
@@ -112,9 +112,7 @@ extern "C" __global__ void pf_silu_mul(const float* gu, pf_bf16* act, int inter,
 // that the eight 16-byte rows one ldmatrix phase reads fall in distinct banks. Only tiles that
 // cross a warp's diagonal (or the end of the keys) are masked.
 
-#define PF_BQ 64
 #define PF_BK 64
-#define PF_ATT_THREADS 128
 
 __device__ __forceinline__ void pf_mma(float* c, const pf_u32* a, pf_u32 b0, pf_u32 b1) {
     asm volatile(
@@ -152,13 +150,14 @@ __device__ __forceinline__ void pf_cp_async_wait() {
 
 // q, out: [T, heads * D] bf16 (chunk rows); k_cache, v_cache: the layer's cache, positions
 // [0, start + T) valid; query row t sits at position start + t and sees keys 0..=start + t.
-template <int D>
+template <int D, int WARPS>
 __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache,
                                              pf_bf16* out, int T, int start, int n_heads, int n_kv,
                                              long long pos_stride, long long head_stride, float scale_log2) {
     constexpr int S = D + 8;   // row stride (elements) of the K and V tiles
     constexpr int C8 = D / 8;  // 16-byte pieces per row
     constexpr int TILE = PF_BK * S;
+    constexpr int PF_BQ = 16 * WARPS, PF_ATT_THREADS = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char pf_smem[];
     pf_bf16* ks = (pf_bf16*)pf_smem;  // [2][PF_BK][S]
     pf_bf16* vs = ks + 2 * TILE;      // [2][PF_BK][S]
@@ -321,16 +320,17 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
     }
 }
 
-// Grid: ceil(T / PF_BQ) * heads blocks; PF_ATT_THREADS threads; shared memory
-// 4 * PF_BK * (D + 8) * 2 bytes (two buffers of a K and a V tile).
-extern "C" __global__ void __launch_bounds__(PF_ATT_THREADS)
+// Grid: ceil(T / BQ) * heads blocks; 32 x WARPS threads; shared memory 4 * PF_BK * (D + 8) * 2
+// bytes (two buffers of a K and a V tile). head_dim 64: 8 warps, two blocks per SM (128
+// registers, no spills); head_dim 128: 4 warps (178 registers; 8 warps would spill).
+extern "C" __global__ void __launch_bounds__(256, 2)
     pf_attention_64(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache, pf_bf16* out, int T,
                     int start, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {
-    pf_attention<64>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, pos_stride, head_stride, scale_log2);
+    pf_attention<64, 8>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, pos_stride, head_stride, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(PF_ATT_THREADS)
+extern "C" __global__ void __launch_bounds__(128)
     pf_attention_128(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache, pf_bf16* out, int T,
                      int start, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {
-    pf_attention<128>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, pos_stride, head_stride, scale_log2);
+    pf_attention<128, 4>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, pos_stride, head_stride, scale_log2);
 }

@@ -34,7 +34,15 @@ __device__ __forceinline__ Rope rope_of(const MkParams& p, const u32* w, u32 pos
 // head_dim (Qwen3). The host gives models with q/k norms whole heads per instruction
 // (pair_start 0, pairs head_dim / 2), so the sum of squares is over this instruction's rows.
 // Every consumer warp sums the squares itself from res, which needs no barrier between warps.
+// MK_QKV_BIAS and MK_QK_NORM (from the host: 0 unless the model has them) compile the steps in.
+#ifndef MK_QKV_BIAS
+#define MK_QKV_BIAS 1
+#endif
+#ifndef MK_QK_NORM
+#define MK_QK_NORM 1
+#endif
 __device__ __forceinline__ float qkv_bias_at(const LayerW& L, int head, int row, int hd) {
+    if constexpr (!MK_QKV_BIAS) return 0.f;
     return L.qkv_bias ? bf16_to_f32(L.qkv_bias[head * hd + row]) : 0.f;
 }
 
@@ -42,7 +50,10 @@ __device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, co
                          float scale, Rope rope) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], head = w[W_A], ps = w[W_B], pc = w[W_C];
     const int hd = p.head_dim, half = hd / 2;
-    const bf16_t* norm = head < p.heads ? L.q_norm : head < p.heads + p.kv_heads ? L.k_norm : nullptr;
+    const bf16_t* norm = !MK_QK_NORM         ? nullptr
+                         : head < p.heads              ? L.q_norm
+                         : head < p.heads + p.kv_heads ? L.k_norm
+                                                       : nullptr;
     float inv_rms = 1.f;
     if (norm) {
         float ss = 0.f;

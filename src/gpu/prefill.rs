@@ -31,8 +31,8 @@ use crate::model::{Config, WeightType};
 pub const DEFAULT_CHUNK: usize = 2048;
 
 // Mirrors kernels/prefill/prefill.cu.
-const BQ: usize = 64;
-const ATT_THREADS: u32 = 128;
+/// Key positions per attention tile (PF_BK in prefill.cu).
+const BK: usize = 64;
 const NORM_THREADS: u32 = 256;
 /// Rows of the LM head computed at once when every position's logits are wanted.
 const LOGIT_ROWS: usize = 256;
@@ -171,11 +171,7 @@ impl Prefill {
             .ctx
             .load_module(Ptx::from_binary(cubin))
             .context("loading the prefill CUBIN")?;
-        let attention = if c.head_dim == 64 {
-            Kernel::load(&module, "pf_attention_64")?
-        } else {
-            Kernel::load(&module, "pf_attention_128")?
-        };
+        let attention = Kernel::load(&module, attention_warps(c.head_dim).1)?;
         let attn_smem = attention_smem(c.head_dim) as u32;
         attention.allow_smem(attn_smem as usize)?;
         Ok(Self {
@@ -433,7 +429,8 @@ impl Prefill {
         let (start_i, t_i) = (start as i32, t as i32);
         let (pos_stride, head_stride) = (kv.pos_stride as i64, kv.head_stride as i64);
         let scale_log2 = std::f32::consts::LOG2_E / (c.head_dim as f32).sqrt();
-        let att_grid = (t.div_ceil(BQ) * c.num_heads) as u32;
+        let (warps, _) = attention_warps(c.head_dim);
+        let att_grid = (t.div_ceil(16 * warps as usize) * c.num_heads) as u32;
         for (l, lw) in model.layers.iter().enumerate() {
             let off = (l * kv.layer_stride * 2) as u64;
             let (kc, vc) = (kv.k + off, kv.v + off);
@@ -478,7 +475,7 @@ impl Prefill {
                 self.k.attention.launch(
                     s,
                     att_grid,
-                    ATT_THREADS,
+                    32 * warps,
                     self.attn_smem,
                     false,
                     &mut kargs![
@@ -577,8 +574,18 @@ impl Prefill {
     }
 }
 
-/// Shared memory of the attention kernel: two buffers of a K and a V tile of `BQ` (= the
-/// kernel's PF_BK) positions with padded rows.
+/// Shared memory of the attention kernel: two buffers of a K and a V tile of `BK` positions
+/// with padded rows.
+/// Warps per attention block for a head_dim (16 query rows each), and the kernel's name: as
+/// pf_attention_64 and pf_attention_128 are instantiated in prefill.cu.
+fn attention_warps(head_dim: usize) -> (u32, &'static str) {
+    if head_dim == 64 {
+        (8, "pf_attention_64")
+    } else {
+        (4, "pf_attention_128")
+    }
+}
+
 fn attention_smem(head_dim: usize) -> usize {
-    4 * BQ * (head_dim + 8) * 2
+    4 * BK * (head_dim + 8) * 2
 }
