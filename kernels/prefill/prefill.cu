@@ -122,6 +122,14 @@ __device__ __forceinline__ void pf_mma(float* c, const pf_u32* a, pf_u32 b0, pf_
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Two finite floats to bf16 (round to nearest even, as pf_pack) in one instruction: the
+// probabilities of P are never NaN, and the attention loop is bound by its ALU work.
+__device__ __forceinline__ pf_u32 pf_pack_rn(float lo, float hi) {
+    pf_u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 __device__ __forceinline__ pf_u32 pf_smem_addr(const void* p) { return (pf_u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void pf_ldmatrix_x4(pf_u32* r, const void* p) {
@@ -242,40 +250,43 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
                     pf_mma(s[n], qf[kk + 1], b[2], b[3]);
                 }
             }
-            // Scale into log2 units; mask only a tile that reaches past the warp's first row's
-            // position or the end of the keys: key kp is visible to a row at position pr when
-            // kp <= pr and kp < kv_end.
-            const bool masked = k0 + PF_BK - 1 > p_first || k0 + PF_BK > kv_end;
+            // Mask only a tile that reaches past the warp's first row's position or the end of
+            // the keys: key kp is visible to a row at position pr when kp <= pr and kp < kv_end.
+            if (k0 + PF_BK - 1 > p_first || k0 + PF_BK > kv_end) {
+#pragma unroll
+                for (int n = 0; n < PF_BK / 8; n++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int kp = k0 + n * 8 + tq * 2 + e;
+                        if (kp >= kv_end || kp > pa) s[n][e] = PF_NEG_INF;
+                        if (kp >= kv_end || kp > pb) s[n][2 + e] = PF_NEG_INF;
+                    }
+                }
+            }
             float mx_a = PF_NEG_INF, mx_b = PF_NEG_INF;
 #pragma unroll
             for (int n = 0; n < PF_BK / 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int kp = k0 + n * 8 + tq * 2 + e;
-                    const bool ok = !masked || kp < kv_end;
-                    s[n][e] = (!masked || (ok && kp <= pa)) ? s[n][e] * scale_log2 : PF_NEG_INF;
-                    s[n][2 + e] = (!masked || (ok && kp <= pb)) ? s[n][2 + e] * scale_log2 : PF_NEG_INF;
-                    mx_a = fmaxf(mx_a, s[n][e]);
-                    mx_b = fmaxf(mx_b, s[n][2 + e]);
-                }
+                mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+                mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
             }
             mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
             mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
             mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
             mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-            // Key 0 is visible to every row and sits in the first tile, so the running maxima
-            // are finite from the first tile on.
-            const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+            // The running maxima in log2 units (the scale is positive, so the raw maximum scales
+            // to the scaled one). Key 0 is visible to every row and sits in the first tile, so
+            // they are finite from the first tile on; a masked score (-inf) weighs exp2(-inf) = 0.
+            const float new_a = fmaxf(m_a, mx_a * scale_log2), new_b = fmaxf(m_b, mx_b * scale_log2);
             const float alpha_a = exp2f(m_a - new_a), alpha_b = exp2f(m_b - new_b);
             m_a = new_a;
             m_b = new_b;
             float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
             for (int n = 0; n < PF_BK / 8; n++) {
-                s[n][0] = exp2f(s[n][0] - m_a);
-                s[n][1] = exp2f(s[n][1] - m_a);
-                s[n][2] = exp2f(s[n][2] - m_b);
-                s[n][3] = exp2f(s[n][3] - m_b);
+                s[n][0] = exp2f(fmaf(s[n][0], scale_log2, -m_a));
+                s[n][1] = exp2f(fmaf(s[n][1], scale_log2, -m_a));
+                s[n][2] = exp2f(fmaf(s[n][2], scale_log2, -m_b));
+                s[n][3] = exp2f(fmaf(s[n][3], scale_log2, -m_b));
                 sum_a += s[n][0] + s[n][1];
                 sum_b += s[n][2] + s[n][3];
             }
@@ -292,9 +303,9 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
             // b0, b1 of two n-blocks.
 #pragma unroll
             for (int kk = 0; kk < PF_BK / 16; kk++) {
-                const pf_u32 a[4] = {pf_pack(s[2 * kk][0], s[2 * kk][1]), pf_pack(s[2 * kk][2], s[2 * kk][3]),
-                                     pf_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                     pf_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                const pf_u32 a[4] = {pf_pack_rn(s[2 * kk][0], s[2 * kk][1]), pf_pack_rn(s[2 * kk][2], s[2 * kk][3]),
+                                     pf_pack_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                     pf_pack_rn(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
                 for (int n = 0; n < D / 8; n += 2) {
                     pf_u32 b[4];
