@@ -215,18 +215,24 @@ fn qwen_models_match_reference_over_tokens() {
             }
         }
     }
-    // Part of a head for a model with q/k norms is refused, not computed wrong.
-    let c = case(
-        Config {
-            qk_norm: true,
-            ..tiny(72, 100, 4, 2, 64, false)
-        },
-        3,
-        1,
-    );
-    let s = build(&shape_of(&c.cfg), &GpuShape::with_sms(3), &fine(&c.cfg)).unwrap();
-    let err = SlicedMachine::new(&c.cfg, &c.w, &s, MAX_SEQ).err().unwrap();
+    // Part of a head for a model with q/k norms is refused by the scheduler, not computed
+    // wrong; its own choice is whole heads.
+    let cfg = Config {
+        qk_norm: true,
+        ..tiny(72, 100, 4, 2, 64, false)
+    };
+    let gpu = GpuShape::with_sms(3);
+    let err = build(&shape_of(&cfg), &gpu, &fine(&cfg)).unwrap_err();
     assert!(err.to_string().contains("needs whole heads"), "{err}");
+    assert_eq!(auto(&cfg, &gpu).qkv_pairs, cfg.head_dim / 2);
+    // A schedule built for the shape without q/k norms does not run the model with them.
+    let c = case(cfg, 3, 1);
+    let plain = scheduler::ModelShape {
+        qk_norm: false,
+        ..shape_of(&c.cfg)
+    };
+    let s = build(&plain, &gpu, &fine(&c.cfg)).unwrap();
+    assert!(SlicedMachine::new(&c.cfg, &c.w, &s, MAX_SEQ).is_err());
 }
 
 /// Every attention partition count from 1 to past the sequence length.

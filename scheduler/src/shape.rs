@@ -16,6 +16,10 @@ pub struct ModelShape {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub vocab: usize,
+    /// An RMS norm over each q and k head before RoPE (Qwen3): its sum of squares spans the
+    /// head, so every `RmsQkvRope` must cover a whole head (`qkv_pairs = head_dim / 2`).
+    #[serde(default)]
+    pub qk_norm: bool,
 }
 
 /// Names accepted by [`ModelShape::preset`].
@@ -31,6 +35,7 @@ impl ModelShape {
             kv_heads,
             head_dim,
             vocab,
+            qk_norm: false,
         };
         match name {
             "llama-3.2-1b" => Some(shape(2048, 8192, 16, 32, 8, 64, 128256)),

@@ -25,6 +25,7 @@ fn tiny_shape() -> ModelShape {
         kv_heads: 2,
         head_dim: 16,
         vocab: 50,
+        qk_norm: false,
     }
 }
 

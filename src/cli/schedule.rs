@@ -168,7 +168,6 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     // The buckets `run` and `bench` switch between for sequences up to --context, with the
     // K/V each SM streams per layer at a bucket's longest sequence.
     let shape = crate::reference::sliced::shape_of(&cfg);
-    let overrides = crate::gpu::megakernel::model_overrides(&cfg, &overrides)?;
     let buckets = scheduler::plan_buckets(&shape, &gpu, &cost, &overrides, args.context)
         .map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
     writeln!(

@@ -117,8 +117,14 @@ impl<'g> MegakernelPath<'g> {
         max_seq: usize,
     ) -> Result<Self> {
         let c = &model.config;
-        for (_, schedule) in buckets {
-            crate::reference::sliced::check_whole_heads(c, schedule, "schedule")?;
+        // The schedule's shape carries the model's features the instructions depend on (a q/k
+        // norm needs whole heads per QKV instruction, which the scheduler checks).
+        let shape = crate::reference::sliced::shape_of(c);
+        if let Some((_, s)) = buckets.iter().find(|(_, s)| s.model != shape) {
+            bail!(
+                "megakernel: schedule built for {:?}, the model is {shape:?}",
+                s.model
+            );
         }
         if model.is_quantized() {
             bail!("megakernel: {QUANTIZED_UNSUPPORTED}");
@@ -585,27 +591,7 @@ pub fn megakernel_schedule(
     overrides: &scheduler::Overrides,
 ) -> Result<Schedule> {
     let shape = crate::reference::sliced::shape_of(config);
-    let overrides = model_overrides(config, overrides)?;
-    scheduler::plan(&shape, gpu, cost, &overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
-}
-
-/// `overrides` with what the model's steps require: a head's q/k norm needs the whole head's
-/// sum of squares, so such models get one QKV instruction per head (the sum is local to it).
-pub fn model_overrides(
-    config: &crate::model::Config,
-    overrides: &scheduler::Overrides,
-) -> Result<scheduler::Overrides> {
-    let mut overrides = *overrides;
-    if config.qk_norm {
-        let whole = config.head_dim / 2;
-        match overrides.qkv_pairs {
-            Some(n) if n != whole => bail!(
-                "--qkv-pairs {n}: a model with q/k norms (Qwen3) needs whole heads, qkv_pairs = {whole}"
-            ),
-            _ => overrides.qkv_pairs = Some(whole),
-        }
-    }
-    Ok(overrides)
+    scheduler::plan(&shape, gpu, cost, overrides).map_err(|e| anyhow::anyhow!("scheduler: {e}"))
 }
 
 /// One schedule for `config` on `gpu`, attention costed at `context` positions (tests and
@@ -636,13 +622,10 @@ pub fn buckets_for(
     attn_parts: Option<usize>,
 ) -> Result<Vec<scheduler::Bucket>> {
     let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
-    let overrides = model_overrides(
-        config,
-        &scheduler::Overrides {
-            attn_parts,
-            ..Default::default()
-        },
-    )?;
+    let overrides = scheduler::Overrides {
+        attn_parts,
+        ..Default::default()
+    };
     let model = crate::reference::sliced::shape_of(config);
     let cost = scheduler::CostModel::megakernel(max_seq.max(1));
     scheduler::plan_buckets(&model, &shape, &cost, &overrides, max_seq)

@@ -30,20 +30,7 @@ pub fn shape_of(cfg: &Config) -> ModelShape {
         kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
         vocab: cfg.vocab_size,
-    }
-}
-
-/// A head's q/k norm needs the whole head's sum of squares, so a model with q/k norms needs
-/// every `RmsQkvRope` of `schedule` to cover a whole head; `who` names the caller.
-pub fn check_whole_heads(cfg: &Config, schedule: &Schedule, who: &str) -> Result<()> {
-    let half = cfg.head_dim / 2;
-    let partial =
-        |op: &&Op| matches!(op, Op::RmsQkvRope { pair_count, .. } if *pair_count as usize != half);
-    match schedule.instrs.iter().find(partial) {
-        Some(op) if cfg.qk_norm => bail!(
-            "{who}: {op:?} covers part of a head; a model with q/k norms needs whole heads (qkv_pairs = {half})"
-        ),
-        _ => Ok(()),
+        qk_norm: cfg.qk_norm,
     }
 }
 
@@ -80,7 +67,6 @@ impl<'a> SlicedMachine<'a> {
         schedule: &Schedule,
         max_seq: usize,
     ) -> Result<Self> {
-        check_whole_heads(cfg, schedule, "sliced executor")?;
         if w.is_quantized() {
             bail!("sliced executor: the megakernel's instructions read bf16 weights only");
         }
@@ -197,7 +183,7 @@ impl<'a> SlicedMachine<'a> {
         let mut out = rows(lo);
         out.extend(rows(hi));
         // Qwen's steps before RoPE on these rows: the biases, then (the schedule gives models
-        // with q/k norms whole heads, checked in `new`) the head's RMS norm.
+        // with q/k norms whole heads, checked by the scheduler) the head's RMS norm.
         if let Some(b) = &lw.qkv_bias {
             let bias = if head < c.num_heads {
                 &b.q
