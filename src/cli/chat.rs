@@ -91,7 +91,6 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         "megainfer: chat on the CPU ({} threads)",
         rayon::current_num_threads()
     );
-    crate::cli::run::widen_for_cpu(&mut model.weights, args.common.dtype.is_some());
     let mut backend = CpuForward::new(&model.config, &model.weights, max_context);
     session.run(&mut backend, stdin.lock(), interactive)
 }

@@ -256,7 +256,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "megainfer: running on the CPU ({} threads)",
         rayon::current_num_threads()
     );
-    widen_for_cpu(&mut model.weights, args.common.dtype.is_some());
+    // The CPU keeps the file's quantised matrices as stored: its decode dots their blocks in
+    // registers (ops::simd::dot_blocks), faster than bf16 rows (fewer bytes).
     let mut backend = CpuForward::new(&model.config, &model.weights, max_context);
     let place = RunPlace {
         device: format!("cpu ({} threads)", rayon::current_num_threads()),
@@ -360,17 +361,4 @@ pub fn stream(
         }
     );
     Ok(())
-}
-
-/// The CPU decodes a quantised row's blocks before every dot product, which measured about
-/// 3x slower than reading bf16 rows (6.8 against 22 tok/s on the default model): a file's
-/// quantised matrices are widened for it, as for the megakernel, and a quantisation asked
-/// for with `--dtype` is kept (the GPU tests' reference keeps the exact values either way).
-pub(crate) fn widen_for_cpu(weights: &mut crate::model::Weights, dtype_asked: bool) {
-    if weights.widen_stored_quantisation(dtype_asked) {
-        eprintln!(
-            "megainfer: the CPU runs bf16 rows fastest: the quantised matrices are widened ({}); --dtype q4_1 (or q8_0, q4_0) keeps a quantisation",
-            weights.describe_memory()
-        );
-    }
 }

@@ -100,7 +100,7 @@ pub fn dequantize_block(ty: QuantType, b: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Decodes whole blocks: `data` holds `out.len() / 32` of them. With AVX2 eight elements at a
+/// Decodes whole blocks: `data` holds `out.len() / 32` of them. With AVX2 (and F16C for the scales) eight elements at a
 /// time, to the same values bit for bit (the same f32 products and sums, never fused).
 pub fn dequantize_row(ty: QuantType, data: &[u8], out: &mut [f32]) {
     assert_eq!(out.len() % BLOCK, 0, "dequantize_row: not whole blocks");
@@ -110,8 +110,8 @@ pub fn dequantize_row(ty: QuantType, data: &[u8], out: &mut [f32]) {
         "dequantize_row: block bytes do not match the element count"
     );
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 detected; data and out hold the same number of whole blocks (asserted).
+    if has_avx2_f16c() {
+        // SAFETY: AVX2 and F16C detected; data and out hold the same number of whole blocks (asserted).
         unsafe { avx2::dequantize_row(ty, data, out) };
         return;
     }
@@ -128,65 +128,85 @@ fn dequantize_row_scalar(ty: QuantType, data: &[u8], out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+fn has_avx2_f16c() -> bool {
     use std::sync::OnceLock;
     static AVX2: OnceLock<bool> = OnceLock::new();
-    *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+    *AVX2.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{le_f16, QuantType, BLOCK};
+    use super::{QuantType, BLOCK};
 
-    /// Eight i32 lanes as f32 (exact: |q| < 2^24), times `d`, plus `m` when given; stored at `o`.
-    #[target_feature(enable = "avx2")]
-    unsafe fn store8(o: *mut f32, q: __m256i, d: __m256, m: Option<__m256>) {
+    /// Eight i32 lanes as f32 (exact: |q| < 2^24), times `d`, plus `m` when given (never fused,
+    /// as the scalar decode).
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn values8(q: __m256i, d: __m256, m: Option<__m256>) -> __m256 {
         let v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
-        let v = match m {
+        match m {
             Some(m) => _mm256_add_ps(v, m),
             None => v,
-        };
-        _mm256_storeu_ps(o, v);
+        }
+    }
+
+    /// The little-endian f16 at `b` in every lane (F16C: exact, as every f16 is an f32).
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn f16x8(b: &[u8]) -> __m256 {
+        let h = _mm_set1_epi16(i16::from_le_bytes([b[0], b[1]]));
+        _mm256_cvtph_ps(h)
+    }
+
+    /// One block's 32 values as four vectors of eight, in element order, bit for bit the
+    /// scalar `dequantize_block`'s.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C; `b` is one whole block of `ty`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn block8s(ty: QuantType, b: &[u8]) -> [__m256; 4] {
+        debug_assert_eq!(b.len(), ty.block_bytes());
+        let d = f16x8(b);
+        match ty {
+            QuantType::Q8_0 => std::array::from_fn(|k| {
+                // SAFETY: bytes 2 + 8k .. 10 + 8k lie in the 34-byte block.
+                let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * k) as *const __m128i);
+                values8(_mm256_cvtepi8_epi32(q), d, None)
+            }),
+            QuantType::Q4_0 | QuantType::Q4_1 => {
+                let (head, m) = if ty == QuantType::Q4_1 {
+                    (4, Some(f16x8(&b[2..])))
+                } else {
+                    (2, None)
+                };
+                let mask = _mm_set1_epi8(0x0f);
+                // SAFETY: the 16 bytes of nibbles end the block.
+                let raw = _mm_loadu_si128(b.as_ptr().add(head) as *const __m128i);
+                let lo = _mm_and_si128(raw, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+                let bias = _mm256_set1_epi32(if m.is_some() { 0 } else { 8 });
+                let v = |x: __m128i| values8(_mm256_sub_epi32(_mm256_cvtepu8_epi32(x), bias), d, m);
+                [
+                    v(lo),
+                    v(_mm_srli_si128(lo, 8)),
+                    v(hi),
+                    v(_mm_srli_si128(hi, 8)),
+                ]
+            }
+        }
     }
 
     /// # Safety
-    /// The CPU must have AVX2; `data` holds `out.len() / 32` blocks of `ty`.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must have AVX2 and F16C; `data` holds `out.len() / 32` blocks of `ty`.
+    #[target_feature(enable = "avx2,f16c")]
     pub unsafe fn dequantize_row(ty: QuantType, data: &[u8], out: &mut [f32]) {
         let bytes = ty.block_bytes();
-        let mask = _mm_set1_epi8(0x0f);
-        for (i, o) in out.chunks_exact_mut(BLOCK).enumerate() {
-            let b = &data[i * bytes..(i + 1) * bytes];
-            let op = o.as_mut_ptr();
-            let d = _mm256_set1_ps(le_f16(b));
-            match ty {
-                QuantType::Q8_0 => {
-                    for k in 0..4 {
-                        // SAFETY: bytes 2 + 8k .. 10 + 8k lie in the 34-byte block.
-                        let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * k) as *const __m128i);
-                        store8(op.add(8 * k), _mm256_cvtepi8_epi32(q), d, None);
-                    }
-                }
-                QuantType::Q4_0 | QuantType::Q4_1 => {
-                    let (head, m) = if ty == QuantType::Q4_1 {
-                        (4, Some(_mm256_set1_ps(le_f16(&b[2..]))))
-                    } else {
-                        (2, None)
-                    };
-                    // SAFETY: the 16 bytes of nibbles end the block.
-                    let raw = _mm_loadu_si128(b.as_ptr().add(head) as *const __m128i);
-                    let lo = _mm_and_si128(raw, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-                    let bias = _mm256_set1_epi32(if m.is_some() { 0 } else { 8 });
-                    for (half, v) in [(0, lo), (16, hi)] {
-                        let first = _mm256_cvtepu8_epi32(v);
-                        let second = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
-                        store8(op.add(half), _mm256_sub_epi32(first, bias), d, m);
-                        store8(op.add(half + 8), _mm256_sub_epi32(second, bias), d, m);
-                    }
-                }
+        for (o, b) in out.chunks_exact_mut(BLOCK).zip(data.chunks_exact(bytes)) {
+            for (k, v) in block8s(ty, b).into_iter().enumerate() {
+                // SAFETY: 8k + 8 <= 32, within the block's output.
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * k), v);
             }
         }
     }

@@ -290,6 +290,14 @@ impl<'a> MatRef<'a> {
     }
 
     /// Rows `range` of this matrix.
+    /// The blocks of a quantised matrix (rows of `cols / 32` blocks each), with their type.
+    pub fn as_blocks(&self) -> Option<(QuantType, &'a [u8])> {
+        match self.data {
+            RefData::Bf16(_) => None,
+            RefData::Blocks(t, b) => Some((t, b)),
+        }
+    }
+
     pub fn row_range(&self, range: Range<usize>) -> MatRef<'a> {
         assert!(range.start <= range.end && range.end <= self.rows);
         let data = match self.data {
@@ -493,7 +501,7 @@ impl Weights {
         self.convert(|m| m.to_bf16());
     }
 
-    /// For the paths that read bf16 best (the megakernel, the CPU's `run`): the file's own
+    /// For the path that reads bf16 only (the megakernel, in `run` and `bench`): the file's own
     /// quantised matrices widened to bf16, unless `--dtype` asked for a quantisation
     /// (`dtype_asked`). True when it widened something.
     pub fn widen_stored_quantisation(&mut self, dtype_asked: bool) -> bool {

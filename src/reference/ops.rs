@@ -40,6 +40,8 @@ mod simd {
     use half::bf16;
     use std::arch::x86_64::*;
 
+    use crate::model::quant::QuantType;
+
     /// Four 8-lane accumulators over 32 elements a step, then 8 at a time into the first; the
     /// lanes summed in a fixed order; the last `len % 8` elements added one by one.
     #[target_feature(enable = "avx2,fma")]
@@ -102,6 +104,24 @@ mod simd {
     avx2_dot!(dot_f32, f32, load8, |v: f32| v);
     avx2_dot!(dot_bf16, bf16, widen8, super::widen);
 
+    /// A row of quantised blocks (`x.len() / 32` of them) dotted with `x`, each block decoded
+    /// in registers: its four vectors of eight are exactly the decoded row's, and they meet
+    /// `dot_f32`'s four accumulators in the same order, so the sum is bit for bit that of
+    /// decoding the row and calling `dot_f32` (rows are whole blocks: no tail).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_blocks(ty: QuantType, data: &[u8], x: &[f32]) -> f32 {
+        debug_assert_eq!(data.len(), x.len() / 32 * ty.block_bytes());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (i, b) in data.chunks_exact(ty.block_bytes()).enumerate() {
+            let w = crate::model::quant::avx2::block8s(ty, b);
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 32 i + 8 k + 8 <= x.len() (one block per 32 elements of x).
+                *a = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x.as_ptr().add(32 * i + 8 * k)), *a);
+            }
+        }
+        reduce(acc)
+    }
+
     /// `out += a * x`, eight lanes at a time with FMA, the tail one by one.
     ///
     /// # Safety
@@ -128,10 +148,13 @@ mod simd {
     }
 }
 
+/// AVX2 and FMA for the sums, F16C for quantised blocks' scales (every AVX2 CPU has it).
 pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -162,6 +185,7 @@ pub fn matmul(w: MatRef, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
     let t = xs.len();
     let avx = has_avx2_fma();
     let bf16_rows = w.as_bf16();
+    let blocks = w.as_blocks();
     const BLOCK: usize = 16;
     let mut flat = vec![0f32; rows * t];
     flat.par_chunks_mut(BLOCK * t)
@@ -176,13 +200,22 @@ pub fn matmul(w: MatRef, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
                     out[i] = unsafe { simd::dot_bf16(&v[r * cols..(r + 1) * cols], &xs[0]) };
                     continue;
                 }
+                #[cfg(target_arch = "x86_64")]
+                if let (true, 1, Some((ty, data))) = (avx, t, blocks) {
+                    // One vector: blocks decoded in registers, the same sum as below.
+                    let n = cols / 32 * ty.block_bytes();
+                    // SAFETY: avx2 + fma detected; row r is n bytes of whole blocks for the
+                    // `cols` elements of xs[0].
+                    out[i] = unsafe { simd::dot_blocks(ty, &data[r * n..(r + 1) * n], &xs[0]) };
+                    continue;
+                }
                 w.row_f32(r, &mut row);
                 for (ti, x) in xs.iter().enumerate() {
                     out[i * t + ti] = dot(&row, x, avx);
                 }
             }
         });
-    let _ = bf16_rows;
+    let _ = (bf16_rows, blocks);
     (0..t)
         .map(|ti| (0..rows).map(|r| flat[r * t + ti]).collect())
         .collect()
@@ -316,6 +349,46 @@ mod tests {
                     (*got as f64 - exact).abs() <= 1e-6 * scale.max(1.0),
                     "n = {n} row {r}: {got} vs {exact}"
                 );
+            }
+        }
+    }
+
+    /// Quantised rows: one vector (blocks decoded in registers) and many (rows decoded to f32
+    /// once) give the same sums bit for bit, and both are the exact decoded values' dot product
+    /// within f32 rounding.
+    #[test]
+    fn quantised_one_vector_and_many_give_the_same_bits() {
+        use crate::model::quant::{dequantize_row, quantize_row, QuantType};
+        for ty in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+            for n in [32usize, 64, 576, 2048] {
+                let rows = 5;
+                let (_, wf) = data(n * rows, 3 * n as u32);
+                let (_, x) = data(n, 11 * n as u32);
+                let blocks: Vec<u8> = wf.chunks(n).flat_map(|r| quantize_row(ty, r)).collect();
+                let mat = crate::model::Matrix::from_blocks(ty, rows, n, blocks.clone()).unwrap();
+                let m = mat.view();
+                let one = matmul(m, std::slice::from_ref(&x)).remove(0);
+                let many = matmul(m, &[x.clone(), x.clone()]);
+                for (t, v) in many.iter().enumerate() {
+                    let a: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
+                    let b: Vec<u32> = v.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(a, b, "{ty:?} n = {n}, vector {t}");
+                }
+                let per_row = n / 32 * ty.block_bytes();
+                for (r, got) in one.iter().enumerate() {
+                    let mut dec = vec![0f32; n];
+                    dequantize_row(ty, &blocks[r * per_row..(r + 1) * per_row], &mut dec);
+                    let exact: f64 = dec.iter().zip(&x).map(|(w, x)| *w as f64 * *x as f64).sum();
+                    let scale: f64 = dec
+                        .iter()
+                        .zip(&x)
+                        .map(|(w, x)| (*w as f64 * *x as f64).abs())
+                        .sum();
+                    assert!(
+                        (*got as f64 - exact).abs() <= 1e-6 * scale.max(1.0),
+                        "{ty:?} n = {n} row {r}: {got} vs {exact}"
+                    );
+                }
             }
         }
     }
