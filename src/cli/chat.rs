@@ -11,9 +11,8 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::{bail, Context, Result};
 
-use super::run::{choose_gpu, context_limit, ModelArgs};
+use super::run::{choose_gpu, context_limit, upload_for_path, ModelArgs};
 use crate::generate::{generate_after, Backend};
-use crate::gpu::model::{DeviceModel, KvCache};
 use crate::gpu::paths::GpuPath;
 use crate::reference::CpuForward;
 use crate::sampling::Sampler;
@@ -65,20 +64,14 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     let interactive = stdin.is_terminal();
     let mut session = Session::new(args, tok, max_context, Sampler::new(params));
     if let Some(gpu) = gpu {
-        let (path, why) = args
-            .common
-            .path
-            .for_weights(&mut model.weights, args.common.dtype.is_some());
-        if let Some(why) = why {
-            eprintln!("megainfer: {why}");
-        }
-        eprintln!(
-            "megainfer: chat on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
-            gpu.describe(),
-            path.name(),
-            KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
-        );
-        let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
+        let (path, dm) = upload_for_path(
+            &gpu,
+            &model.config,
+            &mut model.weights,
+            &args.common,
+            max_context,
+            "chat",
+        )?;
         // The megakernel's schedule is costed at the length a conversation is expected to reach:
         // all of the context, up to CHAT_SCHEDULE_CONTEXT. Costed at a 128K-token context, every
         // short turn would pay for attention split into many parts; a conversation that runs

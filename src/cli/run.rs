@@ -176,6 +176,31 @@ pub(crate) fn choose_gpu(device: DeviceChoice) -> Result<Option<Gpu>> {
     })
 }
 
+/// The path `common` asks for, given the weights (the megakernel widens a file's quantised
+/// matrices, or hands a quantisation asked for to the graph path, saying so), and the weights
+/// uploaded; `doing` begins the line that names the GPU, the path and the KV cache.
+pub(crate) fn upload_for_path(
+    gpu: &Gpu,
+    config: &model::Config,
+    weights: &mut model::Weights,
+    common: &ModelArgs,
+    max_context: usize,
+    doing: &str,
+) -> Result<(PathKind, DeviceModel)> {
+    let (path, why) = common.path.for_weights(weights, common.dtype.is_some());
+    if let Some(why) = why {
+        eprintln!("megainfer: {why}");
+    }
+    eprintln!(
+        "megainfer: {doing} on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
+        gpu.describe(),
+        path.name(),
+        KvCache::bytes(config, max_context) as f64 / (1 << 20) as f64
+    );
+    let dm = DeviceModel::upload(gpu, config, weights)?;
+    Ok((path, dm))
+}
+
 pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec<u32>> {
     let tok = model
         .tokenizer
@@ -228,20 +253,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(gpu) = gpu {
-        let (path, why) = args
-            .common
-            .path
-            .for_weights(&mut model.weights, args.common.dtype.is_some());
-        if let Some(why) = why {
-            eprintln!("megainfer: {why}");
-        }
-        eprintln!(
-            "megainfer: running on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
-            gpu.describe(),
-            path.name(),
-            KvCache::bytes(&model.config, max_context) as f64 / (1 << 20) as f64
-        );
-        let dm = DeviceModel::upload(&gpu, &model.config, &model.weights)?;
+        let (path, dm) = upload_for_path(
+            &gpu,
+            &model.config,
+            &mut model.weights,
+            &args.common,
+            max_context,
+            "running",
+        )?;
         let mut backend = GpuPath::new(path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
         if let Some(ms) = args.wait_timeout_ms {
             backend.set_wait_timeout_ms(ms)?;
