@@ -19,8 +19,8 @@ pub struct BenchArgs {
     /// HF directory or .gguf file.
     #[arg(short = 'm', long, conflicts_with = "preset")]
     pub model: Option<PathBuf>,
-    /// Model shape with random bf16 weights (no file needed): llama-3.2-1b, llama-3.2-3b, smollm2-135m.
-    #[arg(long)]
+    /// Model shape with random bf16 weights (no file needed).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(crate::model::presets::NAMES))]
     pub preset: Option<String>,
     #[arg(long, default_value_t = 32)]
     pub prompt_len: usize,

@@ -20,8 +20,8 @@ pub struct ScheduleArgs {
     /// fetched on first use).
     #[arg(short = 'm', long, conflicts_with = "preset")]
     pub model: Option<PathBuf>,
-    /// A known shape instead of a model: llama-3.2-1b, llama-3.2-3b, smollm2-135m.
-    #[arg(long)]
+    /// A known shape instead of a model.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(presets::NAMES))]
     pub preset: Option<String>,
     /// Sequence length attention is costed at; also the longest sequence of the context
     /// buckets listed at the end (`run` and `bench` keep one schedule per bucket up to their
