@@ -1,31 +1,45 @@
 //! Deterministic random weights of any shape, for tests and `bench --preset` (never zeros).
 
 use half::bf16;
+use rayon::prelude::*;
 
 use super::{Config, LayerWeights, Matrix, QkvBias, Weights};
 
-/// SplitMix64: tiny, fast and good enough to fill weight tensors reproducibly.
+/// SplitMix64: tiny, fast and good enough to fill weight tensors reproducibly. Its state is a
+/// counter (each draw adds one constant, then mixes), so draw `i` after a state is computable
+/// directly and large tensors fill in parallel with exactly the sequential draws.
 struct SplitMix(u64);
 
-impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
-    /// Uniform in [-1, 1).
-    fn next_unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+/// The value the generator yields when its counter reaches `state`.
+fn mix(state: u64) -> u64 {
+    let mut z = state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Uniform in [-1, 1).
+fn unit(bits: u64) -> f32 {
+    (bits >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+impl SplitMix {
+    /// The next `n` draws, each through `f`, in order (in parallel: draw `i` is
+    /// `mix(state + (i + 1) * GOLDEN)`).
+    fn draws<T: Send>(&mut self, n: usize, f: impl Fn(f32) -> T + Sync) -> Vec<T> {
+        let base = self.0;
+        self.0 = base.wrapping_add((n as u64).wrapping_mul(GOLDEN));
+        (0..n as u64)
+            .into_par_iter()
+            .map(|i| f(unit(mix(base.wrapping_add((i + 1).wrapping_mul(GOLDEN))))))
+            .collect()
     }
 }
 
 fn tensor(rng: &mut SplitMix, n: usize, scale: f32) -> Vec<bf16> {
-    (0..n)
-        .map(|_| bf16::from_f32(rng.next_unit() * scale))
-        .collect()
+    rng.draws(n, |u| bf16::from_f32(u * scale))
 }
 
 /// A `[rows, cols]` matrix of `tensor` values.
@@ -34,9 +48,7 @@ fn matrix(rng: &mut SplitMix, rows: usize, cols: usize, scale: f32) -> Matrix {
 }
 
 fn norm(rng: &mut SplitMix, n: usize) -> Vec<bf16> {
-    (0..n)
-        .map(|_| bf16::from_f32(1.0 + 0.1 * rng.next_unit()))
-        .collect()
+    rng.draws(n, |u| bf16::from_f32(1.0 + 0.1 * u))
 }
 
 /// Weights scaled like an initialised network (uniform with std ≈ 1/sqrt(fan_in)), so
