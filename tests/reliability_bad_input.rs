@@ -532,6 +532,13 @@ fn bench_output_paths_are_checked_before_running() {
 }
 
 #[test]
+fn bench_prefill_chunk_must_be_positive() {
+    let (code, err) = megainfer(&["bench", "--prefill-chunk", "0"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert_contains(&err, &["--prefill-chunk", "0 is not in 1..=1048576"]);
+}
+
+#[test]
 fn safetensors_offsets_that_overflow_are_diagnosed() {
     let dir = tiny_hf_dir();
     let header = json!({"model.embed_tokens.weight":

@@ -56,6 +56,9 @@ pub struct BenchArgs {
     /// with an error naming what never arrived (a scheduling bug, not slowness). Default 2000.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub wait_timeout_ms: Option<u64>,
+    /// Prompt tokens per batched-prefill chunk on the GPU.
+    #[arg(long, default_value_t = crate::gpu::prefill::DEFAULT_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_048_576))]
+    pub prefill_chunk: usize,
     /// Sampled decoding instead of greedy (--temperature > 0 or a repetition penalty).
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -237,6 +240,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         if let Some(ms) = args.wait_timeout_ms {
             path.set_wait_timeout_ms(ms)?;
         }
+        path.set_prefill_chunk(args.prefill_chunk)?;
         if let Some(mk) = path.as_megakernel() {
             eprintln!(
                 "bench: megakernel context buckets (up to, split-KV parts): {:?}",
@@ -349,7 +353,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
     println!("GB/s and % of BW: (weights + the K/V a step reads) / TPOT, against the measured read bandwidth; 100% is the floor.");
-    println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, crate::gpu::prefill::DEFAULT_CHUNK);
+    println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
         println!("Sampled steps draw on the device on every path; the megakernel's draw runs as two small kernels after each launch (not yet inside the launch).");
     }

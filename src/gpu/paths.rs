@@ -142,6 +142,21 @@ impl<'g> GpuPath<'g> {
         Ok(())
     }
 
+    /// Prompt tokens per batched-prefill chunk (at least 1; default
+    /// [`super::prefill::DEFAULT_CHUNK`]): larger chunks make larger products, smaller ones
+    /// bound the activations' memory.
+    pub fn set_prefill_chunk(&mut self, tokens: usize) -> Result<()> {
+        use super::stepping::Steps;
+        if tokens == 0 {
+            bail!("--prefill-chunk must be at least 1 token");
+        }
+        match self {
+            Self::Megakernel(p) => p.seq().prefill_chunk = tokens,
+            Self::Baseline(p) => p.seq().prefill_chunk = tokens,
+        }
+        Ok(())
+    }
+
     pub fn reset(&mut self) {
         match self {
             Self::Megakernel(p) => p.reset(),
