@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use alloc_track::{allocation_bound, largest_allocation};
 use gguf_writer::{add_tiny_tokenizer, Gguf, Val};
+use megainfer::model::quant::{quantize_row, QuantType};
 use megainfer::model::random::random_weights;
-use megainfer::model::Config;
+use megainfer::model::{Config, WeightType};
 use safetensors::Dtype;
 use serde_json::json;
 
@@ -150,57 +151,118 @@ fn small_config() -> Config {
     c
 }
 
+/// How a GGUF seed stores its matrices: F32 (1-D tensors always are), or per matrix name a
+/// block format kept as stored by the loader.
+type Storage = fn(&str) -> Option<QuantType>;
+
+/// The GGUF type id of a block format.
+fn ggml_type(q: QuantType) -> u32 {
+    match q {
+        QuantType::Q4_0 => 2,
+        QuantType::Q4_1 => 3,
+        QuantType::Q8_0 => 8,
+    }
+}
+
+/// A 1-layer llama GGUF, 2 heads, 1 kv head, ffn twice the hidden size, vocab 32. With F32
+/// matrices hidden is 16 (~13 KB); quantised matrices need rows of whole 32-element blocks, so
+/// there hidden is 32 (~7-12 KB).
+fn gguf_seed(tokenizer: bool, tied: bool, storage: Storage) -> Vec<u8> {
+    let quantised = ["token_embd", "blk.0.attn_q", "output"]
+        .iter()
+        .any(|n| storage(n).is_some());
+    let h: u64 = if quantised { 32 } else { 16 };
+    let (f, kv, v) = (2 * h, h / 2, 32u64);
+    let mut g = Gguf::default();
+    g.set("general.architecture", Val::Str("llama".into()))
+        .set("general.alignment", Val::U32(32))
+        .set("llama.block_count", Val::U32(1))
+        .set("llama.context_length", Val::U32(64))
+        .set("llama.embedding_length", Val::U32(h as u32))
+        .set("llama.feed_forward_length", Val::U32(f as u32))
+        .set("llama.attention.head_count", Val::U32(2))
+        .set("llama.attention.head_count_kv", Val::U32(1))
+        .set("llama.rope.freq_base", Val::F32(10000.0))
+        .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
+        .set("llama.vocab_size", Val::U32(v as u32));
+    let mut add = |name: &str, dims: &[u64]| {
+        let n = dims.iter().product::<u64>();
+        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        match storage(stem).filter(|_| dims.len() == 2) {
+            None => {
+                let data = (0..n)
+                    .flat_map(|i| (i as f32 * 0.01).to_le_bytes())
+                    .collect();
+                g.add_tensor(name, dims, 0, data);
+            }
+            Some(q) => {
+                // Both signs and varied magnitudes, so blocks differ in scale and minimum.
+                let x: Vec<f32> = (0..n)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01 * (1 + i % 3) as f32)
+                    .collect();
+                g.add_tensor(name, dims, ggml_type(q), quantize_row(q, &x));
+            }
+        }
+    };
+    add("token_embd.weight", &[h, v]);
+    for (n, dims) in [
+        ("attn_norm", vec![h]),
+        ("attn_q", vec![h, h]),
+        ("attn_k", vec![h, kv]),
+        ("attn_v", vec![h, kv]),
+        ("attn_output", vec![h, h]),
+        ("ffn_norm", vec![h]),
+        ("ffn_gate", vec![h, f]),
+        ("ffn_up", vec![h, f]),
+        ("ffn_down", vec![f, h]),
+    ] {
+        add(&format!("blk.0.{n}.weight"), &dims);
+    }
+    add("output_norm.weight", &[h]);
+    if !tied {
+        add("output.weight", &[h, v]);
+    }
+    if tokenizer {
+        add_tiny_tokenizer(&mut g);
+        g.set(
+            "tokenizer.chat_template",
+            Val::Str("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}".into()),
+        );
+    }
+    g.to_bytes()
+}
+
+/// Seeds 0-2: F32. 3-5: every matrix Q8_0, Q4_0, Q4_1. 6: the types mixed, with Q/K/V and
+/// gate/up each mixed too (the loader widens such a group to bf16).
 fn gguf_seeds() -> Vec<Vec<u8>> {
-    let f32_data = |n: u64| {
-        (0..n)
-            .flat_map(|i| (i as f32 * 0.01).to_le_bytes())
-            .collect()
-    };
-    let build = |tokenizer: bool, tied: bool| {
-        let (h, f, kv, v) = (16u64, 32u64, 8u64, 32u64);
-        let mut g = Gguf::default();
-        g.set("general.architecture", Val::Str("llama".into()))
-            .set("general.alignment", Val::U32(32))
-            .set("llama.block_count", Val::U32(1))
-            .set("llama.context_length", Val::U32(64))
-            .set("llama.embedding_length", Val::U32(h as u32))
-            .set("llama.feed_forward_length", Val::U32(f as u32))
-            .set("llama.attention.head_count", Val::U32(2))
-            .set("llama.attention.head_count_kv", Val::U32(1))
-            .set("llama.rope.freq_base", Val::F32(10000.0))
-            .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
-            .set("llama.vocab_size", Val::U32(v as u32));
-        let mut add = |name: &str, dims: &[u64]| {
-            g.add_tensor(name, dims, 0, f32_data(dims.iter().product()));
-        };
-        add("token_embd.weight", &[h, v]);
-        for (n, dims) in [
-            ("attn_norm", vec![h]),
-            ("attn_q", vec![h, h]),
-            ("attn_k", vec![h, kv]),
-            ("attn_v", vec![h, kv]),
-            ("attn_output", vec![h, h]),
-            ("ffn_norm", vec![h]),
-            ("ffn_gate", vec![h, f]),
-            ("ffn_up", vec![h, f]),
-            ("ffn_down", vec![f, h]),
-        ] {
-            add(&format!("blk.0.{n}.weight"), &dims);
-        }
-        add("output_norm.weight", &[h]);
-        if !tied {
-            add("output.weight", &[h, v]);
-        }
-        if tokenizer {
-            add_tiny_tokenizer(&mut g);
-            g.set(
-                "tokenizer.chat_template",
-                Val::Str("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}".into()),
-            );
-        }
-        g.to_bytes()
-    };
-    vec![build(false, true), build(true, true), build(true, false)]
+    use QuantType::{Q4_0, Q4_1, Q8_0};
+    vec![
+        gguf_seed(false, true, |_| None),
+        gguf_seed(true, true, |_| None),
+        gguf_seed(true, false, |_| None),
+        gguf_seed(true, true, |_| Some(Q8_0)),
+        gguf_seed(false, false, |_| Some(Q4_0)),
+        gguf_seed(true, true, |_| Some(Q4_1)),
+        gguf_seed(false, false, |name| match name {
+            "token_embd" | "blk.0.attn_output" | "blk.0.ffn_up" => Some(Q8_0),
+            "blk.0.attn_k" | "blk.0.ffn_down" => Some(Q4_0),
+            _ => Some(Q4_1),
+        }),
+    ]
+}
+
+/// What each GGUF seed's matrices load as: (embedding, wq, wk, w_gate, w_up, lm_head).
+fn gguf_seed_types() -> Vec<[WeightType; 6]> {
+    use WeightType::{Bf16, Q4_0, Q4_1, Q8_0};
+    vec![
+        [Bf16; 6],
+        [Bf16; 6],
+        [Bf16; 6],
+        [Q8_0; 6],
+        [Q4_0; 6],
+        [Q4_1; 6],
+        [Q8_0, Bf16, Bf16, Bf16, Bf16, Q4_1],
+    ]
 }
 
 fn hf_seeds() -> Vec<Vec<u8>> {
@@ -311,10 +373,15 @@ fn chat_template_mutations() {
 #[test]
 fn seeds_load() {
     let dir = tempfile::tempdir().unwrap();
-    for (i, seed) in gguf_seeds().iter().enumerate() {
+    for (i, (seed, types)) in gguf_seeds().iter().zip(gguf_seed_types()).enumerate() {
         let path = dir.path().join(format!("seed{i}.gguf"));
         std::fs::write(&path, seed).unwrap();
-        megainfer::model::load(&path).unwrap();
+        let mut m = megainfer::model::load(&path).unwrap();
+        let (w, l) = (&m.weights, &m.weights.layers[0]);
+        let got = [&w.embed, &l.wq, &l.wk, &l.w_gate, &l.w_up, w.lm_head()].map(|m| m.ty());
+        assert_eq!(got, types, "gguf seed {i}");
+        // What the harness does next: every block decoded.
+        assert_eq!(m.weights.widen_stored_quantisation(false), i >= 3);
     }
     for (i, seed) in hf_seeds().iter().enumerate() {
         let d = dir.path().join(format!("hf{i}"));
