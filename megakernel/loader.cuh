@@ -20,24 +20,35 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
             if (!op_load(p, w, pos, instr, seq, pages, full, empty, policy)) return;
             continue;
         }
-        int n = seg_count(w);
-        if (n == 0) continue;
+        const TileGeom g = tile_geom(w, p);
+        if (g.n == 0) continue;
         if (lane == 0) note(p, 2, instr);
-        int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
-        u32 bytes_per_row = cols * 2;
+        const int sbytes = wt_sbytes(g.wt, g.cols);
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
         if (lane == 0 && prof) prof[PROF_EXTRA1] = global_ns();
-        for (int t = 0; t * rpt < n; t++, seq++) {
+        for (int t = 0; t < g.tiles; t++, seq++) {
             u32 slot = seq % p.pages, round = seq / p.pages;
             if (lane == 0) note(p, 3, seq);
-            int rows = min(rpt, n - t * rpt);
+            int rows = min(g.rpt, g.n - t * g.rpt);
             if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
             if (!inflight_wait(p, full, seq, instr)) return;
-            if (lane == 0) mbar_expect_tx(&full[slot], rows * bytes_per_row);
+            // The tile's bytes: the rows' quants, and each row's scales span (see "weight
+            // formats" in runtime.cuh).
+            u32 bytes = rows * g.qbytes;
+            if (MK_ANY_QUANT && g.wt != WEIGHT_BF16) {
+                u32 mine = 0;
+                for (int r = lane; r < rows; r += 32) mine += scales_span(seg_row(w, p, lw, t * g.rpt + r).s, sbytes);
+                bytes += __reduce_add_sync(0xffffffffu, mine);
+            }
+            if (lane == 0) mbar_expect_tx(&full[slot], bytes);
             __syncwarp();
             char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
-            for (int r = lane; r < rows; r += 32)
-                bulk_load(page + r * bytes_per_row, seg_ptr(w, p, lw, t * rpt + r), bytes_per_row, &full[slot], policy);
+            for (int r = lane; r < rows; r += 32) {
+                const WRow a = seg_row(w, p, lw, t * g.rpt + r);
+                bulk_load(page + r * g.slot, a.q, g.qbytes, &full[slot], policy);
+                if (MK_ANY_QUANT && g.wt != WEIGHT_BF16)
+                    bulk_load(page + r * g.slot + g.qbytes, scales_from(a.s), scales_span(a.s, sbytes), &full[slot], policy);
+            }
         }
         if (lane == 0 && prof) prof[PROF_EXTRA2] = global_ns();
     }

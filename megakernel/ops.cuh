@@ -27,9 +27,10 @@ __device__ __forceinline__ int seg_count(const u32* w) {
     }
 }
 
-// lw: the layer pointer table, copied to shared memory at the start (reads of it must not
-// become L2 round trips on the critical path).
-__device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p, const LayerW* lw, int j) {
+// Row j of the instruction's weight rows in global memory. lw: the layer pointer table, copied
+// to shared memory at the start (reads of it must not become L2 round trips on the critical
+// path).
+__device__ __forceinline__ WRow seg_row(const u32* w, const MkParams& p, const LayerW* lw, int j) {
     const LayerW& L = lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
     switch (w[W_OP]) {
         case OP_QKV: return qkv_row(w, p, L, j);
@@ -37,15 +38,43 @@ __device__ __forceinline__ const bf16_t* seg_ptr(const u32* w, const MkParams& p
         case OP_OPROJ: return oproj_row(w, p, L, j);
         case OP_DOWN: return down_row(w, p, L, j);
         case OP_LMHEAD: return lmhead_row(w, p, j);
-        default: return nullptr;
+        default: return {nullptr, nullptr};
+    }
+}
+
+// The storage format of the instruction's matrix (see "weight formats" in runtime.cuh).
+__device__ __forceinline__ int op_format(u32 op) {
+    switch (op) {
+        case OP_QKV: return MK_WT_QKV;
+        case OP_UPGATE: return MK_WT_GU;
+        case OP_OPROJ: return MK_WT_O;
+        case OP_DOWN: return MK_WT_DOWN;
+        case OP_LMHEAD: return MK_WT_LM;
+        default: return WEIGHT_BF16;
     }
 }
 
 __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p) {
     const int n = seg_count(w);
-    if (n == 0) return {0, 0, 0, 0};
-    const int cols = seg_cols(w, p), rpt = rows_per_tile(cols, n);
-    return {n, cols, rpt, (n + rpt - 1) / rpt};
+    if (n == 0) return {0, 0, 0, 0, 0, 0, 0};
+    const int cols = seg_cols(w, p), wt = op_format(w[W_OP]), slot = wt_slot(wt, cols), rpt = rows_per_tile(slot, n);
+    return {n, cols, rpt, (n + rpt - 1) / rpt, wt, wt_qbytes(wt, cols), slot};
+}
+
+// The instruction's tiles (runtime.cuh, tiles_of_format), in its matrix's format: only the
+// formats the kernel is compiled for are instantiated.
+__device__ bool consume_tiles(const MkParams& p, const u32* w, const LayerW* lw, const TileGeom& g, u32 instr, u32 seq,
+                              const bf16_t* pages, u64* full, u64* empty, const float* xs, float* res) {
+    const auto scale_off = [&](int j) { return (int)((size_t)seg_row(w, p, lw, j).s & 15); };
+#define MK_TILES_OF(t)                                                                                      \
+    if constexpr (MK_WT_USED(t))                                                                            \
+        if (g.wt == (t)) return tiles_of_format<t>(p, g, instr, seq, pages, full, empty, xs, res, scale_off);
+    MK_TILES_OF(WEIGHT_BF16)
+    MK_TILES_OF(WEIGHT_Q8_0)
+    MK_TILES_OF(WEIGHT_Q4_0)
+    MK_TILES_OF(WEIGHT_Q4_1)
+#undef MK_TILES_OF
+    return false;
 }
 
 // ---- the loader ----
@@ -101,7 +130,7 @@ __device__ __forceinline__ float op_scale(u32 op, const MkParams& p, const float
     return op == OP_QKV || op == OP_UPGATE || op == OP_LMHEAD ? rms_scale(p, ss) : 1.f;
 }
 
-// The store after the tiles (res holds the rows' dot products, see consume_tiles).
+// The store after the tiles (res holds the rows' dot products, see tiles_of_format).
 __device__ __forceinline__ void op_post(u32 op, const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm,
                                         float scale, const OpEarly& early) {
     switch (op) {

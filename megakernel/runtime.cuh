@@ -48,6 +48,11 @@ struct LayerW {
     const bf16_t* qkv_bias;  // Qwen2: [q | k | v] widths; null for other models
     const bf16_t* q_norm;    // Qwen3: head_dim each; null for other models
     const bf16_t* k_norm;
+    // The quantised matrices' block scales (see "weight formats"); null for bf16 ones.
+    const q_u16* qkv_s;
+    const q_u16* wo_s;
+    const q_u16* gu_s;
+    const q_u16* down_s;
 };
 
 struct MkParams {
@@ -78,6 +83,8 @@ struct MkParams {
     u64* act;            // [layers][inter]
     u64* lm_best;        // [n_lm][2]: value, index bits
     float* logits;       // [vocab], read by the host
+    const q_u16* embed_s;    // the embedding's and the LM head's block scales; null for bf16
+    const q_u16* lm_head_s;
     int hidden, inter, heads, kv_heads, head_dim, vocab, n_layers, chunks, max_seq, n_lm;
     int xs_floats, pages;
     float eps;
@@ -203,18 +210,84 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
     }
 }
 
-// Rows of n rows of cols columns per tile: a page's worth, but no more than an even share for
+// ---- weight formats ----
+// Each kind of matrix has one storage format, fixed when the kernel is compiled (MK_WT_*, from
+// the host's MatrixFormats in src/gpu/sources.rs; quant/decode.cuh's WEIGHT_* codes), so the
+// tiles' loop compiles to the formats the model has. A quantised matrix is two arrays (the
+// host's DeviceMatrix, src/gpu/model.rs): every row's quants (Q8_0 a byte per column, Q4_0 and
+// Q4_1 half a byte, 16-byte aligned) and every row's block scales (2 or 4 bytes per 32 columns,
+// rows back to back). The loader copies a row's quants and then its scales into the row's slot
+// of a page. Bulk copies move 16-byte units from 16-byte boundaries and a row's scales start
+// anywhere within one, so the copy starts at the boundary below them (the host pads the array's
+// end by 16 bytes) and the consumers find them at the same offset within 16 bytes.
+#ifndef MK_WT_QKV
+#define MK_WT_QKV WEIGHT_BF16
+#endif
+#ifndef MK_WT_O
+#define MK_WT_O WEIGHT_BF16
+#endif
+#ifndef MK_WT_GU
+#define MK_WT_GU WEIGHT_BF16
+#endif
+#ifndef MK_WT_DOWN
+#define MK_WT_DOWN WEIGHT_BF16
+#endif
+#ifndef MK_WT_LM
+#define MK_WT_LM WEIGHT_BF16
+#endif
+#ifndef MK_WT_EMB
+#define MK_WT_EMB WEIGHT_BF16
+#endif
+#define MK_WT_USED(t) (MK_WT_QKV == (t) || MK_WT_O == (t) || MK_WT_GU == (t) || MK_WT_DOWN == (t) || MK_WT_LM == (t))
+#define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
+
+// Bytes of `cols` columns' values (bf16) or quants, and of their block scales.
+__device__ __forceinline__ constexpr int wt_qbytes(int wt, int cols) {
+    return wt == WEIGHT_BF16 ? 2 * cols : wt == WEIGHT_Q8_0 ? cols : cols / 2;
+}
+__device__ __forceinline__ constexpr int wt_sbytes(int wt, int cols) {
+    return wt == WEIGHT_BF16 ? 0 : (cols / 32) * (wt == WEIGHT_Q4_1 ? 4 : 2);
+}
+// A row's slot in a page: its quants, then room for its scales at any offset within 16 bytes.
+__device__ __forceinline__ constexpr int wt_slot(int wt, int cols) {
+    return wt == WEIGHT_BF16 ? 2 * cols : wt_qbytes(wt, cols) + ((wt_sbytes(wt, cols) + 15) & ~15) + 16;
+}
+
+// Where a weight row segment is in global memory: its values or quants, and its scales (null
+// for bf16).
+struct WRow {
+    const unsigned char* q;
+    const unsigned char* s;
+};
+
+// Row `row` of a matrix of `cols` columns, from column col0 (a multiple of 32 when quantised).
+__device__ __forceinline__ WRow wrow(int wt, const void* mat, const q_u16* scales, size_t row, int cols, int col0) {
+    const unsigned char* q = (const unsigned char*)mat + row * wt_qbytes(wt, cols) + wt_qbytes(wt, col0);
+    if (wt == WEIGHT_BF16) return {q, nullptr};
+    return {q, (const unsigned char*)scales + row * wt_sbytes(wt, cols) + wt_sbytes(wt, col0)};
+}
+
+// The 16-byte-aligned span the loader copies for scales at s of `bytes` bytes.
+__device__ __forceinline__ const unsigned char* scales_from(const unsigned char* s) {
+    return (const unsigned char*)((size_t)s & ~(size_t)15);
+}
+__device__ __forceinline__ u32 scales_span(const unsigned char* s, int bytes) {
+    return (u32)((((size_t)s + bytes + 15) & ~(size_t)15) - ((size_t)s & ~(size_t)15));
+}
+
+// Rows of n rows of `slot` bytes per tile: a page's worth, but no more than an even share for
 // the warp pairs, so that a small instruction's rows are worked on by all of them at once.
-__device__ __forceinline__ int rows_per_tile(int cols, int n) {
-    return max(1, min(PAGE_BYTES / (cols * 2), (n + TILE_GROUPS - 1) / TILE_GROUPS));
+__device__ __forceinline__ int rows_per_tile(int slot, int n) {
+    return max(1, min(PAGE_BYTES / slot, (n + TILE_GROUPS - 1) / TILE_GROUPS));
 }
 
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
-// others). The consumers work it out when an instruction starts, before they wait for its
-// inputs: between the inputs and the tiles (two switches, two divisions) it would sit on the
-// critical path of every instruction.
+// others), its matrix's format and the bytes of a row's quants and of its slot in a page. The
+// consumers work it out when an instruction starts, before they wait for its inputs: between
+// the inputs and the tiles (two switches, two divisions) it would sit on the critical path of
+// every instruction.
 struct TileGeom {
-    int n, cols, rpt, tiles;
+    int n, cols, rpt, tiles, wt, qbytes, slot;
 };
 
 // ---- loader warp ----
@@ -283,51 +356,103 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 }
 
 // A warp covers columns c0 + 512 i of every row (c0: its lane's 8 columns within its half of a
-// 512-column step). With rows of at most MK_X_REG_STEPS steps (4 unless set), x stays in registers for all the tiles of an
-// instruction and the tiles' loop reads only weights from shared memory: x read there as well
-// would double the traffic, and one chain at a time would serialise the rows.
+// 512-column step). With rows of at most MK_X_REG_STEPS steps (4 unless set), x stays in
+// registers for all the tiles of an instruction and the tiles' loop reads only weights from
+// shared memory: x read there as well would double the traffic, and one chain at a time would
+// serialise the rows.
+// Quantised rows: a lane's 8 columns are one quarter of a 32-column block (one scale). Q8_0's
+// are its 8 bytes at the columns' offset; Q4_0's and Q4_1's are the 4 bytes at half the offset,
+// which hold (GGUF's nibble order, decode.cuh) the block's elements 4t..4t+3 in their low
+// nibbles and 16+4t..16+4t+3 in their high ones (t the quarter): that lane's x is those 8.
+
+// Where the lane's x for weight column c (a multiple of 8) lies in xs: its first four at lo,
+// the other four at lo + hi_off.
+template <int WT>
+__device__ __forceinline__ int x_lo(int c) {
+    return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? (c & ~31) + ((c >> 1) & 12) : c;
+}
+template <int WT>
+__device__ __forceinline__ constexpr int x_hi_off() {
+    return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? 16 : 4;
+}
+
+// One lane's 8 weights of row k (of a page's rows `slot` bytes apart) at column c.
+template <int WT>
+__device__ __forceinline__ uint4 lane_weights(const unsigned char* rows, int slot, int k, int c) {
+    const unsigned char* r = rows + k * slot;
+    if (WT == WEIGHT_BF16) return *(const uint4*)(r + 2 * c);
+    if (WT == WEIGHT_Q8_0) {
+        const uint2 v = *(const uint2*)(r + c);
+        return make_uint4(v.x, v.y, 0, 0);
+    }
+    return make_uint4(*(const u32*)(r + c / 2), 0, 0, 0);
+}
+
+// acc += the 8 weights' dot with x (lo: the first four inputs, hi: the others) at column c of
+// a row whose scales are at sc (quantised formats: times the block's scale, plus Q4_1's
+// minimum times the inputs' sum).
+template <int WT>
+__device__ __forceinline__ float lane_dot(uint4 wv, const float* x, const unsigned char* sc, int c, float acc) {
+    if (WT == WEIGHT_BF16) return acc + dot8(wv, x);
+    const float4 lo = make_float4(x[0], x[1], x[2], x[3]), hi = make_float4(x[4], x[5], x[6], x[7]);
+    const float s = qg_dot<WT>(make_uint2(wv.x, wv.y), lo, hi);
+    const int b = c >> 5;
+    if (WT == WEIGHT_Q4_1) {
+        const u32 dm = *(const u32*)(sc + 4 * b);
+        const float sx = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        return fmaf(q_f16((q_u16)dm), s, fmaf(q_f16((q_u16)(dm >> 16)), sx, acc));
+    }
+    return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)), s, acc);
+}
 
 // acc[k] += row k . x over this lane's S steps, x in registers (zero past the row's end, where
 // the weights are read at column 0 instead: every load is unconditional, so all of them can be
-// in flight at once).
-template <int R, int S>
-__device__ __forceinline__ void dot_rows(const bf16_t* rows, int cols, int c0, const float (&x)[S][8], float* acc) {
+// in flight at once). sc[k]: row k's scales (unused for bf16).
+template <int WT, int R, int S>
+__device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
+                                         int cols, int c0, const float (&x)[S][8], float* acc) {
 #pragma unroll
     for (int i = 0; i < S; i++) {
         const int c = c0 + 512 * i < cols ? c0 + 512 * i : 0;
         uint4 wv[R];
 #pragma unroll
-        for (int k = 0; k < R; k++) wv[k] = *(const uint4*)(rows + k * cols + c);
+        for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
 #pragma unroll
-        for (int k = 0; k < R; k++) acc[k] += dot8(wv[k], x[i]);
+        for (int k = 0; k < R; k++) acc[k] = lane_dot<WT>(wv[k], x[i], sc[k], c, acc[k]);
     }
 }
 
 // The same with x read from shared memory, for longer rows.
-template <int R>
-__device__ __forceinline__ void dot_rows(const bf16_t* rows, int cols, int c0, const float* xs, float* acc) {
+template <int WT, int R>
+__device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
+                                         int cols, int c0, const float* xs, float* acc) {
 #pragma unroll 2
     for (int c = c0; c < cols; c += 512) {
         float x[8];
-        *(float4*)x = *(const float4*)(xs + c);
-        *(float4*)(x + 4) = *(const float4*)(xs + c + 4);
+        const int lo = x_lo<WT>(c);
+        *(float4*)x = *(const float4*)(xs + lo);
+        *(float4*)(x + 4) = *(const float4*)(xs + lo + x_hi_off<WT>());
         uint4 wv[R];
 #pragma unroll
-        for (int k = 0; k < R; k++) wv[k] = *(const uint4*)(rows + k * cols + c);
+        for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
 #pragma unroll
-        for (int k = 0; k < R; k++) acc[k] += dot8(wv[k], x);
+        for (int k = 0; k < R; k++) acc[k] = lane_dot<WT>(wv[k], x, sc[k], c, acc[k]);
     }
 }
 
-// Rows [row0, row0 + R) of a page: this warp's sums, reduced over its lanes, into res (see
-// consume_tiles).
-template <int R, typename X>
-__device__ __forceinline__ void rows_to_res(const bf16_t* rows, int cols, int c0, const X& x, float* res, int row0,
-                                            int half) {
+// Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
+// lanes, into res (see consume_tiles). scale_off(j): the offset within 16 bytes of row j's
+// scales in global memory (see "weight formats").
+template <int WT, int R, typename X, typename ScaleOff>
+__device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
+                                            int row0, int half, const ScaleOff& scale_off) {
+    const unsigned char* sc[R];
+#pragma unroll
+    for (int k = 0; k < R; k++) sc[k] = WT == WEIGHT_BF16 ? rows : rows + k * g.slot + g.qbytes + scale_off(row0 + k);
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
-    dot_rows<R>(rows, cols, c0, x, acc);
+    dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = warp_sum(acc[k]);
     if ((threadIdx.x & 31) == 0)
@@ -337,22 +462,23 @@ __device__ __forceinline__ void rows_to_res(const bf16_t* rows, int cols, int c0
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
 // last two and one.
-template <typename X>
-__device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, int n, int cols, int rpt,
-                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
+template <int WT, typename X, typename ScaleOff>
+__device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
+                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res,
+                                             const ScaleOff& scale_off) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
-    const int c0 = (half * 32 + lane) * 8, ntiles = (n + rpt - 1) / rpt;
-    for (int t = grp; t < ntiles; t += TILE_GROUPS) {
+    const int c0 = (half * 32 + lane) * 8;
+    for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % p.pages;
         if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
-        const bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
-        int rows = min(rpt, n - t * rpt), r = 0;
-        for (; r + 4 <= rows; r += 4) rows_to_res<4>(page + r * cols, cols, c0, x, res, t * rpt + r, half);
+        const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
+        int rows = min(g.rpt, g.n - t * g.rpt), r = 0;
+        for (; r + 4 <= rows; r += 4) rows_to_res<WT, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
         if (r + 2 <= rows) {
-            rows_to_res<2>(page + r * cols, cols, c0, x, res, t * rpt + r, half);
+            rows_to_res<WT, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
             r += 2;
         }
-        if (r < rows) rows_to_res<1>(page + r * cols, cols, c0, x, res, t * rpt + r, half);
+        if (r < rows) rows_to_res<WT, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
     }
@@ -360,22 +486,22 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
 }
 
 // The tiles with this lane's S steps of xs held in registers.
-template <int S>
+template <int WT, int S, typename ScaleOff>
 __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                      const bf16_t* pages, u64* full, u64* empty, const float* xs,
-                                                     float* res) {
+                                                     float* res, const ScaleOff& scale_off) {
     const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * 8;
     float x[S][8];
 #pragma unroll
     for (int i = 0; i < S; i++) {
         const bool in = c0 + 512 * i < g.cols;
-        const float* src = xs + (in ? c0 + 512 * i : 0);
-        *(float4*)x[i] = *(const float4*)src;
-        *(float4*)(x[i] + 4) = *(const float4*)(src + 4);
+        const int lo = in ? x_lo<WT>(c0 + 512 * i) : 0;
+        *(float4*)x[i] = *(const float4*)(xs + lo);
+        *(float4*)(x[i] + 4) = *(const float4*)(xs + lo + x_hi_off<WT>());
 #pragma unroll
         for (int j = 0; j < 8; j++) x[i][j] = in ? x[i][j] : 0.f;
     }
-    return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, x, res);
+    return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, x, res, scale_off);
 }
 
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
@@ -383,25 +509,27 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
 #ifndef MK_X_REG_STEPS
 #define MK_X_REG_STEPS 4
 #endif
-template <int COLS>
+template <int WT, int COLS, typename ScaleOff>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                const bf16_t* pages, u64* full, u64* empty, const float* xs,
-                                               float* res) {
+                                               float* res, const ScaleOff& scale_off) {
     constexpr int S = (COLS + 511) / 512;
-    if constexpr (S <= MK_X_REG_STEPS) return tiles_x_in_registers<S>(p, instr, seq, g, pages, full, empty, xs, res);
-    else return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, xs, res);
+    if constexpr (S <= MK_X_REG_STEPS)
+        return tiles_x_in_registers<WT, S>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    else return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 }
 
-// Dot products of the instruction's weight rows (from the paged ring) with xs: the two
-// column halves of row j land in res[2j] and res[2j + 1] (summed in that order by res_at).
-// The row length is one of the model's dimensions or a down-projection chunk: compile-time
-// branches, not a jump table (an indirect branch here is on the critical path). False when a
-// page wait failed (the error is raised).
-__device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages, u64* full,
-                              u64* empty, const float* xs, float* res) {
-    if (g.cols == MK_HIDDEN) return tiles_of_width<MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res);
-    if (g.cols == MK_Q_DIM) return tiles_of_width<MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res);
-    return tiles_to_res(p, instr, seq, g.n, g.cols, g.rpt, pages, full, empty, xs, res);
+// Dot products of the instruction's weight rows (from the paged ring) with xs, for a matrix
+// of format WT: the two column halves of row j land in res[2j] and res[2j + 1] (summed in that
+// order by res_at). The row length is one of the model's dimensions or a down-projection
+// chunk: compile-time branches, not a jump table (an indirect branch here is on the critical
+// path). False when a page wait failed (the error is raised).
+template <int WT, typename ScaleOff>
+__device__ bool tiles_of_format(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages,
+                                u64* full, u64* empty, const float* xs, float* res, const ScaleOff& scale_off) {
+    if (g.cols == MK_HIDDEN) return tiles_of_width<WT, MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    if (g.cols == MK_Q_DIM) return tiles_of_width<WT, MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }

@@ -36,7 +36,7 @@ fn baseline_kernels_compile_for_sm90a() {
 #[test]
 fn quant_kernels_compile_alone_for_sm90a() {
     require_nvrtc();
-    assert_compiles("quant", sources::QUANT, &[], "");
+    assert_compiles("quant", &sources::quant(), &[], "");
 }
 
 #[test]
@@ -92,6 +92,41 @@ fn megakernel_compiles_for_sm90a() {
             let what = format!(" (head_dim {hd}, group {group}, MK_ATT_BY_WARPS={by_warps})");
             assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
         }
+    }
+}
+
+/// The megakernel for quantised matrices: each format everywhere, and the default model's mix
+/// (Q4_1 layers, a Q8_0 embedding tied to the LM head), for both hidden sizes that keep x in
+/// registers and a down projection whose rows are read with x from shared memory.
+#[test]
+fn megakernel_compiles_for_quantised_formats() {
+    require_nvrtc();
+    let all = |t| sources::MatrixFormats {
+        qkv: t,
+        o: t,
+        gate_up: t,
+        down: t,
+        lm_head: t,
+        embed: t,
+    };
+    let default_model = sources::MatrixFormats {
+        lm_head: 1,
+        embed: 1,
+        ..all(3)
+    };
+    for (preset, formats) in [
+        ("smollm2-135m", all(1)),
+        ("smollm2-135m", all(2)),
+        ("smollm2-135m", default_model),
+        ("llama-3.2-1b", all(1)),
+        ("llama-3.2-1b", all(3)),
+    ] {
+        let cfg = presets::by_name(preset).unwrap();
+        let mut defines = sources::megakernel_defines(&cfg);
+        defines.extend(formats.defines());
+        defines.push("-DMK_ATT_BY_WARPS=1".into());
+        let what = format!(" ({preset}, {formats:?})");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
     }
 }
 

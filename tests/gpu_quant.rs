@@ -1,10 +1,10 @@
-//! Quantised weights (Q8_0, Q4_0, Q4_1) on the GPU paths against the CPU reference on the same
-//! quantised weights. Ignored by a plain `cargo test`; they fail when run without a GPU
-//! (tests/common/gpu.rs).
+//! Quantised weights (Q8_0, Q4_0, Q4_1) on every GPU path (the megakernel and the graph,
+//! graph + PDL and eager paths) against the CPU reference on the same quantised weights.
+//! Ignored by a plain `cargo test`; they fail when run without a GPU (tests/common/gpu.rs).
 //!
-//! Decode reads the blocks and decodes them in registers (kernels/quant/quant.cu), exactly the
-//! values the CPU reference uses, so its error is that of the bf16 path's activations and
-//! sums. Prefill decodes each matrix to bf16 for cuBLAS, which rounds the weights once more:
+//! Decode reads the blocks and decodes them in registers (kernels/quant/quant.cu and the
+//! megakernel's tiles, megakernel/runtime.cuh), exactly the values the CPU reference uses, so
+//! its error is that of the bf16 path's activations and sums. Prefill decodes each matrix to bf16 for cuBLAS, which rounds the weights once more:
 //! its logits are held to a looser tolerance.
 
 #[path = "common/gpu.rs"]
@@ -13,14 +13,13 @@ mod gpu_common;
 use gpu_common::{gpu, prompt_then_steps, tiny};
 
 use megainfer::generate::Backend;
-use megainfer::gpu::baseline::{BaselinePath, Mode};
 use megainfer::gpu::model::DeviceModel;
 use megainfer::gpu::paths::{GpuPath, PathKind};
 use megainfer::model::{presets, random::random_weights, Config, WeightType, Weights};
 use megainfer::reference::{rel_l2, CpuForward};
 use megainfer::sampling::{argmax, top_k};
 
-const MODES: [Mode; 3] = [Mode::Eager, Mode::Graph, Mode::GraphPdl];
+const PATHS: [PathKind; 4] = PathKind::ALL;
 const TYPES: [WeightType; 3] = [WeightType::Q8_0, WeightType::Q4_0, WeightType::Q4_1];
 
 /// Not yet measured on quantised weights: the bf16 paths' tolerances on the same shapes
@@ -55,7 +54,7 @@ fn cases(ty: WeightType) -> Vec<(String, Config, Weights, Vec<u32>)> {
     .collect()
 }
 
-/// Teacher-forced decode, one token per step, on every baseline mode; returns the worst error.
+/// Teacher-forced decode, one token per step, on each of `paths`; returns the worst error.
 fn check_decode(
     gpu: &megainfer::gpu::device::Gpu,
     cfg: &Config,
@@ -63,14 +62,14 @@ fn check_decode(
     tokens: &[u32],
     label: &str,
     tol: f64,
-    modes: &[Mode],
+    paths: &[PathKind],
 ) -> f64 {
     let dm = DeviceModel::upload(gpu, cfg, w).unwrap();
     assert_eq!(dm.bytes_per_token, w.bytes_per_token());
     let want = CpuForward::new(cfg, w, 64).forward_all(tokens).unwrap();
     let mut worst_all = 0f64;
-    for &mode in modes {
-        let mut path = BaselinePath::new(gpu, &dm, mode, 64).unwrap();
+    for &kind in paths {
+        let mut path = GpuPath::new(kind, gpu, &dm, 64, 64).unwrap();
         let mut worst = 0f64;
         for (i, t) in tokens.iter().enumerate() {
             let got = path.feed(&[*t]).unwrap();
@@ -79,18 +78,18 @@ fn check_decode(
             assert!(
                 err <= tol,
                 "{label} {}: step {i} rel L2 {err:.2e} > {tol:.0e}",
-                mode.name()
+                kind.name()
             );
             assert_eq!(
                 argmax(&got),
                 argmax(&want[i]),
                 "{label} {}: argmax differs at step {i}",
-                mode.name()
+                kind.name()
             );
         }
         println!(
             "{label} {}: decode worst rel L2 {worst:.2e} over {} steps (tolerance {tol:.0e})",
-            mode.name(),
+            kind.name(),
             tokens.len()
         );
         worst_all = worst_all.max(worst);
@@ -104,7 +103,7 @@ fn quantized_decode_matches_reference_on_small_random_models() {
     let gpu = gpu();
     for ty in TYPES {
         for (label, cfg, w, tokens) in cases(ty) {
-            check_decode(&gpu, &cfg, &w, &tokens, &label, TOL_DECODE, &MODES);
+            check_decode(&gpu, &cfg, &w, &tokens, &label, TOL_DECODE, &PATHS);
         }
     }
 }
@@ -117,32 +116,35 @@ fn quantized_prefill_matches_reference_on_small_random_models() {
         for (label, cfg, w, tokens) in cases(ty) {
             let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
             let want = CpuForward::new(&cfg, &w, 64).forward_all(&tokens).unwrap();
-            let mut path = BaselinePath::new(&gpu, &dm, Mode::Graph, 64).unwrap();
-            // Six tokens in one batched prefill, then three decode steps after it.
-            let got = prompt_then_steps(&mut path, &tokens[..6], &tokens[6..]);
-            let mut worst = (0f64, 0f64);
-            for (i, g) in got.iter().enumerate() {
-                let err = rel_l2(g, &want[5 + i]);
-                // The steps after the prompt read K/V that the prefill computed with the
-                // matrices rounded to bf16 (prefill decodes them for cuBLAS), so they carry
-                // the prefill's error, not the decode's (measured 5.54e-3 on Q8_0 tiny0).
-                let tol = TOL_PREFILL;
-                if i == 0 {
-                    worst.0 = err;
-                } else {
-                    worst.1 = worst.1.max(err);
+            for kind in [PathKind::Megakernel, PathKind::Graph] {
+                let label = format!("{label} {}", kind.name());
+                let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+                // Six tokens in one batched prefill, then three decode steps after it.
+                let got = prompt_then_steps(&mut path, &tokens[..6], &tokens[6..]);
+                let mut worst = (0f64, 0f64);
+                for (i, g) in got.iter().enumerate() {
+                    let err = rel_l2(g, &want[5 + i]);
+                    // The steps after the prompt read K/V that the prefill computed with the
+                    // matrices rounded to bf16 (prefill decodes them for cuBLAS), so they carry
+                    // the prefill's error, not the decode's (measured 5.54e-3 on Q8_0 tiny0).
+                    let tol = TOL_PREFILL;
+                    if i == 0 {
+                        worst.0 = err;
+                    } else {
+                        worst.1 = worst.1.max(err);
+                    }
+                    assert!(
+                        err <= tol,
+                        "{label}: position {} rel L2 {err:.2e} > {tol:.0e}",
+                        5 + i
+                    );
                 }
-                assert!(
-                    err <= tol,
-                    "{label}: position {} rel L2 {err:.2e} > {tol:.0e}",
-                    5 + i
-                );
-            }
-            println!(
+                println!(
                 "{label}: prefill logits rel L2 {:.2e} (tolerance {TOL_PREFILL:.0e}); decode after \
                  prefill worst {:.2e}",
                 worst.0, worst.1
             );
+            }
         }
     }
 }
@@ -164,24 +166,30 @@ fn quantized_llama_1b_shape_matches_reference() {
             &[128000, 791, 6864, 315, 9822],
             &format!("llama-1b {ty}"),
             TOL_LLAMA_1B,
-            &[Mode::Graph],
+            &[PathKind::Megakernel, PathKind::Graph],
         );
     }
 }
 
+/// The megakernel compiles one format per kind of matrix: weights whose layers mix formats
+/// within a kind get an error naming the kind and the layers (`run` widens them first, see
+/// `PathKind::for_weights`).
 #[test]
 #[ignore = "needs a GPU"]
-fn megakernel_refuses_quantized_weights_with_a_clear_message() {
+fn megakernel_refuses_mixed_formats_with_a_clear_message() {
     let gpu = gpu();
-    let (_, cfg, w, _) = cases(WeightType::Q4_1).remove(0);
+    let (_, cfg, mut w, _) = cases(WeightType::Q4_1).remove(0);
+    w.layers[1].w_down = w.layers[1].w_down.to_bf16();
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-    assert!(dm.is_quantized());
     let err = match GpuPath::new(PathKind::Megakernel, &gpu, &dm, 64, 64) {
-        Ok(_) => panic!("the megakernel accepted quantised weights it cannot read"),
+        Ok(_) => panic!("the megakernel accepted mixed formats it cannot read"),
         Err(e) => format!("{e:#}"),
     };
-    println!("megakernel on Q4_1 weights: {err}");
-    assert!(err.contains("bf16 weights only"), "{err}");
+    println!("megakernel on mixed down formats: {err}");
+    assert!(
+        err.contains("one storage type per kind") && err.contains("layer 1"),
+        "{err}"
+    );
 }
 
 /// The default model (SmolLM2-135M-Instruct: Q4_1 layers, Q8_0 embedding and tied LM head)
@@ -210,15 +218,8 @@ fn default_model_as_stored_gives_the_cpu_reference_text_on_every_path() {
     }
     println!("CPU reference greedy: {:?}", tok.decode(&want).unwrap());
     let dm = DeviceModel::upload(&gpu, cfg, w).unwrap();
-    for asked in PathKind::ALL {
-        // The weights as stored on every path: the megakernel's share goes to the graph path
-        // (as `--dtype` keeping the quantisation does).
-        let kind = if asked == PathKind::Megakernel {
-            PathKind::Graph
-        } else {
-            asked
-        };
-        let label = format!("{} (as {})", kind.name(), asked.name());
+    for kind in PathKind::ALL {
+        let label = kind.name();
         // Teacher-forced: the prompt (batched prefill), then the reference's tokens.
         let mut p = GpuPath::new(kind, &gpu, &dm, 512, 512).unwrap();
         let got_logits = prompt_then_steps(&mut p, &prompt, &want[..N - 1]);

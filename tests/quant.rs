@@ -331,11 +331,12 @@ fn dtype_conversion_quantises_and_widens_and_refuses_partial_blocks() {
     );
 }
 
-/// The megakernel reads bf16 only: a file's quantised matrices are widened for it, while a
-/// quantisation asked for with --dtype keeps its bytes on the graph path; other paths keep
-/// the weights as they are.
+/// The megakernel reads the quantised formats as stored, one per kind of matrix: uniform
+/// weights keep their types on it; a file whose layers mix types within a kind is widened for
+/// it (or, had --dtype been asked, handed to the graph path); other paths keep the weights as
+/// they are.
 #[test]
-fn megakernel_widens_stored_quantised_weights_and_hands_asked_ones_to_the_graph_path() {
+fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
     let cfg = tiny_cfg();
     let mut w = random_weights(&cfg, 1);
     assert_eq!(
@@ -343,16 +344,31 @@ fn megakernel_widens_stored_quantised_weights_and_hands_asked_ones_to_the_graph_
         (PathKind::Megakernel, None)
     );
     w.convert_to(WeightType::Q8_0).unwrap();
-    let (path, why) = PathKind::Megakernel.for_weights(&mut w, true);
-    assert_eq!(path, PathKind::Graph);
-    let why = why.unwrap();
-    assert!(why.contains("bf16") && why.contains("graph path"), "{why}");
-    assert!(w.is_quantized(), "handed to the graph path as stored");
+    assert_eq!(w.mixed_storage(), None);
+    for asked in [false, true] {
+        assert_eq!(
+            PathKind::Megakernel.for_weights(&mut w, asked),
+            (PathKind::Megakernel, None)
+        );
+        assert!(w.is_quantized(), "kept as stored");
+    }
+    // Layer 1's down projection in another format than layer 0's.
+    assert!(cfg.num_layers >= 2);
+    w.layers[1].w_down = w.layers[1].w_down.to_bf16();
+    let mixed = w.mixed_storage().unwrap();
+    assert!(
+        mixed.contains("down") && mixed.contains("layer 1"),
+        "{mixed}"
+    );
     assert_eq!(
         PathKind::Eager.for_weights(&mut w, false),
         (PathKind::Eager, None)
     );
     assert!(w.is_quantized());
+    let (path, why) = PathKind::Megakernel.for_weights(&mut w, true);
+    assert_eq!(path, PathKind::Graph);
+    assert!(why.unwrap().contains("layer 1"));
+    assert!(w.is_quantized(), "handed to the graph path as stored");
     let (path, why) = PathKind::Megakernel.for_weights(&mut w, false);
     assert_eq!(path, PathKind::Megakernel);
     assert!(why.unwrap().contains("widened to bf16"));

@@ -51,15 +51,15 @@ fn write(path: &Path, bytes: &[u8]) {
 }
 
 /// The GGUF reader, metadata, tensor checks, dequantization and the GGUF tokenizer. Matrices
-/// stored as Q8_0, Q4_0 or Q4_1 load as blocks, so they are then widened to bf16 as `run` does
-/// for the megakernel, decoding every block.
+/// stored as Q8_0, Q4_0 or Q4_1 load as blocks, so they are then widened to bf16 as
+/// `--dtype bf16` does, decoding every block.
 pub fn gguf(data: &[u8]) {
     in_scratch(|dir| {
         let path = dir.join("input.gguf");
         write(&path, data);
         if let Ok(mut model) = megainfer::model::load(&path) {
             use_tokenizer(&model);
-            model.weights.widen_stored_quantisation(false);
+            model.weights.widen_to_bf16();
         }
     })
 }

@@ -1,6 +1,12 @@
 // The model's activations as several instructions read them: the residual stream entering a
 // layer (RMS-normed for QKV, up-gate and the LM head) and rows of the KV cache.
 
+// Element i of the embedding's row `token`, decoded as the CPU reference decodes it.
+__device__ __forceinline__ float embed_at(const MkParams& p, u32 token, int i) {
+    if constexpr (MK_WT_EMB == WEIGHT_BF16) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
+    else return q_element_at(MK_WT_EMB, p.embed, p.embed_s, (size_t)token * p.hidden + i);
+}
+
 // The RMS norm's scale from the sums of squares prepare_normed left in ss.
 __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
     float t = 0.f;
@@ -16,7 +22,7 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 #define PREP_CHUNKS 2
 #define RESID_GROUP 3
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
-    if (layer == 0) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
+    if (layer == 0) return embed_at(p, token, i);
     const int l = layer - 1;
     const u64* base = p.resid_attn + (size_t)l * p.hidden + i;
     const u64* parts = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
@@ -75,7 +81,7 @@ __device__ __forceinline__ void prepare_normed_small(const MkParams& p, int laye
         for (int k = 0; k < PREP_MAX; k++) {
             const int i = ct + k * CONSUMERS;
             const bool in = i < p.hidden;
-            v[k] = in && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
+            v[k] = in && !base ? embed_at(p, token, i) : 0.f;
             gw[k] = in ? bf16_to_f32(g[i]) : 0.f;
         }
 #pragma unroll
@@ -141,7 +147,7 @@ __device__ __forceinline__ void prepare_normed_rounds(const MkParams& p, int lay
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
             const int i = first + k * CONSUMERS;
-            v[k] = k < mine && !base ? bf16_to_f32(p.embed[(size_t)token * p.hidden + i]) : 0.f;
+            v[k] = k < mine && !base ? embed_at(p, token, i) : 0.f;
             gw[k] = k < mine ? bf16_to_f32(g[i]) : 0.f;
         }
         for (int s0 = 0; s0 < nsrc; s0 += PREP_SRC) {

@@ -3,8 +3,8 @@
 
 __device__ __forceinline__ int lmhead_rows(const u32* w) { return (int)w[W_B]; }
 __device__ __forceinline__ int lmhead_cols(const MkParams& p) { return p.hidden; }
-__device__ __forceinline__ const bf16_t* lmhead_row(const u32* w, const MkParams& p, int j) {
-    return p.lm_head + (size_t)(w[W_A] + j) * p.hidden;
+__device__ __forceinline__ WRow lmhead_row(const u32* w, const MkParams& p, int j) {
+    return wrow(MK_WT_LM, p.lm_head, p.lm_head_s, w[W_A] + j, p.hidden, 0);
 }
 
 __device__ __forceinline__ void prepare_lmhead(const MkParams& p, const TokenMeta& m, const Smem& sm) {

@@ -194,20 +194,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         );
     }
     let mut weights = weights;
-    // As `run`: the file's quantised matrices are widened for the megakernel (all paths then
-    // compare on the same weights); a quantisation asked for with --dtype keeps its bytes and
-    // the megakernel is skipped.
-    if paths.contains(&PathKind::Megakernel)
-        && weights.widen_stored_quantisation(args.dtype.is_some())
-    {
-        model_name = format!("{model_name}, widened to bf16");
-        eprintln!(
-            "bench: the megakernel reads bf16 weights only: the file's quantised matrices are widened to bf16 for every path (--dtype q4_1 or --paths graph,… bench them as stored)"
-        );
+    // As `run`: a file whose layers mix storage types per kind of matrix is widened for the
+    // megakernel (all paths then compare on the same weights).
+    if paths.contains(&PathKind::Megakernel) && weights.is_quantized() {
+        if let Some(mixed) = weights.mixed_storage() {
+            weights.widen_to_bf16();
+            model_name = format!("{model_name}, widened to bf16");
+            eprintln!(
+                "bench: the megakernel needs one storage type per kind of matrix, and {mixed}: widened to bf16 for every path (--paths graph,… bench them as stored)"
+            );
+        }
     }
     let weight_memory = weights.describe_memory();
     eprintln!("bench: {weight_memory}");
-    let quantized = weights.is_quantized();
     let dm = DeviceModel::upload(&gpu, &config, &weights)?;
     drop(weights);
     let bw = measure_read_bandwidth(&gpu).context("measuring the read bandwidth")?;
@@ -228,13 +227,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut results = Vec::new();
     let mut profile = None;
     for kind in paths {
-        if kind == PathKind::Megakernel && quantized {
-            eprintln!(
-                "bench: skipping the megakernel: {}",
-                crate::gpu::megakernel::QUANTIZED_UNSUPPORTED
-            );
-            continue;
-        }
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
         if let Some(ms) = args.wait_timeout_ms {

@@ -176,8 +176,8 @@ pub(crate) fn choose_gpu(device: DeviceChoice) -> Result<Option<Gpu>> {
     })
 }
 
-/// The path `common` asks for, given the weights (the megakernel widens a file's quantised
-/// matrices, or hands a quantisation asked for to the graph path, saying so), and the weights
+/// The path `common` asks for, given the weights (the megakernel widens a file whose layers mix
+/// storage types per kind of matrix, saying so; see `PathKind::for_weights`), and the weights
 /// uploaded; `doing` begins the line that names the GPU, the path and the KV cache.
 pub(crate) fn upload_for_path(
     gpu: &Gpu,

@@ -71,11 +71,6 @@ pub struct MegakernelPath<'g> {
     sampler: Option<DeviceSampler>,
 }
 
-/// Why the megakernel refuses a model with quantised matrices.
-pub const QUANTIZED_UNSUPPORTED: &str = "the megakernel reads bf16 weights only, and this model \
-     keeps quantised (Q8_0/Q4_0/Q4_1) matrices (--dtype bf16 widens them; the graph paths run them \
-     as stored)";
-
 /// One context bucket's instruction streams, uploaded once: sequences of at most `upto`
 /// positions run them (see `scheduler::buckets`).
 struct Streams {
@@ -126,9 +121,7 @@ impl<'g> MegakernelPath<'g> {
                 s.model
             );
         }
-        if model.is_quantized() {
-            bail!("megakernel: {QUANTIZED_UNSUPPORTED}");
-        }
+        let formats = model.matrix_formats()?;
         let Some(&(_, first)) = buckets.first() else {
             bail!("megakernel: no schedule given");
         };
@@ -195,9 +188,14 @@ impl<'g> MegakernelPath<'g> {
                     }
                     Op::DownProjPartial {
                         row_count,
+                        col_start,
                         col_count,
                         ..
                     } => {
+                        // A quantised row's chunk must start and end on its 32-column blocks.
+                        if formats.down != 0 && (col_start % 32 != 0 || col_count % 32 != 0) {
+                            bail!("schedule: {op:?} cuts the quantised down projection's 32-column blocks (choose down_chunks so that intermediate / down_chunks is a multiple of 32)");
+                        }
                         max_cols = max_cols.max(col_count as usize);
                         row_count as usize
                     }
@@ -241,7 +239,7 @@ impl<'g> MegakernelPath<'g> {
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
-                let (module, kernel) = compile::load(gpu, c, w)?;
+                let (module, kernel) = compile::load(gpu, c, &formats, w)?;
                 kernels.push((w, module, kernel));
             }
         }
@@ -288,6 +286,10 @@ impl<'g> MegakernelPath<'g> {
                 qkv_bias: lw.qkv_bias.as_ref().map_or(0, |b| ptr(b, s)),
                 q_norm: lw.q_norm.as_ref().map_or(0, |b| ptr(b, s)),
                 k_norm: lw.k_norm.as_ref().map_or(0, |b| ptr(b, s)),
+                qkv_s: lw.w_qkv.scales_ptr(gpu),
+                wo_s: lw.wo.scales_ptr(gpu),
+                gu_s: lw.w_gu.scales_ptr(gpu),
+                down_s: lw.w_down.scales_ptr(gpu),
             })
             .collect();
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
@@ -338,6 +340,8 @@ impl<'g> MegakernelPath<'g> {
             act: at("act"),
             lm_best: at("lm_best"),
             logits: ptr(&logits, s),
+            embed_s: model.embed.scales_ptr(gpu),
+            lm_head_s: model.lm_head().scales_ptr(gpu),
             hidden: h as i32,
             inter: c.intermediate_size as i32,
             heads: c.num_heads as i32,

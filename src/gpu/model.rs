@@ -21,7 +21,9 @@ fn concat(parts: &[&[bf16]]) -> Vec<u16> {
 /// bytes a mat-vec streams stay exactly the blocks' bytes:
 /// - `data`: per block its quants, blocks in row-major order: Q8_0 32 `i8`; Q4_0 and Q4_1 the
 ///   16 bytes of nibbles as GGUF stores them (byte `j`: element `j` low, `j + 16` high).
-/// - `scales`: per block f16 `d` (Q8_0, Q4_0), or f16 `d` then f16 `m` (Q4_1).
+/// - `scales`: per block f16 `d` (Q8_0, Q4_0), or f16 `d` then f16 `m` (Q4_1), then 16 bytes
+///   of zeros: the megakernel copies a row's scales in whole 16-byte units, which for the last
+///   row may reach past its end (megakernel/runtime.cuh, "weight formats").
 pub struct DeviceMatrix {
     pub ty: WeightType,
     pub rows: usize,
@@ -63,6 +65,7 @@ impl DeviceMatrix {
                 quants.extend_from_slice(&b[head..]);
             }
         }
+        scales.extend_from_slice(&[0; 16]);
         let words = |b: Vec<u8>| -> Vec<u16> {
             b.chunks_exact(2)
                 .map(|p| u16::from_le_bytes([p[0], p[1]]))
@@ -268,6 +271,35 @@ impl DeviceModel {
     /// The LM head's values (bf16) or quants.
     pub fn lm_head_ptr(&self, gpu: &Gpu) -> u64 {
         self.lm_head().ptr(gpu)
+    }
+
+    /// The storage format of each kind of matrix, for the megakernel, which compiles one per
+    /// kind; an error naming the kind whose layers differ.
+    pub fn matrix_formats(&self) -> Result<super::sources::MatrixFormats> {
+        let kind = |name: &str, pick: fn(&DeviceLayer) -> &DeviceMatrix| -> Result<i32> {
+            let first = self.layers.first().map_or(0, |l| pick(l).type_code());
+            if let Some((i, l)) = self
+                .layers
+                .iter()
+                .enumerate()
+                .find(|(_, l)| pick(l).type_code() != first)
+            {
+                bail!(
+                    "the megakernel needs one storage type per kind of matrix, and the {name} matrices are {} in layer 0 but {} in layer {i} (--dtype bf16 or --dtype q8_0 makes them one)",
+                    pick(&self.layers[0]).ty,
+                    pick(l).ty
+                );
+            }
+            Ok(first)
+        };
+        Ok(super::sources::MatrixFormats {
+            qkv: kind("q/k/v", |l| &l.w_qkv)?,
+            o: kind("attention output", |l| &l.wo)?,
+            gate_up: kind("gate/up", |l| &l.w_gu)?,
+            down: kind("down", |l| &l.w_down)?,
+            lm_head: self.lm_head().type_code(),
+            embed: self.embed.type_code(),
+        })
     }
 
     /// True when any matrix is stored as blocks.

@@ -48,11 +48,11 @@ impl PathKind {
 }
 
 impl PathKind {
-    /// The path that runs `weights` when `self` is asked for, and what was done about it. The
-    /// megakernel reads bf16 matrices only: quantised matrices the file stores are widened to
-    /// bf16 for it (it is faster on them than the graph paths on the quantised bytes), while
-    /// a quantisation asked for with `--dtype` (`dtype_asked`) keeps its bytes and goes to the
-    /// graph path.
+    /// The path that runs `weights` when `self` is asked for, and what was done about it. Every
+    /// path reads the formats as stored, but the megakernel compiles one format per kind of
+    /// matrix: a file whose layers mix them is widened to bf16 for it, while a quantisation
+    /// asked for with `--dtype` (`dtype_asked`, which makes every matrix one type, so this
+    /// cannot happen to it) would go to the graph path.
     pub fn for_weights(
         self,
         weights: &mut crate::model::Weights,
@@ -61,12 +61,14 @@ impl PathKind {
         if self != PathKind::Megakernel || !weights.is_quantized() {
             return (self, None);
         }
+        let Some(mixed) = weights.mixed_storage() else {
+            return (self, None);
+        };
         if dtype_asked {
             return (
                 PathKind::Graph,
                 Some(format!(
-                    "{}; running on the graph path",
-                    super::megakernel::QUANTIZED_UNSUPPORTED
+                    "the megakernel needs one storage type per kind of matrix, and {mixed}; running on the graph path"
                 )),
             );
         }
@@ -74,7 +76,7 @@ impl PathKind {
         (
             self,
             Some(format!(
-                "the megakernel reads bf16 weights only: the quantised matrices are widened to bf16 ({}); --path graph runs them as stored",
+                "the megakernel needs one storage type per kind of matrix, and {mixed}: the quantised matrices are widened to bf16 ({}); --path graph runs them as stored",
                 weights.describe_memory()
             )),
         )

@@ -10,9 +10,9 @@ const QKV_EXTRAS: &str = include_str!("../../kernels/qkv_extras.cuh");
 const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
-/// Quantised weights' mat-vec, embedding and dequantisation (self-contained: both the
-/// baseline and the prefill units include it).
-pub const QUANT: &str = include_str!("../../kernels/quant/quant.cu");
+/// The quantised formats' decoding, shared by quant.cu and the megakernel's tiles.
+const QUANT_DECODE: &str = include_str!("../../kernels/quant/decode.cuh");
+const QUANT_KERNELS: &str = include_str!("../../kernels/quant/quant.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
 /// One header per instruction (model.cuh: what several of them read), in dependency order.
@@ -40,14 +40,20 @@ pub fn baseline() -> String {
         QKV_EXTRAS,
         BASELINE_ATTENTION,
         BASELINE,
-        QUANT,
+        &quant(),
     ]
     .join("\n")
 }
 
+/// Quantised weights' mat-vec, embedding and dequantisation (self-contained: both the
+/// baseline and the prefill units include it).
+pub fn quant() -> String {
+    [QUANT_DECODE, QUANT_KERNELS].join("\n")
+}
+
 /// Batched prefill's kernels (src/gpu/prefill.rs).
 pub fn prefill() -> String {
-    [ROPE, QKV_EXTRAS, PREFILL, QUANT].join("\n")
+    [ROPE, QKV_EXTRAS, PREFILL, &quant()].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
@@ -71,11 +77,41 @@ pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
     ]
 }
 
+/// The storage format of each kind of matrix the megakernel reads, as quant.cu's `WEIGHT_*`
+/// codes (bf16 0, Q8_0 1, Q4_0 2, Q4_1 3): one per kind, so the tiles' decoding compiles to
+/// the formats the model has and nothing else.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MatrixFormats {
+    pub qkv: i32,
+    pub o: i32,
+    pub gate_up: i32,
+    pub down: i32,
+    pub lm_head: i32,
+    pub embed: i32,
+}
+
+impl MatrixFormats {
+    /// The definitions the megakernel is compiled with for these formats.
+    pub fn defines(&self) -> Vec<String> {
+        [
+            ("QKV", self.qkv),
+            ("O", self.o),
+            ("GU", self.gate_up),
+            ("DOWN", self.down),
+            ("LM", self.lm_head),
+            ("EMB", self.embed),
+        ]
+        .iter()
+        .map(|(k, v)| format!("-DMK_WT_{k}={v}"))
+        .collect()
+    }
+}
+
 /// The persistent interpreter (compile it with `megakernel_defines`): the host's definitions
 /// (abi::prelude) first, its layout checks (abi::checks) last.
 pub fn megakernel() -> String {
     let (prelude, checks) = (abi::prelude(), abi::checks());
-    let mut parts = vec![COMMON, ROPE, &prelude, PIPELINE, RUNTIME];
+    let mut parts = vec![COMMON, ROPE, QUANT_DECODE, &prelude, PIPELINE, RUNTIME];
     parts.extend(OPS);
     parts.extend([TABLE, LOADER, MEGAKERNEL, &checks]);
     parts.join("\n")

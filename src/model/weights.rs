@@ -501,15 +501,30 @@ impl Weights {
         self.convert(|m| m.to_bf16());
     }
 
-    /// For the path that reads bf16 only (the megakernel, in `run` and `bench`): the file's own
-    /// quantised matrices widened to bf16, unless `--dtype` asked for a quantisation
-    /// (`dtype_asked`). True when it widened something.
-    pub fn widen_stored_quantisation(&mut self, dtype_asked: bool) -> bool {
-        let widen = !dtype_asked && self.is_quantized();
-        if widen {
-            self.widen_to_bf16();
-        }
-        widen
+    /// The first kind of matrix (q/k/v, attention output, gate/up, down) whose storage type
+    /// differs between layers, described; `None` when each kind has one type. The megakernel
+    /// compiles one decoding per kind.
+    pub fn mixed_storage(&self) -> Option<String> {
+        type Pick = fn(&LayerWeights) -> &Matrix;
+        let kinds: [(&str, Pick); 4] = [
+            ("q/k/v", |l| &l.wq),
+            ("attention output", |l| &l.wo),
+            ("gate/up", |l| &l.w_gate),
+            ("down", |l| &l.w_down),
+        ];
+        let first = self.layers.first()?;
+        kinds.iter().find_map(|(name, pick)| {
+            let t0 = pick(first).ty();
+            let (i, l) = self
+                .layers
+                .iter()
+                .enumerate()
+                .find(|(_, l)| pick(l).ty() != t0)?;
+            Some(format!(
+                "the {name} matrices are {t0} in layer 0 but {} in layer {i}",
+                pick(l).ty()
+            ))
+        })
     }
 
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values

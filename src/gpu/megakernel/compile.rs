@@ -11,14 +11,17 @@ use crate::gpu::device::Gpu;
 use crate::gpu::launch::Kernel;
 use crate::gpu::sources;
 
-/// The megakernel compiled (or taken from the disk cache) for `config` on `gpu`, its
-/// attention by warps where the shape allows it (`attn_by_warps`) or by rounds.
+/// The megakernel compiled (or taken from the disk cache) for `config` and its matrices'
+/// `formats` on `gpu`, its attention by warps where the shape allows it (`attn_by_warps`) or by
+/// rounds.
 pub(super) fn load(
     gpu: &Gpu,
     config: &crate::model::Config,
+    formats: &sources::MatrixFormats,
     attn_by_warps: bool,
 ) -> Result<(Arc<CudaModule>, Kernel)> {
     let mut defines = sources::megakernel_defines(config);
+    defines.extend(formats.defines());
     // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
     // MK_ATT_BY_WARPS among them overrides the choice.
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
