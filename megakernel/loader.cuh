@@ -20,7 +20,7 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
             if (!op_load(p, w, pos, instr, seq, pages, full, empty, policy)) return;
             continue;
         }
-        const TileGeom g = tile_geom(w, p);
+        const TileGeom g = tile_geom(w, p, lw);
         if (g.n == 0) continue;
         if (lane == 0) note(p, 2, instr);
         const int sbytes = wt_sbytes(g.wt, g.cols);

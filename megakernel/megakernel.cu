@@ -44,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         const u32 op = w[W_OP], instr = (u32)((wg - p.instrs) / MK_WORDS);
         const u32 next = ct < MK_WORDS && wg + MK_WORDS < end ? __ldg(wg + MK_WORDS + ct) : 0;
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
-        const TileGeom g = tile_geom(w, p);
+        const TileGeom g = tile_geom(w, p, sm.lw);
         const OpEarly early = op_early(op, p, w, m.pos);
         if (ct == 0) {
             if (prof) prof[PROF_START] = global_ns();

@@ -54,11 +54,19 @@ __device__ __forceinline__ int op_format(u32 op) {
     }
 }
 
-__device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p) {
+// Columns of the whole matrix the instruction's rows come from.
+__device__ __forceinline__ int op_matrix_cols(u32 op, const MkParams& p) {
+    return op == OP_DOWN ? p.inter : op == OP_OPROJ ? p.heads * p.head_dim : p.hidden;
+}
+
+__device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, const LayerW* lw) {
     const int n = seg_count(w);
-    if (n == 0) return {0, 0, 0, 0, 0, 0, 0};
+    if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0};
     const int cols = seg_cols(w, p), wt = op_format(w[W_OP]), slot = wt_slot(wt, cols), rpt = rows_per_tile(slot, n);
-    return {n, cols, rpt, (n + rpt - 1) / rpt, wt, wt_qbytes(wt, cols), slot};
+    int soff = 0;
+    if (MK_ANY_QUANT && wt != WEIGHT_BF16)
+        soff = wt_sbytes(wt, op_matrix_cols(w[W_OP], p)) % 16 == 0 ? (int)((size_t)seg_row(w, p, lw, 0).s & 15) : -1;
+    return {n, cols, rpt, (n + rpt - 1) / rpt, wt, wt_qbytes(wt, cols), slot, soff};
 }
 
 // The instruction's tiles (runtime.cuh, tiles_of_format), in its matrix's format: only the

@@ -240,6 +240,7 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 #endif
 #define MK_WT_USED(t) (MK_WT_QKV == (t) || MK_WT_O == (t) || MK_WT_GU == (t) || MK_WT_DOWN == (t) || MK_WT_LM == (t))
 #define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
+#define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
 
 // Bytes of `cols` columns' values (bf16) or quants, and of their block scales.
 __device__ __forceinline__ constexpr int wt_qbytes(int wt, int cols) {
@@ -282,12 +283,15 @@ __device__ __forceinline__ int rows_per_tile(int slot, int n) {
 }
 
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
-// others), its matrix's format and the bytes of a row's quants and of its slot in a page. The
+// others), its matrix's format, the bytes of a row's quants and of its slot in a page, and
+// where its scales sit in the slot. The
 // consumers work it out when an instruction starts, before they wait for its inputs: between
 // the inputs and the tiles (two switches, two divisions) it would sit on the critical path of
 // every instruction.
+// soff: the offset within 16 bytes of every row's scales when they all share one (the matrix's
+// rows of scales are a multiple of 16 bytes long), else -1 (see "weight formats").
 struct TileGeom {
-    int n, cols, rpt, tiles, wt, qbytes, slot;
+    int n, cols, rpt, tiles, wt, qbytes, slot, soff;
 };
 
 // ---- loader warp ----
@@ -360,10 +364,17 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 // registers for all the tiles of an instruction and the tiles' loop reads only weights from
 // shared memory: x read there as well would double the traffic, and one chain at a time would
 // serialise the rows.
+//
 // Quantised rows: a lane's 8 columns are one quarter of a 32-column block (one scale). Q8_0's
 // are its 8 bytes at the columns' offset; Q4_0's and Q4_1's are the 4 bytes at half the offset,
 // which hold (GGUF's nibble order, decode.cuh) the block's elements 4t..4t+3 in their low
 // nibbles and 16+4t..16+4t+3 in their high ones (t the quarter): that lane's x is those 8.
+// Decoding every Q8_0 weight to f32 costs three instructions per weight (byte permute, bias,
+// FMA), which bound the tiles far below the memory bandwidth. So its products are integer dot
+// products (dp4a: four int8 products and a sum in one instruction), with the inputs as two
+// int8 digits over the block's scale (MK_XQ below says which formats): x = s (256 h + l), h = round(x 127 / max|x|) and l the
+// rounded remainder in 256ths. The digits hold x to 1/65,000 of the block's largest input (bf16
+// rounds each input to 1/256 of itself), and Σ q x = s Σ q (256 h + l) is exact in int32.
 
 // Where the lane's x for weight column c (a multiple of 8) lies in xs: its first four at lo,
 // the other four at lo + hi_off.
@@ -374,6 +385,77 @@ __device__ __forceinline__ int x_lo(int c) {
 template <int WT>
 __device__ __forceinline__ constexpr int x_hi_off() {
     return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? 16 : 4;
+}
+
+// One lane's 8 inputs as digits (see above): h0/l0 the first four's, h1/l1 the others', four
+// int8 to a word; s the block's scale; sum the term the format adds per row (Q4_0: -8 Σ (256 h
+// + l), for its quants' offset of 8; Q4_1: s Σ (256 h + l), for its minimum; Q8_0: unused).
+struct XQ {
+    int h0, h1, l0, l1;
+    float s, sum;
+};
+
+// Which formats take the digits (MK_XQ: 0 none, 1 Q8_0, 2 all; 1 unless set); the others
+// decode every weight to f32 and keep the inputs exact. Measured on the H100 (Llama-1B shape,
+// BENCHMARKS.md): digits make Q8_0 7% faster (0.957 -> 0.888 ms) but Q4_0 3% slower (0.737 ->
+// 0.759; its decode is two nibble masks per four weights, and the digits cost time on the
+// critical path of every instruction), and SmolLM2 Q4_1 7% slower. The digits' error is that
+// of the inputs to 1/65,000 of their block's largest, amplified like any other rounding: the
+// tiny random models' logits move by ~1e-3 (2.5e-5 with exact inputs).
+#ifndef MK_XQ
+#define MK_XQ 1
+#endif
+template <int WT>
+__device__ __forceinline__ constexpr bool uses_digits() {
+    return WT != WEIGHT_BF16 && (MK_XQ == 2 || (MK_XQ == 1 && WT == WEIGHT_Q8_0));
+}
+
+// 1.5 * 2^23: a float below 2^22 in magnitude plus this is rounded to an integer, which its low
+// mantissa bits then hold in two's complement.
+#define Q_MAGIC 12582912.f
+
+__device__ __forceinline__ int pack_low_bytes(u32 a, u32 b, u32 c, u32 d) {
+    return (int)__byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
+// The digits of a lane's 8 inputs; the 4 lanes of a block call it together (its maximum is
+// shared through two shuffles), so every lane of the warp must.
+template <int WT>
+__device__ __forceinline__ XQ quantize_x(const float (&x)[8]) {
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(x[k]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    u32 hb[8], lb[8];
+    float sum = 0.f;
+    // The _rn intrinsics keep the compiler (fast math) from folding (v + M) - M into v, which
+    // would make every remainder 0.
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float v = __fmul_rn(x[k], inv);
+        const float th = __fadd_rn(v, Q_MAGIC), h = __fsub_rn(th, Q_MAGIC);
+        // The remainder in 256ths, at most 127 (an int8): 128 would need v - h = 0.5 exactly.
+        const float tl = __fadd_rn(fminf(__fmul_rn(__fsub_rn(v, h), 256.f), 127.f), Q_MAGIC);
+        hb[k] = __float_as_uint(th);
+        lb[k] = __float_as_uint(tl);
+        sum += fmaf(h, 256.f, tl - Q_MAGIC);
+    }
+    XQ q;
+    q.h0 = pack_low_bytes(hb[0], hb[1], hb[2], hb[3]);
+    q.h1 = pack_low_bytes(hb[4], hb[5], hb[6], hb[7]);
+    q.l0 = pack_low_bytes(lb[0], lb[1], lb[2], lb[3]);
+    q.l1 = pack_low_bytes(lb[4], lb[5], lb[6], lb[7]);
+    q.s = m * (1.f / (127.f * 256.f));
+    q.sum = WT == WEIGHT_Q4_0 ? -8.f * sum : q.s * sum;
+    return q;
+}
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
 }
 
 // One lane's 8 weights of row k (of a page's rows `slot` bytes apart) at column c.
@@ -388,12 +470,10 @@ __device__ __forceinline__ uint4 lane_weights(const unsigned char* rows, int slo
     return make_uint4(*(const u32*)(r + c / 2), 0, 0, 0);
 }
 
-// acc += the 8 weights' dot with x (lo: the first four inputs, hi: the others) at column c of
-// a row whose scales are at sc (quantised formats: times the block's scale, plus Q4_1's
-// minimum times the inputs' sum).
+// acc += the lane's 8 quantised weights (wv, at column c of a row whose scales are at sc) dot
+// its f32 inputs, each weight decoded (formats without digits, see MK_XQ).
 template <int WT>
-__device__ __forceinline__ float lane_dot(uint4 wv, const float* x, const unsigned char* sc, int c, float acc) {
-    if (WT == WEIGHT_BF16) return acc + dot8(wv, x);
+__device__ __forceinline__ float lane_dot_f32(uint4 wv, const float* x, const unsigned char* sc, int c, float acc) {
     const float4 lo = make_float4(x[0], x[1], x[2], x[3]), hi = make_float4(x[4], x[5], x[6], x[7]);
     const float s = qg_dot<WT>(make_uint2(wv.x, wv.y), lo, hi);
     const int b = c >> 5;
@@ -403,6 +483,26 @@ __device__ __forceinline__ float lane_dot(uint4 wv, const float* x, const unsign
         return fmaf(q_f16((q_u16)dm), s, fmaf(q_f16((q_u16)(dm >> 16)), sx, acc));
     }
     return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)), s, acc);
+}
+
+// acc += the lane's 8 quantised weights (wv, at column c of a row whose scales are at sc) dot
+// its inputs' digits.
+template <int WT>
+__device__ __forceinline__ float lane_dot_q(uint4 wv, const XQ& x, const unsigned char* sc, int c, float acc) {
+    const int b = c >> 5;
+    if (WT == WEIGHT_Q8_0) {
+        int t = dp4a((int)wv.x, x.h0, dp4a((int)wv.y, x.h1, 0)) << 8;
+        t = dp4a((int)wv.x, x.l0, dp4a((int)wv.y, x.l1, t));
+        return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)) * x.s, (float)t, acc);
+    }
+    const int lo = (int)(wv.x & 0x0F0F0F0Fu), hi = (int)((wv.x >> 4) & 0x0F0F0F0Fu);
+    int t = dp4a(lo, x.h0, dp4a(hi, x.h1, 0)) << 8;
+    t = dp4a(lo, x.l0, dp4a(hi, x.l1, t));
+    // |t| <= 8 * 15 * 32767 < 2^22: converted with the magic number at full rate.
+    const float tf = __int_as_float(t + 0x4B400000) - Q_MAGIC;
+    if (WT == WEIGHT_Q4_0) return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)) * x.s, tf + x.sum, acc);
+    const u32 dm = *(const u32*)(sc + 4 * b);
+    return fmaf(q_f16((q_u16)dm) * x.s, tf, fmaf(q_f16((q_u16)(dm >> 16)), x.sum, acc));
 }
 
 // acc[k] += row k . x over this lane's S steps, x in registers (zero past the row's end, where
@@ -418,25 +518,79 @@ __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, co
 #pragma unroll
         for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
 #pragma unroll
-        for (int k = 0; k < R; k++) acc[k] = lane_dot<WT>(wv[k], x[i], sc[k], c, acc[k]);
+        for (int k = 0; k < R; k++) {
+            if constexpr (WT == WEIGHT_BF16) acc[k] += dot8(wv[k], x[i]);
+            else acc[k] = lane_dot_f32<WT>(wv[k], x[i], sc[k], c, acc[k]);
+        }
     }
 }
 
-// The same with x read from shared memory, for longer rows.
-template <int WT, int R>
+// The same for quantised rows, x's digits in registers.
+template <int WT, int R, int S>
 __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
-                                         int cols, int c0, const float* xs, float* acc) {
-#pragma unroll 2
-    for (int c = c0; c < cols; c += 512) {
-        float x[8];
-        const int lo = x_lo<WT>(c);
-        *(float4*)x = *(const float4*)(xs + lo);
-        *(float4*)(x + 4) = *(const float4*)(xs + lo + x_hi_off<WT>());
+                                         int cols, int c0, const XQ (&x)[S], float* acc) {
+#pragma unroll
+    for (int i = 0; i < S; i++) {
+        const int c = c0 + 512 * i < cols ? c0 + 512 * i : 0;
         uint4 wv[R];
 #pragma unroll
         for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
 #pragma unroll
-        for (int k = 0; k < R; k++) acc[k] = lane_dot<WT>(wv[k], x, sc[k], c, acc[k]);
+        for (int k = 0; k < R; k++) acc[k] = lane_dot_q<WT>(wv[k], x[i], sc[k], c, acc[k]);
+    }
+}
+
+// The lane's 8 inputs at column c (zero past the row's end).
+template <int WT>
+__device__ __forceinline__ void lane_x(const float* xs, int c, bool in, float (&x)[8]) {
+    const int lo = in ? x_lo<WT>(c) : 0;
+    *(float4*)x = *(const float4*)(xs + lo);
+    *(float4*)(x + 4) = *(const float4*)(xs + lo + x_hi_off<WT>());
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = in ? x[j] : 0.f;
+}
+
+// The same with x read from shared memory, for longer rows (quantised ones digitise it at every
+// step, all lanes together).
+template <int WT, int R>
+__device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
+                                         int cols, int c0, const float* xs, float* acc) {
+    if constexpr (WT == WEIGHT_BF16) {
+#pragma unroll 2
+        for (int c = c0; c < cols; c += 512) {
+            float x[8];
+            *(float4*)x = *(const float4*)(xs + c);
+            *(float4*)(x + 4) = *(const float4*)(xs + c + 4);
+            uint4 wv[R];
+#pragma unroll
+            for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
+#pragma unroll
+            for (int k = 0; k < R; k++) acc[k] += dot8(wv[k], x);
+        }
+    } else if constexpr (!uses_digits<WT>()) {
+#pragma unroll 2
+        for (int c = c0; c < cols; c += 512) {
+            float x[8];
+            lane_x<WT>(xs, c, true, x);
+            uint4 wv[R];
+#pragma unroll
+            for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
+#pragma unroll
+            for (int k = 0; k < R; k++) acc[k] = lane_dot_f32<WT>(wv[k], x, sc[k], c, acc[k]);
+        }
+    } else {
+        for (int i = 0; i < (cols + 511) / 512; i++) {
+            const bool in = c0 + 512 * i < cols;
+            const int c = in ? c0 + 512 * i : 0;
+            float x[8];
+            lane_x<WT>(xs, c, in, x);
+            const XQ q = quantize_x<WT>(x);
+            uint4 wv[R];
+#pragma unroll
+            for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
+#pragma unroll
+            for (int k = 0; k < R; k++) acc[k] = lane_dot_q<WT>(wv[k], q, sc[k], c, acc[k]);
+        }
     }
 }
 
@@ -448,7 +602,8 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
                                             int row0, int half, const ScaleOff& scale_off) {
     const unsigned char* sc[R];
 #pragma unroll
-    for (int k = 0; k < R; k++) sc[k] = WT == WEIGHT_BF16 ? rows : rows + k * g.slot + g.qbytes + scale_off(row0 + k);
+    for (int k = 0; k < R; k++)
+        sc[k] = WT == WEIGHT_BF16 ? rows : rows + k * g.slot + g.qbytes + (g.soff >= 0 ? g.soff : scale_off(row0 + k));
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
@@ -485,36 +640,44 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
     return true;
 }
 
-// The tiles with this lane's S steps of xs held in registers.
+// The tiles with this lane's S steps of xs held in registers (quantised rows: their digits).
 template <int WT, int S, typename ScaleOff>
 __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                      const bf16_t* pages, u64* full, u64* empty, const float* xs,
                                                      float* res, const ScaleOff& scale_off) {
     const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * 8;
-    float x[S][8];
+    if constexpr (!uses_digits<WT>()) {
+        float x[S][8];
 #pragma unroll
-    for (int i = 0; i < S; i++) {
-        const bool in = c0 + 512 * i < g.cols;
-        const int lo = in ? x_lo<WT>(c0 + 512 * i) : 0;
-        *(float4*)x[i] = *(const float4*)(xs + lo);
-        *(float4*)(x[i] + 4) = *(const float4*)(xs + lo + x_hi_off<WT>());
+        for (int i = 0; i < S; i++) lane_x<WT>(xs, c0 + 512 * i, c0 + 512 * i < g.cols, x[i]);
+        return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, x, res, scale_off);
+    } else {
+        XQ q[S];
 #pragma unroll
-        for (int j = 0; j < 8; j++) x[i][j] = in ? x[i][j] : 0.f;
+        for (int i = 0; i < S; i++) {
+            float x[8];
+            lane_x<WT>(xs, c0 + 512 * i, c0 + 512 * i < g.cols, x);
+            q[i] = quantize_x<WT>(x);
+        }
+        return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, q, res, scale_off);
     }
-    return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, x, res, scale_off);
 }
 
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
-// they are at most MK_X_REG_STEPS steps long, else read from shared memory.
+// they are at most MK_X_REG_STEPS steps long (quantised rows: MK_XQ_REG_STEPS, their digits
+// take 6 registers a step where x takes 8), else read from shared memory.
 #ifndef MK_X_REG_STEPS
 #define MK_X_REG_STEPS 4
+#endif
+#ifndef MK_XQ_REG_STEPS
+#define MK_XQ_REG_STEPS 8
 #endif
 template <int WT, int COLS, typename ScaleOff>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                const bf16_t* pages, u64* full, u64* empty, const float* xs,
                                                float* res, const ScaleOff& scale_off) {
     constexpr int S = (COLS + 511) / 512;
-    if constexpr (S <= MK_X_REG_STEPS)
+    if constexpr (S <= (uses_digits<WT>() ? MK_XQ_REG_STEPS : MK_X_REG_STEPS))
         return tiles_x_in_registers<WT, S>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
     else return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 }
@@ -529,6 +692,10 @@ __device__ bool tiles_of_format(const MkParams& p, const TileGeom& g, u32 instr,
                                 u64* full, u64* empty, const float* xs, float* res, const ScaleOff& scale_off) {
     if (g.cols == MK_HIDDEN) return tiles_of_width<WT, MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
     if (g.cols == MK_Q_DIM) return tiles_of_width<WT, MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+#ifdef MK_DOWN_COLS
+    if (g.cols == MK_DOWN_COLS)
+        return tiles_of_width<WT, MK_DOWN_COLS>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+#endif
     return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 }
 

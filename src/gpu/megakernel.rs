@@ -171,6 +171,9 @@ impl<'g> MegakernelPath<'g> {
             );
         }
         let mut max_cols = c.hidden_size.max(c.q_dim());
+        // The first bucket's first down-projection chunk width (the chunks are equal but for
+        // an intermediate size the count does not divide).
+        let mut down_cols = 0;
         let mut encoded = Vec::new();
         for &(upto, schedule) in buckets {
             let enc = schedule.encode();
@@ -197,6 +200,9 @@ impl<'g> MegakernelPath<'g> {
                             bail!("schedule: {op:?} cuts the quantised down projection's 32-column blocks (choose down_chunks so that intermediate / down_chunks is a multiple of 32)");
                         }
                         max_cols = max_cols.max(col_count as usize);
+                        if down_cols == 0 {
+                            down_cols = col_count as usize;
+                        }
                         row_count as usize
                     }
                     _ => 0,
@@ -239,7 +245,7 @@ impl<'g> MegakernelPath<'g> {
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
-                let (module, kernel) = compile::load(gpu, c, &formats, w)?;
+                let (module, kernel) = compile::load(gpu, c, &formats, down_cols, w)?;
                 kernels.push((w, module, kernel));
             }
         }

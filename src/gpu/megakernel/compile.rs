@@ -13,15 +13,20 @@ use crate::gpu::sources;
 
 /// The megakernel compiled (or taken from the disk cache) for `config` and its matrices'
 /// `formats` on `gpu`, its attention by warps where the shape allows it (`attn_by_warps`) or by
-/// rounds.
+/// rounds. `down_cols`: the schedule's down-projection chunk width, whose rows then get the
+/// tiles' loop for a known length (as the model's dimensions do).
 pub(super) fn load(
     gpu: &Gpu,
     config: &crate::model::Config,
     formats: &sources::MatrixFormats,
+    down_cols: usize,
     attn_by_warps: bool,
 ) -> Result<(Arc<CudaModule>, Kernel)> {
     let mut defines = sources::megakernel_defines(config);
     defines.extend(formats.defines());
+    if down_cols != config.hidden_size && down_cols != config.q_dim() {
+        defines.push(format!("-DMK_DOWN_COLS={down_cols}"));
+    }
     // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
     // MK_ATT_BY_WARPS among them overrides the choice.
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
