@@ -365,19 +365,45 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 // shared memory: x read there as well would double the traffic, and one chain at a time would
 // serialise the rows.
 //
-// Quantised rows: a lane's 8 columns are one quarter of a 32-column block (one scale). Q8_0's
-// are its 8 bytes at the columns' offset; Q4_0's and Q4_1's are the 4 bytes at half the offset,
-// which hold (GGUF's nibble order, decode.cuh) the block's elements 4t..4t+3 in their low
-// nibbles and 16+4t..16+4t+3 in their high ones (t the quarter): that lane's x is those 8.
-// Decoding every Q8_0 weight to f32 costs three instructions per weight (byte permute, bias,
-// FMA), which bound the tiles far below the memory bandwidth. So its products are integer dot
-// products (dp4a: four int8 products and a sum in one instruction), with the inputs as two
-// int8 digits over the block's scale (MK_XQ below says which formats): x = s (256 h + l), h = round(x 127 / max|x|) and l the
-// rounded remainder in 256ths. The digits hold x to 1/65,000 of the block's largest input (bf16
-// rounds each input to 1/256 of itself), and Σ q x = s Σ q (256 h + l) is exact in int32.
+// Quantised rows, two ways (MK_XQ selects per format):
+// - Decoded to f32 (the 8-column lanes above): a lane's 8 columns are a quarter of a 32-column
+//   block (one scale). Q8_0's are its 8 bytes at the columns' offset; Q4_0's and Q4_1's the 4
+//   bytes at half the offset, which hold (GGUF's nibble order, decode.cuh) the block's elements
+//   4t..4t+3 in their low nibbles and 16+4t..16+4t+3 in their high ones (t the quarter): that
+//   lane's x is those 8. Three instructions per weight (byte permute, bias, FMA) and a row's
+//   overhead (its warp reduction) for a quarter of a bf16 row's bytes bound the tiles by
+//   instruction issue, far below the memory bandwidth.
+// - Integer products over digits (block lanes): a lane takes whole 32-column blocks (a warp
+//   1024 columns a step, a pair 2048), its quants in one or two 16-byte loads and its scale in
+//   one, and the products are dp4a (four int8 products and their sum in one instruction) over
+//   two int8 digits of the inputs: x = s (256 h + l), h = round(x 127 / max|x|) over the block
+//   and l the rounded remainder in 256ths. The digits hold x to 1/65,000 of the block's largest
+//   input (bf16 would round each to 1/256 of itself) and Σ q x = s Σ q (256 h + l) is exact in
+//   int32.
 
-// Where the lane's x for weight column c (a multiple of 8) lies in xs: its first four at lo,
-// the other four at lo + hi_off.
+// Which rows take block lanes (MK_XQ: 0 none; 1, unless set, quantised rows of a known length
+// that is a multiple of 2048 columns, which keep every lane busy; 2 every quantised row); the
+// others decode every weight to f32 and keep the inputs exact. Measured on the H100
+// (BENCHMARKS.md): block lanes make Llama-1B Q4_0 3% and Q4_1 5% faster than f32 decode, Q8_0
+// 6%; SmolLM2's 576-column rows (18 busy lanes of 64) 17% slower. The digits' error is that
+// of the inputs to 1/65,000 of their block's largest, amplified like any other rounding: the
+// tiny random models' logits move by ~1e-3 (2.5e-5 with exact inputs).
+#ifndef MK_XQ
+#define MK_XQ 1
+#endif
+// COLS: the rows' length, 0 when not known at compile time.
+template <int WT, int COLS>
+__device__ __forceinline__ constexpr bool block_lanes() {
+    return WT != WEIGHT_BF16 && (MK_XQ == 2 || (MK_XQ == 1 && COLS > 0 && COLS % 2048 == 0));
+}
+// Columns per lane per step, and per step of a warp pair.
+template <bool BL>
+__device__ __forceinline__ constexpr int lane_cols() {
+    return BL ? 32 : 8;
+}
+
+// Where the lane's x for weight column c (a multiple of 8) lies in xs (8-column lanes): its
+// first four at lo, the other four at lo + hi_off.
 template <int WT>
 __device__ __forceinline__ int x_lo(int c) {
     return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? (c & ~31) + ((c >> 1) & 12) : c;
@@ -387,28 +413,13 @@ __device__ __forceinline__ constexpr int x_hi_off() {
     return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? 16 : 4;
 }
 
-// One lane's 8 inputs as digits (see above): h0/l0 the first four's, h1/l1 the others', four
-// int8 to a word; s the block's scale; sum the term the format adds per row (Q4_0: -8 Σ (256 h
-// + l), for its quants' offset of 8; Q4_1: s Σ (256 h + l), for its minimum; Q8_0: unused).
-struct XQ {
-    int h0, h1, l0, l1;
+// A block's 32 inputs as digits (see above): h[m] and l[m] the digits of inputs 4m..4m+3, four
+// int8 to a word; s the block's scale over 256; sum the term the format adds per row (Q4_0:
+// -8 Σ (256 h + l), for its quants' offset of 8; Q4_1: s Σ (256 h + l), for its minimum).
+struct XB {
+    int h[8], l[8];
     float s, sum;
 };
-
-// Which formats take the digits (MK_XQ: 0 none, 1 Q8_0, 2 all; 1 unless set); the others
-// decode every weight to f32 and keep the inputs exact. Measured on the H100 (Llama-1B shape,
-// BENCHMARKS.md): digits make Q8_0 7% faster (0.957 -> 0.888 ms) but Q4_0 3% slower (0.737 ->
-// 0.759; its decode is two nibble masks per four weights, and the digits cost time on the
-// critical path of every instruction), and SmolLM2 Q4_1 7% slower. The digits' error is that
-// of the inputs to 1/65,000 of their block's largest, amplified like any other rounding: the
-// tiny random models' logits move by ~1e-3 (2.5e-5 with exact inputs).
-#ifndef MK_XQ
-#define MK_XQ 1
-#endif
-template <int WT>
-__device__ __forceinline__ constexpr bool uses_digits() {
-    return WT != WEIGHT_BF16 && (MK_XQ == 2 || (MK_XQ == 1 && WT == WEIGHT_Q8_0));
-}
 
 // 1.5 * 2^23: a float below 2^22 in magnitude plus this is rounded to an integer, which its low
 // mantissa bits then hold in two's complement.
@@ -418,35 +429,43 @@ __device__ __forceinline__ int pack_low_bytes(u32 a, u32 b, u32 c, u32 d) {
     return (int)__byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 
-// The digits of a lane's 8 inputs; the 4 lanes of a block call it together (its maximum is
-// shared through two shuffles), so every lane of the warp must.
+// The digits of the block of 32 inputs at xs + c (zeros when !in).
 template <int WT>
-__device__ __forceinline__ XQ quantize_x(const float (&x)[8]) {
+__device__ __forceinline__ XB quantize_block(const float* xs, int c, bool in) {
+    float x[32];
+    const float4* src = (const float4*)(xs + (in ? c : 0));
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float4 v = src[k];
+        x[4 * k] = in ? v.x : 0.f;
+        x[4 * k + 1] = in ? v.y : 0.f;
+        x[4 * k + 2] = in ? v.z : 0.f;
+        x[4 * k + 3] = in ? v.w : 0.f;
+    }
     float m = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(x[k]));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    for (int k = 0; k < 32; k++) m = fmaxf(m, fabsf(x[k]));
     const float inv = m > 0.f ? 127.f / m : 0.f;
-    u32 hb[8], lb[8];
+    XB q;
     float sum = 0.f;
     // The _rn intrinsics keep the compiler (fast math) from folding (v + M) - M into v, which
     // would make every remainder 0.
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const float v = __fmul_rn(x[k], inv);
-        const float th = __fadd_rn(v, Q_MAGIC), h = __fsub_rn(th, Q_MAGIC);
-        // The remainder in 256ths, at most 127 (an int8): 128 would need v - h = 0.5 exactly.
-        const float tl = __fadd_rn(fminf(__fmul_rn(__fsub_rn(v, h), 256.f), 127.f), Q_MAGIC);
-        hb[k] = __float_as_uint(th);
-        lb[k] = __float_as_uint(tl);
-        sum += fmaf(h, 256.f, tl - Q_MAGIC);
+    for (int w = 0; w < 8; w++) {
+        u32 hb[4], lb[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float v = __fmul_rn(x[4 * w + j], inv);
+            const float th = __fadd_rn(v, Q_MAGIC), h = __fsub_rn(th, Q_MAGIC);
+            // The remainder in 256ths, at most 127 (an int8): 128 would need v - h = 0.5 exactly.
+            const float tl = __fadd_rn(fminf(__fmul_rn(__fsub_rn(v, h), 256.f), 127.f), Q_MAGIC);
+            hb[j] = __float_as_uint(th);
+            lb[j] = __float_as_uint(tl);
+            sum += fmaf(h, 256.f, tl - Q_MAGIC);
+        }
+        q.h[w] = pack_low_bytes(hb[0], hb[1], hb[2], hb[3]);
+        q.l[w] = pack_low_bytes(lb[0], lb[1], lb[2], lb[3]);
     }
-    XQ q;
-    q.h0 = pack_low_bytes(hb[0], hb[1], hb[2], hb[3]);
-    q.h1 = pack_low_bytes(hb[4], hb[5], hb[6], hb[7]);
-    q.l0 = pack_low_bytes(lb[0], lb[1], lb[2], lb[3]);
-    q.l1 = pack_low_bytes(lb[4], lb[5], lb[6], lb[7]);
     q.s = m * (1.f / (127.f * 256.f));
     q.sum = WT == WEIGHT_Q4_0 ? -8.f * sum : q.s * sum;
     return q;
@@ -458,7 +477,50 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return d;
 }
 
-// One lane's 8 weights of row k (of a page's rows `slot` bytes apart) at column c.
+// A block lane's quants of row k (of a page's rows `slot` bytes apart) at column c: Q8_0 32
+// bytes, Q4 16 (lo).
+struct BlockQ {
+    uint4 lo, hi;
+};
+template <int WT>
+__device__ __forceinline__ BlockQ block_quants(const unsigned char* rows, int slot, int k, int c) {
+    const unsigned char* r = rows + k * slot;
+    if (WT == WEIGHT_Q8_0) return {*(const uint4*)(r + c), *(const uint4*)(r + c + 16)};
+    return {*(const uint4*)(r + c / 2), make_uint4(0, 0, 0, 0)};
+}
+
+// acc += a block's 32 quantised weights (at column c of a row whose scales are at sc) dot its
+// inputs' digits.
+template <int WT>
+__device__ __forceinline__ float block_dot(const BlockQ& w, const XB& x, const unsigned char* sc, int c, float acc) {
+    const u32 qw[8] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w, w.hi.x, w.hi.y, w.hi.z, w.hi.w};
+    int th = 0, tl = 0;
+    if (WT == WEIGHT_Q8_0) {
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            th = dp4a((int)qw[m], x.h[m], th);
+            tl = dp4a((int)qw[m], x.l[m], tl);
+        }
+    } else {
+        // Word k of the 16 bytes: elements 4k..4k+3 in the low nibbles, 16+4k.. in the high.
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int lo = (int)(qw[k] & 0x0F0F0F0Fu), hi = (int)((qw[k] >> 4) & 0x0F0F0F0Fu);
+            th = dp4a(hi, x.h[4 + k], dp4a(lo, x.h[k], th));
+            tl = dp4a(hi, x.l[4 + k], dp4a(lo, x.l[k], tl));
+        }
+    }
+    // |256 th + tl| < 2^24 for Q4 (exact in f32); Q8_0's may round, by 2^-24 of itself.
+    const float t = (float)(th * 256 + tl);
+    const int b = c >> 5;
+    if (WT == WEIGHT_Q8_0) return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)) * x.s, t, acc);
+    if (WT == WEIGHT_Q4_0) return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)) * x.s, t + x.sum, acc);
+    const u32 dm = *(const u32*)(sc + 4 * b);
+    return fmaf(q_f16((q_u16)dm) * x.s, t, fmaf(q_f16((q_u16)(dm >> 16)), x.sum, acc));
+}
+
+// One lane's 8 weights of row k (of a page's rows `slot` bytes apart) at column c (8-column
+// lanes).
 template <int WT>
 __device__ __forceinline__ uint4 lane_weights(const unsigned char* rows, int slot, int k, int c) {
     const unsigned char* r = rows + k * slot;
@@ -485,26 +547,6 @@ __device__ __forceinline__ float lane_dot_f32(uint4 wv, const float* x, const un
     return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)), s, acc);
 }
 
-// acc += the lane's 8 quantised weights (wv, at column c of a row whose scales are at sc) dot
-// its inputs' digits.
-template <int WT>
-__device__ __forceinline__ float lane_dot_q(uint4 wv, const XQ& x, const unsigned char* sc, int c, float acc) {
-    const int b = c >> 5;
-    if (WT == WEIGHT_Q8_0) {
-        int t = dp4a((int)wv.x, x.h0, dp4a((int)wv.y, x.h1, 0)) << 8;
-        t = dp4a((int)wv.x, x.l0, dp4a((int)wv.y, x.l1, t));
-        return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)) * x.s, (float)t, acc);
-    }
-    const int lo = (int)(wv.x & 0x0F0F0F0Fu), hi = (int)((wv.x >> 4) & 0x0F0F0F0Fu);
-    int t = dp4a(lo, x.h0, dp4a(hi, x.h1, 0)) << 8;
-    t = dp4a(lo, x.l0, dp4a(hi, x.l1, t));
-    // |t| <= 8 * 15 * 32767 < 2^22: converted with the magic number at full rate.
-    const float tf = __int_as_float(t + 0x4B400000) - Q_MAGIC;
-    if (WT == WEIGHT_Q4_0) return fmaf(q_f16(*(const q_u16*)(sc + 2 * b)) * x.s, tf + x.sum, acc);
-    const u32 dm = *(const u32*)(sc + 4 * b);
-    return fmaf(q_f16((q_u16)dm) * x.s, tf, fmaf(q_f16((q_u16)(dm >> 16)), x.sum, acc));
-}
-
 // acc[k] += row k . x over this lane's S steps, x in registers (zero past the row's end, where
 // the weights are read at column 0 instead: every load is unconditional, so all of them can be
 // in flight at once). sc[k]: row k's scales (unused for bf16).
@@ -525,22 +567,22 @@ __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, co
     }
 }
 
-// The same for quantised rows, x's digits in registers.
+// The same for block lanes, the inputs' digits in registers.
 template <int WT, int R, int S>
 __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
-                                         int cols, int c0, const XQ (&x)[S], float* acc) {
+                                         int cols, int c0, const XB (&x)[S], float* acc) {
 #pragma unroll
     for (int i = 0; i < S; i++) {
-        const int c = c0 + 512 * i < cols ? c0 + 512 * i : 0;
-        uint4 wv[R];
+        const int c = c0 + 2048 * i < cols ? c0 + 2048 * i : 0;
+        BlockQ wv[R];
 #pragma unroll
-        for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
+        for (int k = 0; k < R; k++) wv[k] = block_quants<WT>(rows, slot, k, c);
 #pragma unroll
-        for (int k = 0; k < R; k++) acc[k] = lane_dot_q<WT>(wv[k], x[i], sc[k], c, acc[k]);
+        for (int k = 0; k < R; k++) acc[k] = block_dot<WT>(wv[k], x[i], sc[k], c, acc[k]);
     }
 }
 
-// The lane's 8 inputs at column c (zero past the row's end).
+// The lane's 8 inputs at column c (zero past the row's end; 8-column lanes).
 template <int WT>
 __device__ __forceinline__ void lane_x(const float* xs, int c, bool in, float (&x)[8]) {
     const int lo = in ? x_lo<WT>(c) : 0;
@@ -550,11 +592,11 @@ __device__ __forceinline__ void lane_x(const float* xs, int c, bool in, float (&
     for (int j = 0; j < 8; j++) x[j] = in ? x[j] : 0.f;
 }
 
-// The same with x read from shared memory, for longer rows (quantised ones digitise it at every
-// step, all lanes together).
-template <int WT, int R>
-__device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
-                                         int cols, int c0, const float* xs, float* acc) {
+// The same with x read from shared memory, for longer rows (block lanes digitise it at every
+// step).
+template <int WT, bool BL, int R>
+__device__ __forceinline__ void dot_rows_xs(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
+                                            int cols, int c0, const float* xs, float* acc) {
     if constexpr (WT == WEIGHT_BF16) {
 #pragma unroll 2
         for (int c = c0; c < cols; c += 512) {
@@ -567,7 +609,7 @@ __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, co
 #pragma unroll
             for (int k = 0; k < R; k++) acc[k] += dot8(wv[k], x);
         }
-    } else if constexpr (!uses_digits<WT>()) {
+    } else if constexpr (!BL) {
 #pragma unroll 2
         for (int c = c0; c < cols; c += 512) {
             float x[8];
@@ -579,17 +621,13 @@ __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, co
             for (int k = 0; k < R; k++) acc[k] = lane_dot_f32<WT>(wv[k], x, sc[k], c, acc[k]);
         }
     } else {
-        for (int i = 0; i < (cols + 511) / 512; i++) {
-            const bool in = c0 + 512 * i < cols;
-            const int c = in ? c0 + 512 * i : 0;
-            float x[8];
-            lane_x<WT>(xs, c, in, x);
-            const XQ q = quantize_x<WT>(x);
-            uint4 wv[R];
+        for (int c = c0; c < cols; c += 2048) {
+            const XB q = quantize_block<WT>(xs, c, true);
+            BlockQ wv[R];
 #pragma unroll
-            for (int k = 0; k < R; k++) wv[k] = lane_weights<WT>(rows, slot, k, c);
+            for (int k = 0; k < R; k++) wv[k] = block_quants<WT>(rows, slot, k, c);
 #pragma unroll
-            for (int k = 0; k < R; k++) acc[k] = lane_dot_q<WT>(wv[k], q, sc[k], c, acc[k]);
+            for (int k = 0; k < R; k++) acc[k] = block_dot<WT>(wv[k], q, sc[k], c, acc[k]);
         }
     }
 }
@@ -597,7 +635,17 @@ __device__ __forceinline__ void dot_rows(const unsigned char* rows, int slot, co
 // Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
 // lanes, into res (see consume_tiles). scale_off(j): the offset within 16 bytes of row j's
 // scales in global memory (see "weight formats").
-template <int WT, int R, typename X, typename ScaleOff>
+// x as a pointer (shared memory) or as registers.
+template <typename T>
+struct is_ptr {
+    static constexpr bool value = false;
+};
+template <typename T>
+struct is_ptr<T*> {
+    static constexpr bool value = true;
+};
+
+template <int WT, bool BL, int R, typename X, typename ScaleOff>
 __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
                                             int row0, int half, const ScaleOff& scale_off) {
     const unsigned char* sc[R];
@@ -607,7 +655,8 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
-    dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
+    if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
+    else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = warp_sum(acc[k]);
     if ((threadIdx.x & 31) == 0)
@@ -617,69 +666,66 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
 // last two and one.
-template <int WT, typename X, typename ScaleOff>
+template <int WT, bool BL, typename X, typename ScaleOff>
 __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                              const bf16_t* pages, u64* full, u64* empty, const X& x, float* res,
                                              const ScaleOff& scale_off) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
-    const int c0 = (half * 32 + lane) * 8;
+    const int c0 = (half * 32 + lane) * lane_cols<BL>();
     for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % p.pages;
         if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
         int rows = min(g.rpt, g.n - t * g.rpt), r = 0;
-        for (; r + 4 <= rows; r += 4) rows_to_res<WT, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
+        for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
         if (r + 2 <= rows) {
-            rows_to_res<WT, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
+            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
             r += 2;
         }
-        if (r < rows) rows_to_res<WT, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
+        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
     }
     return true;
 }
 
-// The tiles with this lane's S steps of xs held in registers (quantised rows: their digits).
-template <int WT, int S, typename ScaleOff>
+// The tiles with this lane's S steps of xs held in registers (block lanes: their digits).
+template <int WT, bool BL, int S, typename ScaleOff>
 __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                      const bf16_t* pages, u64* full, u64* empty, const float* xs,
                                                      float* res, const ScaleOff& scale_off) {
-    const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * 8;
-    if constexpr (!uses_digits<WT>()) {
+    const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * lane_cols<BL>();
+    if constexpr (!BL) {
         float x[S][8];
 #pragma unroll
         for (int i = 0; i < S; i++) lane_x<WT>(xs, c0 + 512 * i, c0 + 512 * i < g.cols, x[i]);
-        return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, x, res, scale_off);
+        return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, x, res, scale_off);
     } else {
-        XQ q[S];
+        XB q[S];
 #pragma unroll
-        for (int i = 0; i < S; i++) {
-            float x[8];
-            lane_x<WT>(xs, c0 + 512 * i, c0 + 512 * i < g.cols, x);
-            q[i] = quantize_x<WT>(x);
-        }
-        return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, q, res, scale_off);
+        for (int i = 0; i < S; i++) q[i] = quantize_block<WT>(xs, c0 + 2048 * i, c0 + 2048 * i < g.cols);
+        return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, q, res, scale_off);
     }
 }
 
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
-// they are at most MK_X_REG_STEPS steps long (quantised rows: MK_XQ_REG_STEPS, their digits
-// take 6 registers a step where x takes 8), else read from shared memory.
+// they are at most MK_X_REG_STEPS steps long (block lanes: MK_XQ_REG_STEPS steps of 2048
+// columns, 18 registers of digits each), else read from shared memory.
 #ifndef MK_X_REG_STEPS
 #define MK_X_REG_STEPS 4
 #endif
 #ifndef MK_XQ_REG_STEPS
-#define MK_XQ_REG_STEPS 8
+#define MK_XQ_REG_STEPS 2
 #endif
 template <int WT, int COLS, typename ScaleOff>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                const bf16_t* pages, u64* full, u64* empty, const float* xs,
                                                float* res, const ScaleOff& scale_off) {
-    constexpr int S = (COLS + 511) / 512;
-    if constexpr (S <= (uses_digits<WT>() ? MK_XQ_REG_STEPS : MK_X_REG_STEPS))
-        return tiles_x_in_registers<WT, S>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
-    else return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    constexpr bool BL = block_lanes<WT, COLS>();
+    constexpr int STEP = 64 * lane_cols<BL>(), S = (COLS + STEP - 1) / STEP;
+    if constexpr (S <= (BL ? MK_XQ_REG_STEPS : MK_X_REG_STEPS))
+        return tiles_x_in_registers<WT, BL, S>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    else return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 }
 
 // Dot products of the instruction's weight rows (from the paged ring) with xs, for a matrix
@@ -696,7 +742,7 @@ __device__ bool tiles_of_format(const MkParams& p, const TileGeom& g, u32 instr,
     if (g.cols == MK_DOWN_COLS)
         return tiles_of_width<WT, MK_DOWN_COLS>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 #endif
-    return tiles_to_res<WT>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    return tiles_to_res<WT, block_lanes<WT, 0>()>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }
