@@ -32,21 +32,18 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
             int rows = min(g.rpt, g.n - t * g.rpt);
             if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
             if (!inflight_wait(p, full, seq, instr)) return;
-            // The tile's bytes: the rows' quants, and each row's scales span (see "weight
-            // formats" in runtime.cuh).
-            u32 bytes = rows * g.qbytes;
-            if (MK_ANY_QUANT && g.wt != WEIGHT_BF16) {
-                u32 mine = 0;
-                for (int r = lane; r < rows; r += 32) mine += scales_span(seg_row(w, p, lw, t * g.rpt + r).s, sbytes);
-                bytes += __reduce_add_sync(0xffffffffu, mine);
-            }
+            // The tile's bytes: whole rows, or the chunks' quants and each one's scales span
+            // (see "weight formats" in runtime.cuh).
+            u32 bytes = rows * (g.whole ? g.slot : g.qbytes);
+            if (MK_ANY_QUANT && g.wt != WEIGHT_BF16 && !g.whole)
+                bytes += rows * scales_span(seg_row(w, p, lw, t * g.rpt).s, sbytes);
             if (lane == 0) mbar_expect_tx(&full[slot], bytes);
             __syncwarp();
             char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
             for (int r = lane; r < rows; r += 32) {
                 const WRow a = seg_row(w, p, lw, t * g.rpt + r);
-                bulk_load(page + r * g.slot, a.q, g.qbytes, &full[slot], policy);
-                if (MK_ANY_QUANT && g.wt != WEIGHT_BF16)
+                bulk_load(page + r * g.slot, a.q, g.whole ? g.slot : g.qbytes, &full[slot], policy);
+                if (MK_ANY_QUANT && g.wt != WEIGHT_BF16 && !g.whole)
                     bulk_load(page + r * g.slot + g.qbytes, scales_from(a.s), scales_span(a.s, sbytes), &full[slot], policy);
             }
         }

@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         if (g.tiles > 0) {
             const float scale = op_scale(op, p, sm.ss);
             if (ct == 0) note(p, 1, ST_TILES);
-            if (!consume_tiles(p, w, sm.lw, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, sm.res)) set_failed(1);
+            if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, sm.res)) set_failed(1);
             seq += g.tiles;
             if (consumers_failed()) return;
             if (ct == 0 && prof) prof[PROF_TILES] = global_ns();

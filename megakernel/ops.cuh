@@ -61,22 +61,22 @@ __device__ __forceinline__ int op_matrix_cols(u32 op, const MkParams& p) {
 
 __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, const LayerW* lw) {
     const int n = seg_count(w);
-    if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0};
-    const int cols = seg_cols(w, p), wt = op_format(w[W_OP]), slot = wt_slot(wt, cols), rpt = rows_per_tile(slot, n);
+    if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const int cols = seg_cols(w, p), wt = op_format(w[W_OP]);
+    const bool whole = cols == op_matrix_cols(w[W_OP], p);
+    const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols), rpt = rows_per_tile(slot, n);
     int soff = 0;
-    if (MK_ANY_QUANT && wt != WEIGHT_BF16)
-        soff = wt_sbytes(wt, op_matrix_cols(w[W_OP], p)) % 16 == 0 ? (int)((size_t)seg_row(w, p, lw, 0).s & 15) : -1;
-    return {n, cols, rpt, (n + rpt - 1) / rpt, wt, wt_qbytes(wt, cols), slot, soff};
+    if (MK_ANY_QUANT && wt != WEIGHT_BF16 && !whole) soff = (int)((size_t)seg_row(w, p, lw, 0).s & 15);
+    return {n, cols, rpt, (n + rpt - 1) / rpt, wt, wt_qbytes(wt, cols), slot, whole, soff};
 }
 
 // The instruction's tiles (runtime.cuh, tiles_of_format), in its matrix's format: only the
 // formats the kernel is compiled for are instantiated.
-__device__ bool consume_tiles(const MkParams& p, const u32* w, const LayerW* lw, const TileGeom& g, u32 instr, u32 seq,
-                              const bf16_t* pages, u64* full, u64* empty, const float* xs, float* res) {
-    const auto scale_off = [&](int j) { return (int)((size_t)seg_row(w, p, lw, j).s & 15); };
-#define MK_TILES_OF(t)                                                                                      \
-    if constexpr (MK_WT_USED(t))                                                                            \
-        if (g.wt == (t)) return tiles_of_format<t>(p, g, instr, seq, pages, full, empty, xs, res, scale_off);
+__device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages, u64* full,
+                              u64* empty, const float* xs, float* res) {
+#define MK_TILES_OF(t)                                                                              \
+    if constexpr (MK_WT_USED(t))                                                                    \
+        if (g.wt == (t)) return tiles_of_format<t>(p, g, instr, seq, pages, full, empty, xs, res);
     MK_TILES_OF(WEIGHT_BF16)
     MK_TILES_OF(WEIGHT_Q8_0)
     MK_TILES_OF(WEIGHT_Q4_0)

@@ -48,11 +48,6 @@ struct LayerW {
     const bf16_t* qkv_bias;  // Qwen2: [q | k | v] widths; null for other models
     const bf16_t* q_norm;    // Qwen3: head_dim each; null for other models
     const bf16_t* k_norm;
-    // The quantised matrices' block scales (see "weight formats"); null for bf16 ones.
-    const q_u16* qkv_s;
-    const q_u16* wo_s;
-    const q_u16* gu_s;
-    const q_u16* down_s;
 };
 
 struct MkParams {
@@ -83,8 +78,6 @@ struct MkParams {
     u64* act;            // [layers][inter]
     u64* lm_best;        // [n_lm][2]: value, index bits
     float* logits;       // [vocab], read by the host
-    const q_u16* embed_s;    // the embedding's and the LM head's block scales; null for bf16
-    const q_u16* lm_head_s;
     int hidden, inter, heads, kv_heads, head_dim, vocab, n_layers, chunks, max_seq, n_lm;
     int xs_floats, pages;
     float eps;
@@ -213,13 +206,12 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 // ---- weight formats ----
 // Each kind of matrix has one storage format, fixed when the kernel is compiled (MK_WT_*, from
 // the host's MatrixFormats in src/gpu/sources.rs; quant/decode.cuh's WEIGHT_* codes), so the
-// tiles' loop compiles to the formats the model has. A quantised matrix is two arrays (the
-// host's DeviceMatrix, src/gpu/model.rs): every row's quants (Q8_0 a byte per column, Q4_0 and
-// Q4_1 half a byte, 16-byte aligned) and every row's block scales (2 or 4 bytes per 32 columns,
-// rows back to back). The loader copies a row's quants and then its scales into the row's slot
-// of a page. Bulk copies move 16-byte units from 16-byte boundaries and a row's scales start
-// anywhere within one, so the copy starts at the boundary below them (the host pads the array's
-// end by 16 bytes) and the consumers find them at the same offset within 16 bytes.
+// tiles' loop compiles to the formats the model has. A quantised matrix is stored row by row
+// (decode.cuh): a row's quants, its blocks' scales, zeros to 16 bytes. A whole row is copied
+// into its slot of a page in one piece; a down-projection chunk (part of a row) as its quants
+// and then its scales, copied from the 16-byte boundary at or below them (bulk copies move
+// 16-byte units), so the consumers find them at the same offset within 16 bytes (the same for
+// every row: rows are multiples of 16 bytes long).
 #ifndef MK_WT_QKV
 #define MK_WT_QKV WEIGHT_BF16
 #endif
@@ -249,8 +241,12 @@ __device__ __forceinline__ constexpr int wt_qbytes(int wt, int cols) {
 __device__ __forceinline__ constexpr int wt_sbytes(int wt, int cols) {
     return wt == WEIGHT_BF16 ? 0 : (cols / 32) * (wt == WEIGHT_Q4_1 ? 4 : 2);
 }
-// A row's slot in a page: its quants, then room for its scales at any offset within 16 bytes.
-__device__ __forceinline__ constexpr int wt_slot(int wt, int cols) {
+// A stored row of `cols` columns (decode.cuh's q_row_bytes).
+__device__ __forceinline__ constexpr int wt_row(int wt, int cols) {
+    return wt == WEIGHT_BF16 ? 2 * cols : wt_qbytes(wt, cols) + ((wt_sbytes(wt, cols) + 15) & ~15);
+}
+// A chunk's slot in a page: its quants, then room for its scales at any offset within 16 bytes.
+__device__ __forceinline__ constexpr int wt_chunk_slot(int wt, int cols) {
     return wt == WEIGHT_BF16 ? 2 * cols : wt_qbytes(wt, cols) + ((wt_sbytes(wt, cols) + 15) & ~15) + 16;
 }
 
@@ -262,13 +258,13 @@ struct WRow {
 };
 
 // Row `row` of a matrix of `cols` columns, from column col0 (a multiple of 32 when quantised).
-__device__ __forceinline__ WRow wrow(int wt, const void* mat, const q_u16* scales, size_t row, int cols, int col0) {
-    const unsigned char* q = (const unsigned char*)mat + row * wt_qbytes(wt, cols) + wt_qbytes(wt, col0);
-    if (wt == WEIGHT_BF16) return {q, nullptr};
-    return {q, (const unsigned char*)scales + row * wt_sbytes(wt, cols) + wt_sbytes(wt, col0)};
+__device__ __forceinline__ WRow wrow(int wt, const void* mat, size_t row, int cols, int col0) {
+    const unsigned char* r = (const unsigned char*)mat + row * wt_row(wt, cols);
+    if (wt == WEIGHT_BF16) return {r + 2 * col0, nullptr};
+    return {r + wt_qbytes(wt, col0), r + wt_qbytes(wt, cols) + wt_sbytes(wt, col0)};
 }
 
-// The 16-byte-aligned span the loader copies for scales at s of `bytes` bytes.
+// The 16-byte-aligned span the loader copies for a chunk's scales at s of `bytes` bytes.
 __device__ __forceinline__ const unsigned char* scales_from(const unsigned char* s) {
     return (const unsigned char*)((size_t)s & ~(size_t)15);
 }
@@ -283,15 +279,14 @@ __device__ __forceinline__ int rows_per_tile(int slot, int n) {
 }
 
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
-// others), its matrix's format, the bytes of a row's quants and of its slot in a page, and
-// where its scales sit in the slot. The
+// others), its matrix's format, the bytes of a row's quants and of its slot in a page, whether
+// its rows are whole (copied in one piece) and where their scales sit in the slot. The
 // consumers work it out when an instruction starts, before they wait for its inputs: between
 // the inputs and the tiles (two switches, two divisions) it would sit on the critical path of
 // every instruction.
-// soff: the offset within 16 bytes of every row's scales when they all share one (the matrix's
-// rows of scales are a multiple of 16 bytes long), else -1 (see "weight formats").
+// soff: the scales' offset from the quants' end in a row's slot (see "weight formats").
 struct TileGeom {
-    int n, cols, rpt, tiles, wt, qbytes, slot, soff;
+    int n, cols, rpt, tiles, wt, qbytes, slot, whole, soff;
 };
 
 // ---- loader warp ----
@@ -632,9 +627,6 @@ __device__ __forceinline__ void dot_rows_xs(const unsigned char* rows, int slot,
     }
 }
 
-// Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
-// lanes, into res (see consume_tiles). scale_off(j): the offset within 16 bytes of row j's
-// scales in global memory (see "weight formats").
 // x as a pointer (shared memory) or as registers.
 template <typename T>
 struct is_ptr {
@@ -645,13 +637,15 @@ struct is_ptr<T*> {
     static constexpr bool value = true;
 };
 
-template <int WT, bool BL, int R, typename X, typename ScaleOff>
+// Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
+// lanes, into res (see tiles_of_format).
+
+template <int WT, bool BL, int R, typename X>
 __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
-                                            int row0, int half, const ScaleOff& scale_off) {
+                                            int row0, int half) {
     const unsigned char* sc[R];
 #pragma unroll
-    for (int k = 0; k < R; k++)
-        sc[k] = WT == WEIGHT_BF16 ? rows : rows + k * g.slot + g.qbytes + (g.soff >= 0 ? g.soff : scale_off(row0 + k));
+    for (int k = 0; k < R; k++) sc[k] = rows + k * g.slot + g.qbytes + g.soff;
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
@@ -666,10 +660,9 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
 // last two and one.
-template <int WT, bool BL, typename X, typename ScaleOff>
+template <int WT, bool BL, typename X>
 __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
-                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res,
-                                             const ScaleOff& scale_off) {
+                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
     const int c0 = (half * 32 + lane) * lane_cols<BL>();
     for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
@@ -677,12 +670,12 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
         if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
         int rows = min(g.rpt, g.n - t * g.rpt), r = 0;
-        for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
+        for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         if (r + 2 <= rows) {
-            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
+            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
             r += 2;
         }
-        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, scale_off);
+        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
     }
@@ -690,21 +683,21 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
 }
 
 // The tiles with this lane's S steps of xs held in registers (block lanes: their digits).
-template <int WT, bool BL, int S, typename ScaleOff>
+template <int WT, bool BL, int S>
 __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                      const bf16_t* pages, u64* full, u64* empty, const float* xs,
-                                                     float* res, const ScaleOff& scale_off) {
+                                                     float* res) {
     const int ct = threadIdx.x - 32, c0 = (((ct >> 5) & 1) * 32 + (ct & 31)) * lane_cols<BL>();
     if constexpr (!BL) {
         float x[S][8];
 #pragma unroll
         for (int i = 0; i < S; i++) lane_x<WT>(xs, c0 + 512 * i, c0 + 512 * i < g.cols, x[i]);
-        return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, x, res, scale_off);
+        return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, x, res);
     } else {
         XB q[S];
 #pragma unroll
         for (int i = 0; i < S; i++) q[i] = quantize_block<WT>(xs, c0 + 2048 * i, c0 + 2048 * i < g.cols);
-        return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, q, res, scale_off);
+        return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, q, res);
     }
 }
 
@@ -717,15 +710,15 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
 #ifndef MK_XQ_REG_STEPS
 #define MK_XQ_REG_STEPS 2
 #endif
-template <int WT, int COLS, typename ScaleOff>
+template <int WT, int COLS>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                const bf16_t* pages, u64* full, u64* empty, const float* xs,
-                                               float* res, const ScaleOff& scale_off) {
+                                               float* res) {
     constexpr bool BL = block_lanes<WT, COLS>();
     constexpr int STEP = 64 * lane_cols<BL>(), S = (COLS + STEP - 1) / STEP;
     if constexpr (S <= (BL ? MK_XQ_REG_STEPS : MK_X_REG_STEPS))
-        return tiles_x_in_registers<WT, BL, S>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
-    else return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+        return tiles_x_in_registers<WT, BL, S>(p, instr, seq, g, pages, full, empty, xs, res);
+    else return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, xs, res);
 }
 
 // Dot products of the instruction's weight rows (from the paged ring) with xs, for a matrix
@@ -733,16 +726,16 @@ __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32
 // order by res_at). The row length is one of the model's dimensions or a down-projection
 // chunk: compile-time branches, not a jump table (an indirect branch here is on the critical
 // path). False when a page wait failed (the error is raised).
-template <int WT, typename ScaleOff>
+template <int WT>
 __device__ bool tiles_of_format(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages,
-                                u64* full, u64* empty, const float* xs, float* res, const ScaleOff& scale_off) {
-    if (g.cols == MK_HIDDEN) return tiles_of_width<WT, MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
-    if (g.cols == MK_Q_DIM) return tiles_of_width<WT, MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+                                u64* full, u64* empty, const float* xs, float* res) {
+    if (g.cols == MK_HIDDEN) return tiles_of_width<WT, MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res);
+    if (g.cols == MK_Q_DIM) return tiles_of_width<WT, MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res);
 #ifdef MK_DOWN_COLS
     if (g.cols == MK_DOWN_COLS)
-        return tiles_of_width<WT, MK_DOWN_COLS>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+        return tiles_of_width<WT, MK_DOWN_COLS>(p, instr, seq, g, pages, full, empty, xs, res);
 #endif
-    return tiles_to_res<WT, block_lanes<WT, 0>()>(p, instr, seq, g, pages, full, empty, xs, res, scale_off);
+    return tiles_to_res<WT, block_lanes<WT, 0>()>(p, instr, seq, g, pages, full, empty, xs, res);
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }

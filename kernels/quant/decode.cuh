@@ -18,14 +18,26 @@ __device__ __forceinline__ float q_f16(q_u16 h) {
 
 __device__ __forceinline__ float q_bf16(q_u16 x) { return __uint_as_float(((q_u32)x) << 16); }
 
-// Element i (row-major) of a matrix, decoded exactly as the CPU reference decodes
+// Device layout (src/gpu/model.rs, DeviceMatrix): row by row, a row's quants (Q8_0 one int8
+// per element; Q4_0/Q4_1 16 bytes per block, byte j holding element j in its low nibble and
+// element j + 16 in its high nibble, GGUF's order), then its blocks' scales (f16 d, or d then
+// m for Q4_1), then zeros to a multiple of 16 bytes: every row starts 16-byte aligned and is
+// one contiguous piece (the megakernel copies it whole into shared memory).
+__device__ __forceinline__ int q_quant_bytes(int ty, int cols) { return ty == WEIGHT_Q8_0 ? cols : cols / 2; }
+__device__ __forceinline__ int q_scale_bytes(int ty, int cols) { return (cols / 32) * (ty == WEIGHT_Q4_1 ? 4 : 2); }
+__device__ __forceinline__ int q_row_bytes(int ty, int cols) {
+    return q_quant_bytes(ty, cols) + ((q_scale_bytes(ty, cols) + 15) & ~15);
+}
+
+// Element (r, c) of a matrix of `cols` columns, decoded exactly as the CPU reference decodes
 // it: one f32 product (and for Q4_1 one f32 sum), never fused.
-__device__ __forceinline__ float q_element_at(int ty, const void* data, const q_u16* scales, size_t i) {
-    const size_t b = i >> 5;
-    const int j = (int)(i & 31);
-    if (ty == WEIGHT_BF16) return q_bf16(((const q_u16*)data)[i]);
-    if (ty == WEIGHT_Q8_0) return __fmul_rn((float)((const signed char*)data)[i], q_f16(scales[b]));
-    const unsigned char byte = ((const unsigned char*)data)[b * 16 + (j & 15)];
+__device__ __forceinline__ float q_element(int ty, const void* data, size_t r, int c, int cols) {
+    if (ty == WEIGHT_BF16) return q_bf16(((const q_u16*)data)[r * cols + c]);
+    const unsigned char* row = (const unsigned char*)data + r * q_row_bytes(ty, cols);
+    const q_u16* scales = (const q_u16*)(row + q_quant_bytes(ty, cols));
+    const int b = c >> 5, j = c & 31;
+    if (ty == WEIGHT_Q8_0) return __fmul_rn((float)((const signed char*)row)[c], q_f16(scales[b]));
+    const unsigned char byte = row[b * 16 + (j & 15)];
     const int q = j < 16 ? (byte & 15) : (byte >> 4);
     if (ty == WEIGHT_Q4_0) return __fmul_rn((float)(q - 8), q_f16(scales[b]));
     return __fadd_rn(__fmul_rn((float)q, q_f16(scales[2 * b])), q_f16(scales[2 * b + 1]));

@@ -3,13 +3,8 @@
 // decoding, shared with the megakernel) before it; self-contained otherwise (q_-prefixed
 // helpers, no CUDA header), so both the baseline unit and the prefill unit include it.
 //
-// Device layout (src/gpu/model.rs, DeviceMatrix): the host splits each 32-element block into
-// its quants and its scales, so a row's quants are contiguous and 16-byte aligned:
-//   quants: Q8_0 32 int8 per block; Q4_0/Q4_1 16 bytes per block, byte j holding element j in
-//           its low nibble and element j + 16 in its high nibble (GGUF's order);
-//   scales: per block f16 d (Q8_0, Q4_0) or f16 d then f16 m (Q4_1).
-// Values: Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 q * d + m. The bytes streamed per token are
-// exactly the blocks' bytes.
+// Device layout: decode.cuh (row by row, a row's quants, its scales, zeros to 16 bytes).
+// Values: Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 q * d + m.
 
 // Round to nearest even, NaN kept quiet.
 __device__ __forceinline__ q_u16 q_to_bf16(float f) {
@@ -19,23 +14,19 @@ __device__ __forceinline__ q_u16 q_to_bf16(float f) {
     return (q_u16)(u >> 16);
 }
 
-// Element (r, c) of a matrix of `cols` columns.
-__device__ __forceinline__ float q_element(int ty, const void* data, const q_u16* scales, size_t r, int c, int cols) {
-    return q_element_at(ty, data, scales, r * (size_t)cols + c);
-}
-
-// Prefill: every element of an n-element matrix to bf16 (cuBLAS's operand). Grid-stride.
-extern "C" __global__ void q_dequant_bf16(int ty, const void* data, const q_u16* scales, q_u16* out, long long n) {
+// Prefill: every element of a rows x cols matrix to bf16 (cuBLAS's operand), row-major.
+// Grid-stride.
+extern "C" __global__ void q_dequant_bf16(int ty, const void* data, q_u16* out, long long rows, int cols) {
+    const long long n = rows * cols;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = q_to_bf16(q_element_at(ty, data, scales, (size_t)i));
+        out[i] = q_to_bf16(q_element(ty, data, (size_t)(i / cols), (int)(i % cols), cols));
 }
 
 // Prefill: x[t, :] = row tokens[t] of the embedding. One block per token.
-extern "C" __global__ void q_embed_rows(int ty, const void* data, const q_u16* scales, const q_u32* tokens, float* x,
-                                        int hidden) {
+extern "C" __global__ void q_embed_rows(int ty, const void* data, const q_u32* tokens, float* x, int hidden) {
     const q_u32 tok = tokens[blockIdx.x];
     float* dst = x + (size_t)blockIdx.x * hidden;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = q_element(ty, data, scales, tok, c, hidden);
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = q_element(ty, data, tok, c, hidden);
 }
 
 __device__ __forceinline__ void q_pdl_launch_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
@@ -50,12 +41,12 @@ __device__ __forceinline__ float q_warp_sum(float v) {
 __device__ __forceinline__ float q_silu(float x) { return x / (1.f + __expf(-x)); }
 
 // Decode: x = row meta[0] (the step's token; TokenMeta starts with it) of the embedding.
-extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u16* scales, const q_u32* meta, float* x, int hidden) {
+extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u32* meta, float* x, int hidden) {
     q_pdl_launch_next();
     q_pdl_wait();
     const q_u32 tok = meta[0];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < hidden; c += gridDim.x * blockDim.x)
-        x[c] = q_element(ty, data, scales, tok, c, hidden);
+        x[c] = q_element(ty, data, tok, c, hidden);
 }
 
 // ---- mat-vec ---------------------------------------------------------------------------------
@@ -114,7 +105,7 @@ __device__ __forceinline__ uint2 qg_load(const unsigned char* row, int chunk, in
 // y[r] (+)= W[r, :] . in, W quantised as TY, `in` formed from x per `mode` (QG_IN_*).
 // cols is a multiple of 32; shared memory: ceil(cols / 256) * 256 floats.
 template <int TY>
-__device__ __forceinline__ void qg_gemv(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+__device__ __forceinline__ void qg_gemv(const unsigned char* W, const float* x, float* y, int rows,
                                         int cols, int accumulate, int mode, const q_u16* norm, float eps) {
     extern __shared__ float4 qg_xs4[];
     float* xs = (float*)qg_xs4;
@@ -122,16 +113,14 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const q_u16* sca
     q_pdl_launch_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * QG_ROWS;
-    const int row_bytes = TY == WEIGHT_Q8_0 ? cols : cols / 2;
+    const int row_bytes = q_row_bytes(TY, cols), quant_bytes = q_quant_bytes(TY, cols);
     const int nblocks = cols / 32;
-    const int spb = TY == WEIGHT_Q4_1 ? 2 : 1;  // scale words per block
     // Weights do not depend on the previous kernel: pull them towards L2 before waiting.
     for (int r = 0; r < QG_ROWS; r++)
         if (row0 + r < rows) {
             const unsigned char* wr = W + (size_t)(row0 + r) * row_bytes;
             for (int off = lane * 128; off < row_bytes; off += 32 * 128)
                 asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(wr + off));
-            if (lane == 0) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(scales + (size_t)(row0 + r) * nblocks * spb));
         }
     q_pdl_wait();
     if (mode == QG_IN_SILU) {
@@ -168,7 +157,7 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const q_u16* sca
     for (int r = 0; r < QG_ROWS; r++) {
         const int rr = min(row0 + r, rows - 1);
         wr[r] = W + (size_t)rr * row_bytes;
-        sr[r] = scales + (size_t)rr * nblocks * spb;
+        sr[r] = (const q_u16*)(wr[r] + quant_bytes);
     }
     float acc[QG_ROWS];
     for (int r = 0; r < QG_ROWS; r++) acc[r] = 0.f;
@@ -210,17 +199,17 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const q_u16* sca
     }
 }
 
-extern "C" __global__ void bl_gemv_q8_0(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+extern "C" __global__ void bl_gemv_q8_0(const unsigned char* W, const float* x, float* y, int rows,
                                         int cols, int accumulate, int mode, const q_u16* norm, float eps) {
-    qg_gemv<WEIGHT_Q8_0>(W, scales, x, y, rows, cols, accumulate, mode, norm, eps);
+    qg_gemv<WEIGHT_Q8_0>(W, x, y, rows, cols, accumulate, mode, norm, eps);
 }
 
-extern "C" __global__ void bl_gemv_q4_0(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+extern "C" __global__ void bl_gemv_q4_0(const unsigned char* W, const float* x, float* y, int rows,
                                         int cols, int accumulate, int mode, const q_u16* norm, float eps) {
-    qg_gemv<WEIGHT_Q4_0>(W, scales, x, y, rows, cols, accumulate, mode, norm, eps);
+    qg_gemv<WEIGHT_Q4_0>(W, x, y, rows, cols, accumulate, mode, norm, eps);
 }
 
-extern "C" __global__ void bl_gemv_q4_1(const unsigned char* W, const q_u16* scales, const float* x, float* y, int rows,
+extern "C" __global__ void bl_gemv_q4_1(const unsigned char* W, const float* x, float* y, int rows,
                                         int cols, int accumulate, int mode, const q_u16* norm, float eps) {
-    qg_gemv<WEIGHT_Q4_1>(W, scales, x, y, rows, cols, accumulate, mode, norm, eps);
+    qg_gemv<WEIGHT_Q4_1>(W, x, y, rows, cols, accumulate, mode, norm, eps);
 }

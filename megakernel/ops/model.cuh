@@ -4,7 +4,7 @@
 // Element i of the embedding's row `token`, decoded as the CPU reference decodes it.
 __device__ __forceinline__ float embed_at(const MkParams& p, u32 token, int i) {
     if constexpr (MK_WT_EMB == WEIGHT_BF16) return bf16_to_f32(p.embed[(size_t)token * p.hidden + i]);
-    else return q_element_at(MK_WT_EMB, p.embed, p.embed_s, (size_t)token * p.hidden + i);
+    else return q_element(MK_WT_EMB, p.embed, token, i, p.hidden);
 }
 
 // The RMS norm's scale from the sums of squares prepare_normed left in ss.

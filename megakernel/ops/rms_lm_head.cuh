@@ -4,7 +4,7 @@
 __device__ __forceinline__ int lmhead_rows(const u32* w) { return (int)w[W_B]; }
 __device__ __forceinline__ int lmhead_cols(const MkParams& p) { return p.hidden; }
 __device__ __forceinline__ WRow lmhead_row(const u32* w, const MkParams& p, int j) {
-    return wrow(MK_WT_LM, p.lm_head, p.lm_head_s, w[W_A] + j, p.hidden, 0);
+    return wrow(MK_WT_LM, p.lm_head, w[W_A] + j, p.hidden, 0);
 }
 
 __device__ __forceinline__ void prepare_lmhead(const MkParams& p, const TokenMeta& m, const Smem& sm) {

@@ -323,25 +323,14 @@ impl<'g> BaselinePath<'g> {
             MvIn::Norm { norm, eps } => (1, norm, eps),
         };
         let (rows, cols) = (w.rows as i32, w.cols as i32);
-        let (wp, sp) = (w.ptr(g), w.scales_ptr(g));
+        let wp = w.ptr(g);
         let kernel = &self.k.gemv_q[w.type_code() as usize - 1];
         let grid = (w.rows as u32).div_ceil(QUANT_ROWS_PER_BLOCK);
-        let mut a = kargs![
-            &wp,
-            &sp,
-            &x,
-            &y,
-            &rows,
-            &cols,
-            &accumulate,
-            &mode,
-            &norm,
-            &eps
-        ];
+        let mut a = kargs![&wp, &x, &y, &rows, &cols, &accumulate, &mode, &norm, &eps];
         // SAFETY: the arguments are the values bl_gemv_q8_0/q4_0/q4_1 declare, in order (see
         // kernels/quant/quant.cu), each a live local; the pointers are device buffers of this
-        // path or the model that outlive the launch (W and scales hold `rows` rows of `cols`
-        // elements of w's type; norm, cols weights).
+        // path or the model that outlive the launch (W holds `rows` rows of `cols` elements of
+        // w's type; norm, cols weights).
         unsafe {
             kernel.launch(
                 &g.stream,
@@ -435,7 +424,7 @@ impl<'g> BaselinePath<'g> {
                 )
             }?;
         } else {
-            let (ty, sc) = (em.type_code(), em.scales_ptr(g));
+            let ty = em.type_code();
             // SAFETY: the arguments are the values bl_embed_q declares, in order (see
             // kernels/quant/quant.cu), each a live local; the pointers are device buffers of
             // this path or the model that outlive the launch.
@@ -446,7 +435,7 @@ impl<'g> BaselinePath<'g> {
                     256,
                     0,
                     pdl,
-                    &mut kargs![&ty, &embed, &sc, &meta, &x, &hidden],
+                    &mut kargs![&ty, &embed, &meta, &x, &hidden],
                 )
             }?;
         }

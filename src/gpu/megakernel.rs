@@ -292,10 +292,6 @@ impl<'g> MegakernelPath<'g> {
                 qkv_bias: lw.qkv_bias.as_ref().map_or(0, |b| ptr(b, s)),
                 q_norm: lw.q_norm.as_ref().map_or(0, |b| ptr(b, s)),
                 k_norm: lw.k_norm.as_ref().map_or(0, |b| ptr(b, s)),
-                qkv_s: lw.w_qkv.scales_ptr(gpu),
-                wo_s: lw.wo.scales_ptr(gpu),
-                gu_s: lw.w_gu.scales_ptr(gpu),
-                down_s: lw.w_down.scales_ptr(gpu),
             })
             .collect();
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
@@ -346,8 +342,6 @@ impl<'g> MegakernelPath<'g> {
             act: at("act"),
             lm_best: at("lm_best"),
             logits: ptr(&logits, s),
-            embed_s: model.embed.scales_ptr(gpu),
-            lm_head_s: model.lm_head().scales_ptr(gpu),
             hidden: h as i32,
             inter: c.intermediate_size as i32,
             heads: c.num_heads as i32,

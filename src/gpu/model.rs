@@ -16,21 +16,23 @@ fn concat(parts: &[&[bf16]]) -> Vec<u16> {
 }
 
 /// A weight matrix in GPU memory. bf16 matrices are their values, row-major. Quantised ones
-/// are split at upload into the blocks' quants and their scales, so that the quants of a row
-/// are contiguous and 16-byte aligned (GGUF's 34-, 18- and 20-byte blocks are not) while the
-/// bytes a mat-vec streams stay exactly the blocks' bytes:
-/// - `data`: per block its quants, blocks in row-major order: Q8_0 32 `i8`; Q4_0 and Q4_1 the
-///   16 bytes of nibbles as GGUF stores them (byte `j`: element `j` low, `j + 16` high).
-/// - `scales`: per block f16 `d` (Q8_0, Q4_0), or f16 `d` then f16 `m` (Q4_1), then 16 bytes
-///   of zeros: the megakernel copies a row's scales in whole 16-byte units, which for the last
-///   row may reach past its end (megakernel/runtime.cuh, "weight formats").
+/// are stored row by row, each row one 16-byte-aligned piece (kernels/quant/decode.cuh): its
+/// blocks' quants (Q8_0 32 `i8` per block; Q4_0 and Q4_1 the 16 bytes of nibbles as GGUF stores
+/// them, byte `j`: element `j` low, `j + 16` high), then its blocks' scales (f16 `d`, or `d`
+/// then `m` for Q4_1), then zeros to a multiple of 16 bytes. GGUF's 34-, 18- and 20-byte blocks
+/// are not 16-byte aligned; this way a row's quants are, and the megakernel copies a whole row
+/// into shared memory in one piece.
 pub struct DeviceMatrix {
     pub ty: WeightType,
     pub rows: usize,
     pub cols: usize,
     pub data: CudaSlice<u16>,
-    /// `None` for bf16.
-    pub scales: Option<CudaSlice<u16>>,
+}
+
+/// Bytes of one row of a quantised matrix of `cols` columns in the device layout.
+pub fn quantised_row_bytes(q: crate::model::quant::QuantType, cols: usize) -> usize {
+    let blocks = cols / crate::model::quant::BLOCK;
+    blocks * q.quant_bytes() + (blocks * q.header_bytes()).next_multiple_of(16)
 }
 
 impl DeviceMatrix {
@@ -52,42 +54,40 @@ impl DeviceMatrix {
                 rows,
                 cols,
                 data: gpu.upload(&concat(&vals), what)?,
-                scales: None,
             });
         };
         let (head, block) = (q.header_bytes(), q.block_bytes());
-        let mut quants = Vec::with_capacity(rows * cols);
-        let mut scales = Vec::with_capacity(rows * cols / 32 * head);
+        let row_bytes = quantised_row_bytes(q, cols);
+        let blocks_per_row = cols / crate::model::quant::BLOCK;
+        let mut out = Vec::with_capacity(rows * row_bytes);
         for m in parts {
             let (_, bytes) = m.blocks().expect("type checked above");
-            for b in bytes.chunks_exact(block) {
-                scales.extend_from_slice(&b[..head]);
-                quants.extend_from_slice(&b[head..]);
+            for row in bytes.chunks_exact(block * blocks_per_row) {
+                let start = out.len();
+                for b in row.chunks_exact(block) {
+                    out.extend_from_slice(&b[head..]);
+                }
+                for b in row.chunks_exact(block) {
+                    out.extend_from_slice(&b[..head]);
+                }
+                out.resize(start + row_bytes, 0);
             }
         }
-        scales.extend_from_slice(&[0; 16]);
-        let words = |b: Vec<u8>| -> Vec<u16> {
-            b.chunks_exact(2)
-                .map(|p| u16::from_le_bytes([p[0], p[1]]))
-                .collect()
-        };
+        let words: Vec<u16> = out
+            .chunks_exact(2)
+            .map(|p| u16::from_le_bytes([p[0], p[1]]))
+            .collect();
         Ok(Self {
             ty,
             rows,
             cols,
-            data: gpu.upload(&words(quants), what)?,
-            scales: Some(gpu.upload(&words(scales), &format!("{what} scales"))?),
+            data: gpu.upload(&words, what)?,
         })
     }
 
     /// The values (bf16) or the quants.
     pub fn ptr(&self, gpu: &Gpu) -> u64 {
         ptr(&self.data, &gpu.stream)
-    }
-
-    /// The scales; 0 for bf16.
-    pub fn scales_ptr(&self, gpu: &Gpu) -> u64 {
-        self.scales.as_ref().map_or(0, |s| ptr(s, &gpu.stream))
     }
 
     /// Bytes the matrix occupies, which a mat-vec over it streams.

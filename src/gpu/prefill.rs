@@ -279,16 +279,11 @@ impl Prefill {
             .wide
             .as_ref()
             .context("prefill: no buffer for quantised weights")?;
-        let (ty, data, scales, out) = (
-            m.type_code(),
-            m.ptr(gpu),
-            m.scales_ptr(gpu),
-            ptr(wide, &gpu.stream),
-        );
-        let n = (m.rows * m.cols) as i64;
+        let (ty, data, out) = (m.type_code(), m.ptr(gpu), ptr(wide, &gpu.stream));
+        let (rows, cols) = (m.rows as i64, m.cols as i32);
         let grid = (m.rows * m.cols).div_ceil(256).min(65535) as u32;
         // SAFETY: the arguments are q_dequant_bf16's parameters in kernels/quant/quant.cu, in
-        // order; data and scales hold m's n elements, `wide` at least n (sized in run).
+        // order; data holds m's rows x cols elements, `wide` at least as many (sized in run).
         unsafe {
             self.k.dequant.launch(
                 &gpu.stream,
@@ -296,7 +291,7 @@ impl Prefill {
                 256,
                 0,
                 false,
-                &mut kargs![&ty, &data, &scales, &out, &n],
+                &mut kargs![&ty, &data, &out, &rows, &cols],
             )
         }?;
         Ok(out)
@@ -412,7 +407,7 @@ impl Prefill {
                 )
             }?;
         } else {
-            let (ty, data, scales) = (em.type_code(), em.ptr(gpu), em.scales_ptr(gpu));
+            let (ty, data) = (em.type_code(), em.ptr(gpu));
             // SAFETY: the arguments are q_embed_rows's parameters in kernels/quant/quant.cu, in
             // order, and every pointer is a live buffer of this engine or of the model, sized
             // for the chunk.
@@ -423,7 +418,7 @@ impl Prefill {
                     256,
                     0,
                     false,
-                    &mut kargs![&ty, &data, &scales, &tokens_p, &x, &hid],
+                    &mut kargs![&ty, &data, &tokens_p, &x, &hid],
                 )
             }?;
         }

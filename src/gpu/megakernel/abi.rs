@@ -123,9 +123,6 @@ abi_struct! {
         act: u64,
         lm_best: u64,
         logits: u64,
-        /// The embedding's and the LM head's block scales; 0 for bf16.
-        embed_s: u64,
-        lm_head_s: u64,
         hidden: i32,
         inter: i32,
         heads: i32,
@@ -157,15 +154,10 @@ abi_struct! {
         qkv_bias: u64,
         q_norm: u64,
         k_norm: u64,
-        /// The quantised matrices' block scales; 0 for bf16 ones.
-        qkv_s: u64,
-        wo_s: u64,
-        gu_s: u64,
-        down_s: u64,
     }
 }
 
-// SAFETY: LayerW is #[repr(C)], thirteen u64 and no padding: any bit pattern is valid on both sides.
+// SAFETY: LayerW is #[repr(C)], nine u64 and no padding: any bit pattern is valid on both sides.
 unsafe impl cudarc::driver::DeviceRepr for LayerW {}
 
 abi_struct! {
@@ -309,8 +301,8 @@ mod tests {
             "sizeof(MkParams) == {}",
             std::mem::size_of::<MkParams>()
         )));
-        // The parameter block: 25 pointers, 14 four-byte fields and the timeout, no padding.
-        assert_eq!(std::mem::size_of::<MkParams>(), 25 * 8 + 14 * 4 + 8);
-        assert_eq!(std::mem::size_of::<LayerW>(), 104);
+        // The parameter block: 23 pointers, 14 four-byte fields and the timeout, no padding.
+        assert_eq!(std::mem::size_of::<MkParams>(), 23 * 8 + 14 * 4 + 8);
+        assert_eq!(std::mem::size_of::<LayerW>(), 72);
     }
 }
