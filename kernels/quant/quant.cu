@@ -14,12 +14,12 @@ __device__ __forceinline__ q_u16 q_to_bf16(float f) {
     return (q_u16)(u >> 16);
 }
 
-// Prefill: every element of a rows x cols matrix to bf16 (cuBLAS's operand), row-major.
-// Grid-stride.
+// Prefill: every element of a rows x cols matrix to bf16 (cuBLAS's operand), row-major. A block
+// per row, grid-stride over the rows.
 extern "C" __global__ void q_dequant_bf16(int ty, const void* data, q_u16* out, long long rows, int cols) {
-    const long long n = rows * cols;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = q_to_bf16(q_element(ty, data, (size_t)(i / cols), (int)(i % cols), cols));
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            out[r * cols + c] = q_to_bf16(q_element(ty, data, (size_t)r, c, cols));
 }
 
 // Prefill: x[t, :] = row tokens[t] of the embedding. One block per token.

@@ -281,7 +281,7 @@ impl Prefill {
             .context("prefill: no buffer for quantised weights")?;
         let (ty, data, out) = (m.type_code(), m.ptr(gpu), ptr(wide, &gpu.stream));
         let (rows, cols) = (m.rows as i64, m.cols as i32);
-        let grid = (m.rows * m.cols).div_ceil(256).min(65535) as u32;
+        let grid = m.rows.min(65535) as u32;
         // SAFETY: the arguments are q_dequant_bf16's parameters in kernels/quant/quant.cu, in
         // order; data holds m's rows x cols elements, `wide` at least as many (sized in run).
         unsafe {
