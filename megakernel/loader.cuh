@@ -40,11 +40,26 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
             if (lane == 0) mbar_expect_tx(&full[slot], bytes);
             __syncwarp();
             char* page = (char*)pages + (size_t)slot * PAGE_BYTES;
-            for (int r = lane; r < rows; r += 32) {
-                const WRow a = seg_row(w, p, lw, t * g.rpt + r);
-                bulk_load(page + r * g.slot, a.q, g.whole ? g.slot : g.qbytes, &full[slot], policy);
-                if (MK_ANY_QUANT && g.wt != WEIGHT_BF16 && !g.whole)
-                    bulk_load(page + r * g.slot + g.qbytes, scales_from(a.s), scales_span(a.s, sbytes), &full[slot], policy);
+            // Whole rows that follow each other in memory go in one copy (a run): each copy has
+            // a cost of its own, which small rows would pay many times over. The runs are found
+            // among 32 rows at a time: a lane whose row does not follow the one before starts
+            // one, up to the next lane that starts one.
+            for (int r0 = 0; r0 < rows; r0 += 32) {
+                const int r = r0 + lane;
+                const bool live = r < rows;
+                const WRow a = seg_row(w, p, lw, t * g.rpt + (live ? r : 0));
+                if (g.whole) {
+                    const unsigned char* prev = (const unsigned char*)__shfl_up_sync(0xffffffffu, (size_t)a.q, 1);
+                    const bool starts = live && (lane == 0 || a.q != prev + g.slot);
+                    const u32 later = __ballot_sync(0xffffffffu, starts) & ~((2u << lane) - 1u);
+                    const int end = min(rows, r0 + (later ? __ffs(later) - 1 : 32));
+                    if (starts) bulk_load(page + r * g.slot, a.q, (end - r) * g.slot, &full[slot], policy);
+                } else if (live) {
+                    bulk_load(page + r * g.slot, a.q, g.qbytes, &full[slot], policy);
+                    if (MK_ANY_QUANT && g.wt != WEIGHT_BF16)
+                        bulk_load(page + r * g.slot + g.qbytes, scales_from(a.s), scales_span(a.s, sbytes), &full[slot],
+                                  policy);
+                }
             }
         }
         if (lane == 0 && prof) prof[PROF_EXTRA2] = global_ns();
