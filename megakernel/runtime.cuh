@@ -232,22 +232,21 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 #endif
 #define MK_WT_USED(t) (MK_WT_QKV == (t) || MK_WT_O == (t) || MK_WT_GU == (t) || MK_WT_DOWN == (t) || MK_WT_LM == (t))
 #define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
-#define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
 
 // Bytes of `cols` columns' values (bf16) or quants, and of their block scales.
 __device__ __forceinline__ constexpr int wt_qbytes(int wt, int cols) {
-    return wt == WEIGHT_BF16 ? 2 * cols : wt == WEIGHT_Q8_0 ? cols : cols / 2;
+    return wt == WEIGHT_BF16 ? 2 * cols : q_quant_bytes(wt, cols);
 }
 __device__ __forceinline__ constexpr int wt_sbytes(int wt, int cols) {
-    return wt == WEIGHT_BF16 ? 0 : (cols / 32) * (wt == WEIGHT_Q4_1 ? 4 : 2);
+    return wt == WEIGHT_BF16 ? 0 : q_scale_bytes(wt, cols);
 }
-// A stored row of `cols` columns (decode.cuh's q_row_bytes).
+// A stored row of `cols` columns (decode.cuh's layout; bf16 rows are their values).
 __device__ __forceinline__ constexpr int wt_row(int wt, int cols) {
-    return wt == WEIGHT_BF16 ? 2 * cols : wt_qbytes(wt, cols) + ((wt_sbytes(wt, cols) + 15) & ~15);
+    return wt == WEIGHT_BF16 ? 2 * cols : q_row_bytes(wt, cols);
 }
 // A chunk's slot in a page: its quants, then room for its scales at any offset within 16 bytes.
 __device__ __forceinline__ constexpr int wt_chunk_slot(int wt, int cols) {
-    return wt == WEIGHT_BF16 ? 2 * cols : wt_qbytes(wt, cols) + ((wt_sbytes(wt, cols) + 15) & ~15) + 16;
+    return wt == WEIGHT_BF16 ? 2 * cols : q_row_bytes(wt, cols) + 16;
 }
 
 // Where a weight row segment is in global memory: its values or quants, and its scales (null

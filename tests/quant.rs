@@ -374,3 +374,17 @@ fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
     assert!(why.unwrap().contains("widened to bf16"));
     assert!(!w.is_quantized(), "widened for the megakernel");
 }
+
+/// The mixed-format check shared by the host weights and the GPU's copy (DeviceModel's
+/// `matrix_formats`): the first kind whose layers differ, named with both types and the layer.
+#[test]
+fn first_mixed_kind_names_the_kind_types_and_layer() {
+    use megainfer::model::weights::first_mixed_kind;
+    let (b, q) = (WeightType::Bf16, WeightType::Q4_1);
+    assert_eq!(first_mixed_kind([("down", vec![q, q, q])]), None);
+    assert_eq!(first_mixed_kind([("down", vec![])]), None);
+    assert_eq!(
+        first_mixed_kind([("q/k/v", vec![q, q]), ("down", vec![q, q, b])]).as_deref(),
+        Some("the down matrices are Q4_1 in layer 0 but bf16 in layer 2")
+    );
+}

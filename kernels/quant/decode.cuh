@@ -23,9 +23,11 @@ __device__ __forceinline__ float q_bf16(q_u16 x) { return __uint_as_float(((q_u3
 // element j + 16 in its high nibble, GGUF's order), then its blocks' scales (f16 d, or d then
 // m for Q4_1), then zeros to a multiple of 16 bytes: every row starts 16-byte aligned and is
 // one contiguous piece (the megakernel copies it whole into shared memory).
-__device__ __forceinline__ int q_quant_bytes(int ty, int cols) { return ty == WEIGHT_Q8_0 ? cols : cols / 2; }
-__device__ __forceinline__ int q_scale_bytes(int ty, int cols) { return (cols / 32) * (ty == WEIGHT_Q4_1 ? 4 : 2); }
-__device__ __forceinline__ int q_row_bytes(int ty, int cols) {
+__device__ __forceinline__ constexpr int q_quant_bytes(int ty, int cols) { return ty == WEIGHT_Q8_0 ? cols : cols / 2; }
+__device__ __forceinline__ constexpr int q_scale_bytes(int ty, int cols) {
+    return (cols / 32) * (ty == WEIGHT_Q4_1 ? 4 : 2);
+}
+__device__ __forceinline__ constexpr int q_row_bytes(int ty, int cols) {
     return q_quant_bytes(ty, cols) + ((q_scale_bytes(ty, cols) + 15) & ~15);
 }
 
@@ -49,37 +51,28 @@ __device__ __forceinline__ float q_element(int ty, const void* data, size_t r, i
 #define QG_BIASED(w, k) __uint_as_float(__byte_perm((w), 0x4B000000u, 0x7440u | (k)))
 #define QG_2P23 8388608.f
 
+// Dot of the 8 biased bytes of words a (with lo) and b (with hi), each less off.
+__device__ __forceinline__ float qg_dot_biased(q_u32 a, q_u32 b, float off, float4 lo, float4 hi) {
+    float s = (QG_BIASED(a, 0) - off) * lo.x;
+    s = fmaf(QG_BIASED(a, 1) - off, lo.y, s);
+    s = fmaf(QG_BIASED(a, 2) - off, lo.z, s);
+    s = fmaf(QG_BIASED(a, 3) - off, lo.w, s);
+    s = fmaf(QG_BIASED(b, 0) - off, hi.x, s);
+    s = fmaf(QG_BIASED(b, 1) - off, hi.y, s);
+    s = fmaf(QG_BIASED(b, 2) - off, hi.z, s);
+    s = fmaf(QG_BIASED(b, 3) - off, hi.w, s);
+    return s;
+}
+
 // Dot of one lane's 8 weights with its 8 inputs (lo = first float4, hi = second), before the
 // block's scale, every weight an exact small integer: Q8_0 its int8, Q4_0 its nibble - 8,
 // Q4_1 its nibble (whose minimum `m` the caller applies to the inputs' sum).
 template <int TY>
 __device__ __forceinline__ float qg_dot(uint2 w, float4 lo, float4 hi) {
-    if (TY == WEIGHT_Q8_0) {
-        // int8 q as the unsigned byte q + 128, less the bias.
-        const q_u32 a = w.x ^ 0x80808080u, b = w.y ^ 0x80808080u;
-        const float off = QG_2P23 + 128.f;
-        float s = (QG_BIASED(a, 0) - off) * lo.x;
-        s = fmaf(QG_BIASED(a, 1) - off, lo.y, s);
-        s = fmaf(QG_BIASED(a, 2) - off, lo.z, s);
-        s = fmaf(QG_BIASED(a, 3) - off, lo.w, s);
-        s = fmaf(QG_BIASED(b, 0) - off, hi.x, s);
-        s = fmaf(QG_BIASED(b, 1) - off, hi.y, s);
-        s = fmaf(QG_BIASED(b, 2) - off, hi.z, s);
-        s = fmaf(QG_BIASED(b, 3) - off, hi.w, s);
-        return s;
-    } else {
-        // Bytes 0..3 hold elements 4t..4t+3 in their low nibbles, 16+4t.. in their high ones.
-        const q_u32 l = w.x & 0x0F0F0F0Fu, h = (w.x >> 4) & 0x0F0F0F0Fu;
-        const float off = TY == WEIGHT_Q4_0 ? QG_2P23 + 8.f : QG_2P23;
-        float s = (QG_BIASED(l, 0) - off) * lo.x;
-        s = fmaf(QG_BIASED(l, 1) - off, lo.y, s);
-        s = fmaf(QG_BIASED(l, 2) - off, lo.z, s);
-        s = fmaf(QG_BIASED(l, 3) - off, lo.w, s);
-        s = fmaf(QG_BIASED(h, 0) - off, hi.x, s);
-        s = fmaf(QG_BIASED(h, 1) - off, hi.y, s);
-        s = fmaf(QG_BIASED(h, 2) - off, hi.z, s);
-        s = fmaf(QG_BIASED(h, 3) - off, hi.w, s);
-        return s;
-    }
+    // Q8_0: int8 q as the unsigned byte q + 128, less the bias.
+    if (TY == WEIGHT_Q8_0) return qg_dot_biased(w.x ^ 0x80808080u, w.y ^ 0x80808080u, QG_2P23 + 128.f, lo, hi);
+    // Q4: bytes 0..3 hold elements 4t..4t+3 in their low nibbles, 16+4t.. in their high ones.
+    return qg_dot_biased(w.x & 0x0F0F0F0Fu, (w.x >> 4) & 0x0F0F0F0Fu, TY == WEIGHT_Q4_0 ? QG_2P23 + 8.f : QG_2P23,
+                         lo, hi);
 }
 

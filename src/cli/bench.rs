@@ -194,15 +194,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         );
     }
     let mut weights = weights;
-    // As `run`: a file whose layers mix storage types per kind of matrix is widened for the
-    // megakernel (all paths then compare on the same weights).
-    if paths.contains(&PathKind::Megakernel) && weights.is_quantized() {
-        if let Some(mixed) = weights.mixed_storage() {
-            weights.widen_to_bf16();
+    // As `run` (`PathKind::for_weights`): a file whose layers mix storage types per kind of
+    // matrix is widened for the megakernel, and all paths then compare on the same weights.
+    if paths.contains(&PathKind::Megakernel) {
+        if let (_, Some(why)) = PathKind::Megakernel.for_weights(&mut weights, false) {
             model_name = format!("{model_name}, widened to bf16");
-            eprintln!(
-                "bench: the megakernel needs one storage type per kind of matrix, and {mixed}: widened to bf16 for every path (--paths graph,… bench them as stored)"
-            );
+            eprintln!("bench: {why}; every path runs the widened weights");
         }
     }
     let weight_memory = weights.describe_memory();

@@ -276,27 +276,26 @@ impl DeviceModel {
     /// The storage format of each kind of matrix, for the megakernel, which compiles one per
     /// kind; an error naming the kind whose layers differ.
     pub fn matrix_formats(&self) -> Result<super::sources::MatrixFormats> {
-        let kind = |name: &str, pick: fn(&DeviceLayer) -> &DeviceMatrix| -> Result<i32> {
-            let first = self.layers.first().map_or(0, |l| pick(l).type_code());
-            if let Some((i, l)) = self
-                .layers
-                .iter()
-                .enumerate()
-                .find(|(_, l)| pick(l).type_code() != first)
-            {
-                bail!(
-                    "the megakernel needs one storage type per kind of matrix, and the {name} matrices are {} in layer 0 but {} in layer {i} (--dtype bf16 or --dtype q8_0 makes them one)",
-                    pick(&self.layers[0]).ty,
-                    pick(l).ty
-                );
-            }
-            Ok(first)
-        };
+        type Pick = fn(&DeviceLayer) -> &DeviceMatrix;
+        let kinds: [(&str, Pick); 4] = [
+            ("q/k/v", |l| &l.w_qkv),
+            ("attention output", |l| &l.wo),
+            ("gate/up", |l| &l.w_gu),
+            ("down", |l| &l.w_down),
+        ];
+        let types = |pick: Pick| self.layers.iter().map(|l| pick(l).ty).collect::<Vec<_>>();
+        if let Some(mixed) =
+            crate::model::weights::first_mixed_kind(kinds.iter().map(|(n, p)| (*n, types(*p))))
+        {
+            bail!("the megakernel needs one storage type per kind of matrix, and {mixed} (--dtype bf16 or --dtype q8_0 makes them one)");
+        }
+        // Every layer has its kind's type: layer 0's (bf16 for a model without layers).
+        let code = |pick: Pick| self.layers.first().map_or(0, |l| pick(l).type_code());
         Ok(super::sources::MatrixFormats {
-            qkv: kind("q/k/v", |l| &l.w_qkv)?,
-            o: kind("attention output", |l| &l.wo)?,
-            gate_up: kind("gate/up", |l| &l.w_gu)?,
-            down: kind("down", |l| &l.w_down)?,
+            qkv: code(kinds[0].1),
+            o: code(kinds[1].1),
+            gate_up: code(kinds[2].1),
+            down: code(kinds[3].1),
             lm_head: self.lm_head().type_code(),
             embed: self.embed.type_code(),
         })

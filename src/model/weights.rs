@@ -424,6 +424,21 @@ pub struct Weights {
     pub lm_head: Option<Matrix>,
 }
 
+/// The first kind of matrix whose layers' storage types differ, described ("the {kind}
+/// matrices are {type} in layer 0 but {type} in layer {i}"): `kinds` gives each kind's name and
+/// its type per layer. Shared by the host weights and the GPU's copy of them.
+pub fn first_mixed_kind<'a>(
+    kinds: impl IntoIterator<Item = (&'a str, Vec<WeightType>)>,
+) -> Option<String> {
+    kinds.into_iter().find_map(|(name, types)| {
+        let t0 = *types.first()?;
+        let (i, t) = types.iter().enumerate().find(|(_, t)| **t != t0)?;
+        Some(format!(
+            "the {name} matrices are {t0} in layer 0 but {t} in layer {i}"
+        ))
+    })
+}
+
 impl Weights {
     pub fn lm_head(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
@@ -512,19 +527,11 @@ impl Weights {
             ("gate/up", |l| &l.w_gate),
             ("down", |l| &l.w_down),
         ];
-        let first = self.layers.first()?;
-        kinds.iter().find_map(|(name, pick)| {
-            let t0 = pick(first).ty();
-            let (i, l) = self
-                .layers
+        first_mixed_kind(
+            kinds
                 .iter()
-                .enumerate()
-                .find(|(_, l)| pick(l).ty() != t0)?;
-            Some(format!(
-                "the {name} matrices are {t0} in layer 0 but {} in layer {i}",
-                pick(l).ty()
-            ))
-        })
+                .map(|(name, pick)| (*name, self.layers.iter().map(|l| pick(l).ty()).collect())),
+        )
     }
 
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values
