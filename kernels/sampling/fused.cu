@@ -2,7 +2,7 @@
 // each step. It draws the same token as smp_blocks + smp_final (the same rule, the same
 // per-block sums), at a fraction of their cost; docs/sampling.md explains the design.
 //
-// One 512-thread CTA per SMP_CHUNK logits reads its logits once into registers (8 a thread),
+// One 512-thread CTA per SMP_CHUNK logits reads its logits once into registers (2 to 8 a thread),
 // penalised, as order-preserving 64-bit keys (logit key above, inverted token id below: every
 // key is distinct, and a larger key is a larger logit or an equal logit at a lower token, the
 // rule's own order). When truncating, it writes every key at or above a threshold it finds by

@@ -4,7 +4,11 @@
 // device. Both start with launch_dependents and wait just before reading their inputs
 // (no-ops without programmatic dependent launch).
 
+// Rows per CTA: 4096 unless the host compiles with -DSMP_CHUNK=1024 or 2048
+// (sampling::device::DeviceSampler::with_chunk, for comparisons).
+#ifndef SMP_CHUNK
 #define SMP_CHUNK 4096
+#endif
 #define SMP_BLOCK_THREADS 512
 #define SMP_FINAL_THREADS 1024
 

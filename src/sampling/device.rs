@@ -21,8 +21,8 @@ const SELECT: &str = include_str!("../../kernels/sampling/select.cuh");
 const SAMPLE: &str = include_str!("../../kernels/sampling/sample.cu");
 const FUSED: &str = include_str!("../../kernels/sampling/fused.cu");
 
-/// Logits per CTA of `smp_blocks` and `smp_sample`, and the CTAs' sizes (as in sample.cu and
-/// fused.cu).
+/// Logits per CTA of `smp_blocks` and `smp_sample` (as [`DeviceSampler::with_chunk`] can
+/// change for comparisons), and the CTAs' sizes (as in sample.cu and fused.cu).
 const CHUNK: usize = 4096;
 const BLOCK_THREADS: u32 = 512;
 const FINAL_THREADS: u32 = 1024;
@@ -113,16 +113,39 @@ impl DeviceSampler {
     /// A sampler drawing with the given kernels (`Fused` only where [`Kernels::for_vocab`]
     /// would choose it).
     pub fn with_kernels(gpu: &Gpu, vocab: usize, kernels: Kernels) -> Result<Self> {
+        Self::with_chunk(gpu, vocab, kernels, CHUNK)
+    }
+
+    /// A sampler whose CTAs take `chunk` logits each (1024, 2048 or 4096), for comparing
+    /// chunk sizes. Smaller chunks spread a vocabulary over more SMs: alone they draw faster
+    /// (SmolLM2's vocabulary, T 0.8 top-p 0.95: 16.6 µs a draw at 1024 against 18.4 at 4096),
+    /// but after a decode step they did not pay (BENCHMARKS.md), so the samplers take 4096.
+    pub fn with_chunk(gpu: &Gpu, vocab: usize, kernels: Kernels, chunk: usize) -> Result<Self> {
         anyhow::ensure!(
-            kernels == Kernels::TwoPass || Kernels::for_vocab(vocab) == Kernels::Fused,
-            "the fused sampler holds at most {SAMPLE_SLOTS} keys: a vocabulary of {vocab} needs more"
+            [1024, 2048, CHUNK].contains(&chunk),
+            "sampler chunk {chunk}: 1024, 2048 or 4096 logits per CTA"
         );
-        let cubin = compile_cubin("sampling", &source(), &gpu.arch(), &[])?;
+        anyhow::ensure!(
+            kernels == Kernels::TwoPass || vocab.div_ceil(chunk) * SAMPLE_CAP <= SAMPLE_SLOTS,
+            "the fused sampler holds at most {SAMPLE_SLOTS} keys: a vocabulary of {vocab} in \
+             chunks of {chunk} needs more"
+        );
+        let n_blocks = vocab.div_ceil(chunk);
+        anyhow::ensure!(
+            kernels == Kernels::Fused || n_blocks <= FINAL_THREADS as usize,
+            "the two-kernel sampler's last CTA takes at most {FINAL_THREADS} blocks: a \
+             vocabulary of {vocab} in chunks of {chunk} has {n_blocks}"
+        );
+        let cubin = compile_cubin(
+            "sampling",
+            &source(),
+            &gpu.arch(),
+            &[format!("-DSMP_CHUNK={chunk}")],
+        )?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))
             .context("loading the sampling CUBIN")?;
-        let n_blocks = vocab.div_ceil(CHUNK);
         let fused = kernels == Kernels::Fused;
         let (cand_len, key_len) = if fused {
             (1, n_blocks * SAMPLE_CAP)
@@ -294,6 +317,7 @@ mod tests {
             format!("#define SMP1_CAP {SAMPLE_CAP} "),
             format!("#define SMP1_FINAL_PER {per} "),
             format!("#define SMP_CHUNK {CHUNK}\n"),
+            "#ifndef SMP_CHUNK\n".to_string(),
         ] {
             assert!(
                 source().contains(&define),
