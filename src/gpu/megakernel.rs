@@ -562,12 +562,10 @@ pub fn megakernel_gpu_shape(
     max_smem_per_block: usize,
 ) -> scheduler::GpuShape {
     let scratch = attention_scratch(config.num_heads / config.num_kv_heads, config.head_dim);
-    let xs = config
-        .hidden_size
-        .max(config.q_dim())
-        .max(PAGE_BYTES / 4)
-        .max(scratch)
-        .next_multiple_of(4);
+    let xs = xs_floats(
+        config.hidden_size.max(config.q_dim()).max(PAGE_BYTES / 4),
+        scratch,
+    );
     scheduler::GpuShape {
         sm_count,
         // The kernel's static shared memory (two flags, a few bytes) is not known before its

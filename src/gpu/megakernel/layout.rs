@@ -129,15 +129,60 @@ pub fn attention_scratch(group: usize, head_dim: usize) -> usize {
     group * round_stride + (CONSUMER_WARPS + 2) * group * head_dim + 2 * head_dim + 3 * group
 }
 
-/// Floats of `xs`: the longest mat-vec input row or the attention scratch, whichever is more,
-/// rounded up to 16 bytes.
+/// Floats of `xs`: the longest mat-vec input row, or the attention scratch less the `res`
+/// region that follows `xs`, whichever is more, rounded up to 16 bytes. Attention (an
+/// instruction of its own) takes `xs` and `res` together as its scratch: `res` holds a
+/// mat-vec's outputs only within that instruction. Sizing `xs` for the whole scratch cost
+/// head_dim 128 shapes a third of their pages (Llama-3.2-3B and 3.1-8B: 8 instead of 12, the
+/// page count being a multiple of TILE_GROUPS).
 pub fn xs_floats(max_cols: usize, attention_scratch: usize) -> usize {
-    max_cols.max(attention_scratch).next_multiple_of(4)
+    max_cols
+        .max(attention_scratch.saturating_sub(2 * RES_MAX))
+        .next_multiple_of(4)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Attention's scratch runs from `xs` into `res`: the two must follow each other, and
+    /// together hold it, for every supported attention shape.
+    #[test]
+    fn attention_scratch_fits_xs_and_res_together() {
+        let l = SmemLayout::with_pages(12, xs_floats(576, attention_scratch(8, 128)), 32);
+        let (xs, xs_len) = l.region("xs");
+        let (res, res_len) = l.region("res");
+        assert_eq!(xs + xs_len, res, "res must follow xs");
+        for (group, hd) in [
+            (1, 64),
+            (3, 64),
+            (4, 64),
+            (8, 64),
+            (2, 128),
+            (4, 128),
+            (8, 128),
+        ] {
+            for max_cols in [576, 2048, 4096] {
+                let scratch = attention_scratch(group, hd);
+                let n = xs_floats(max_cols, scratch);
+                assert!(n >= max_cols && n.is_multiple_of(4));
+                assert!(
+                    4 * n + res_len >= 4 * scratch,
+                    "group {group}, head_dim {hd}"
+                );
+            }
+        }
+    }
+
+    /// Llama-3.2-3B and Llama-3.1-8B (head_dim 128) keep 12 pages on an H100 (227 KiB a block).
+    #[test]
+    fn head_dim_128_llamas_keep_twelve_pages() {
+        for (max_cols, group, layers) in [(4096, 3, 28), (4096, 4, 32)] {
+            let xs = xs_floats(max_cols, attention_scratch(group, 128));
+            let l = SmemLayout::plan(232_448, 16, xs, layers).unwrap();
+            assert_eq!(l.pages, 12, "group {group}, {layers} layers");
+        }
+    }
 
     /// An H100's opt-in shared memory per block.
     const H100_SMEM: usize = 227 * 1024;
@@ -200,7 +245,9 @@ mod tests {
         // group 4, head_dim 64: S 4·260, partial outputs 8·4·64, output and queries 2·4·64,
         // K and V 2·64, stats 3·4.
         assert_eq!(attention_scratch(4, 64), 1040 + 2048 + 512 + 128 + 12);
-        assert_eq!(xs_floats(2048, 3740), 3740);
+        // The scratch past 2 * RES_MAX floats only counts.
+        assert_eq!(xs_floats(2048, 3740), 2048);
+        assert_eq!(xs_floats(2048, 8000), 8000 - 4096);
         assert_eq!(xs_floats(4097, 10), 4100);
     }
 }

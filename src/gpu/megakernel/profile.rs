@@ -166,16 +166,19 @@ impl MegakernelPath<'_> {
     /// Runs `steps` greedy steps from `token` with per-instruction timestamps (globaltimer)
     /// and returns the mean breakdown per instruction type (and, with `timeline`, every stamp).
     pub fn profile(&mut self, token: u32, steps: usize, timeline: bool) -> Result<Profile> {
-        // The stamps are per encoded instruction: every step must run the same streams.
-        let bucket = self.bucket_at(self.next_pos);
-        if self.bucket_at(self.next_pos + steps.max(1) - 1) != bucket {
+        // The stamps are per encoded instruction: every step must run the same streams. The
+        // steps decode from the sequence's position (`next_pos` is only brought up to it when
+        // the first step writes its meta, and a prefill leaves it behind).
+        let pos = self.seq.pos;
+        let bucket = self.bucket_at(pos);
+        if self.bucket_at(pos + steps.max(1) - 1) != bucket {
             bail!(
                 "profile: positions {}..{} cross into another context bucket (split-KV parts change); profile fewer steps",
-                self.next_pos,
-                self.next_pos + steps
+                pos,
+                pos + steps
             );
         }
-        self.select_bucket(self.next_pos);
+        self.select_bucket(pos);
         let cur = &self.buckets[self.active];
         let (n, sm_offsets, kinds, descs) = (
             cur.instructions,
@@ -215,6 +218,14 @@ impl MegakernelPath<'_> {
                 }
             }
             let p = self.gpu.stream.clone_dtoh(&buf)?;
+            if let Some(i) = (0..n).find(|&i| p[i * PROF_WORDS] == 0) {
+                result = Err(anyhow::anyhow!(
+                    "profile: instruction {i} of the profiled streams ({}) left no timestamp: the \
+                     step ran other streams",
+                    kinds[i]
+                ));
+                break;
+            }
             let start = (0..n).map(|i| p[i * PROF_WORDS]).min().unwrap_or(0);
             let end = (0..n)
                 .map(|i| p[i * PROF_WORDS + prof::STORED])
