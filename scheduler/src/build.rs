@@ -48,9 +48,9 @@ fn pieces(range: Range<usize>, rows: usize) -> impl Iterator<Item = (u32, u32)> 
         .map(move |s| (s as u32, (rows.min(end - s)) as u32))
 }
 
-/// Columns of down chunk `c`: `[c·I/chunks, (c+1)·I/chunks)`.
+/// Columns of down chunk `c` (see [`Options::down_chunks`](crate::Options)).
 fn chunk_cols(intermediate: usize, chunks: usize, c: usize) -> Range<usize> {
-    c * intermediate / chunks..(c + 1) * intermediate / chunks
+    crate::options::chunk_cols(intermediate, chunks, c)
 }
 
 /// The nodes in the global order and the range of each stage in it.

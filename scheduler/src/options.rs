@@ -106,8 +106,9 @@ pub struct Options {
     /// Rows of gate and of up per `RmsUpGateSilu`; instructions never straddle a down chunk.
     pub upgate_rows: usize,
     pub down_rows: usize,
-    /// The intermediate dimension is cut into this many k-chunks; chunk `c` covers
-    /// `[c·I/chunks, (c+1)·I/chunks)` (integer division).
+    /// The intermediate dimension is cut into this many k-chunks: chunk `c` covers
+    /// `[c·w, min((c+1)·w, I))` with `w = ⌈I / chunks⌉` rounded up to a multiple of
+    /// [`CHUNK_ALIGN`] columns ([`chunk_cols`]).
     pub down_chunks: usize,
     /// Split-KV partitions per KV head; 1 means attention writes its output directly.
     pub attn_parts: usize,
@@ -187,6 +188,28 @@ impl Options {
         }
         Ok(())
     }
+}
+
+/// Down chunks start on multiples of this many columns: a chunk of a row is one bulk copy,
+/// which wants 16-byte-aligned addresses (8 bf16 columns), and a quantised row's chunk must
+/// hold whole 32-column blocks. Cutting at `c·I/chunks` misaligned the copies of Qwen3-4B
+/// (9,728 columns in 3 chunks: 3,242 …) and Qwen2.5-7B (18,944 in 5), which failed with a
+/// misaligned-address error.
+pub const CHUNK_ALIGN: usize = 32;
+
+/// Columns of down chunk `c` of `chunks` over `intermediate` columns: every chunk but the
+/// last is `⌈intermediate / chunks⌉` rounded up to [`CHUNK_ALIGN`] columns wide (or to 8, the
+/// 16 bytes of bf16 a bulk copy needs, where 32 would leave the last chunk empty). Tiny test
+/// shapes where neither fits are cut at `c·I/chunks`.
+pub fn chunk_cols(intermediate: usize, chunks: usize, c: usize) -> std::ops::Range<usize> {
+    let (i, chunks) = (intermediate, chunks.max(1));
+    for align in [CHUNK_ALIGN, 8] {
+        let w = i.div_ceil(chunks).next_multiple_of(align);
+        if (chunks - 1) * w < i {
+            return (c * w).min(i)..((c + 1) * w).min(i);
+        }
+    }
+    c * i / chunks..(c + 1) * i / chunks
 }
 
 /// The fewest chunks whose f32 slice of the intermediate activation fits one shared-memory
@@ -308,4 +331,39 @@ pub fn plan(
         gpu,
         &overrides.apply(Options::auto(model, gpu, cost)),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn down_chunks_start_on_aligned_columns_and_cover_the_row() {
+        for (i, chunks) in [
+            (9728, 3),
+            (18944, 5),
+            (14336, 4),
+            (8192, 2),
+            (1536, 1),
+            (96, 3),
+            (100, 3),
+            (5, 4),
+        ] {
+            let mut next = 0;
+            for c in 0..chunks {
+                let r = chunk_cols(i, chunks, c);
+                assert_eq!(r.start, next, "{i} / {chunks}: chunk {c}");
+                let align = if i >= 1536 { CHUNK_ALIGN } else { 1 };
+                assert!(
+                    r.start.is_multiple_of(align) && !r.is_empty(),
+                    "{i} / {chunks}: {r:?}"
+                );
+                assert!(r.len() <= 4096, "{i} / {chunks}: {r:?}");
+                next = r.end;
+            }
+            assert_eq!(next, i, "{i} / {chunks}");
+        }
+        // Qwen3-4B: 3,264 + 3,264 + 3,200.
+        assert_eq!(chunk_cols(9728, 3, 1), 3264..6528);
+    }
 }
