@@ -190,10 +190,98 @@ fn tojson_matches_python_json_dumps() {
         "{\"a\": 1, \"b\": [2.5, null, true, \"x\\\"<y>\"], \"c\": {}}|\
          {\n  \"a\": [\n    1,\n    2\n  ]\n}|\"\\u00e9\""
     );
+    let template = "{{ {'a': [1, 2]} | tojson(separators=(',', ':')) }}|\
+                    {{ [1] | tojson(separators=none) }}";
+    let out = render(template, &[], "", "", false).unwrap();
+    assert_eq!(out, "{\"a\":[1,2]}|[1]");
+    for separators in ["[',']", "[',', ':', ' ']", "1", "'ab'"] {
+        let template = format!("{{{{ [1] | tojson(separators={separators}) }}}}");
+        assert!(render(&template, &[], "", "", false).is_err(), "{template}");
+    }
 }
 
 #[test]
 fn template_syntax_errors_are_reported() {
     let err = render("{% for m in messages %}", &[user("x")], "", "", false).unwrap_err();
     assert!(err.to_string().contains("does not parse"), "{err}");
+}
+
+/// `template` rendered by minijinja as it comes, set up as `render` sets it up but without the
+/// checks that keep a hostile template's strings and output small.
+fn render_unchecked(template: &str, messages: &[ChatMessage]) -> String {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    let result = env.template_from_str(template).and_then(|t| {
+        t.render(minijinja::context! {
+            messages => messages,
+            bos_token => "<s>",
+            eos_token => "</s>",
+            add_generation_prompt => true,
+        })
+    });
+    match result {
+        Ok(out) => out,
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+#[test]
+fn the_size_checks_change_no_output() {
+    let messages = [
+        ChatMessage::new("system", "Be brief."),
+        user("Hi <b> & 'x'\nsecond line"),
+        ChatMessage::new("assistant", "Hello."),
+        user("What is 2+2?"),
+    ];
+    for template in [
+        SMOLLM2,
+        // Operators, on strings and on everything else.
+        "{% for m in messages %}{{ '<|' + m.role + '|>' ~ m.content ~ '\n' }}{% endfor %}\
+         {{ [1, 2] + [3] }}{{ [1] * 3 }}{{ 3 * 'ab' }}{{ 2 * 3 + 1 }}{{ 1.5 * 2 }}\
+         {{ undefined_thing ~ 'x' }}{{ none ~ 1 }}{{ 'a' in 'cat' }}{{ 1 in [1] }}\
+         {{ 1 < 2 < 3 }}{{ 'b' not in messages[0].content }}{{ undefined_thing }}",
+        // Loops, conditions, namespaces, short-circuits.
+        "{% set ns = namespace(x='') %}{% for m in messages %}\
+         {% if loop.first %}F{% elif loop.last %}L{% else %}{{ loop.index }}{% endif %}\
+         {% set ns.x = ns.x ~ m.role[0] %}{{ m['content'] * 2 }}{% endfor %}{{ ns.x }}\
+         {{ messages[0].content if messages and messages[0].role == 'system' else 'none' }}\
+         {{ a or 'b' }}{{ 1 and 0 }}{% for i in range(3) %}{{ loop.cycle('a', 'b') }}{% endfor %}",
+        // Macros with defaults and callers, set and filter blocks, recursive loops, blocks.
+        "{% macro r(m, p='-') %}{{ p }}{{ m.role|upper }}{{ caller() if caller else '' }}\
+         {% endmacro %}{% for m in messages %}{{ r(m) }}{% call r(m, '+') %}C{{ m.content|length }}\
+         {% endcall %}{% endfor %}{% set x %}{% for m in messages %}{{ m.content }}|{% endfor %}\
+         {% endset %}{{ x|length }}{% filter upper %}abc{{ x[:3] }}{% endfilter %}\
+         {% for item in [[1, [2, [3]]], [4]] recursive %}[{% if item is iterable %}\
+         {{ loop(item) }}{% else %}{{ item }}{% endif %}]{% endfor %}\
+         {% block b %}B{{ 1 + 1 }}{% endblock %}{{ self.b() }}",
+        // The builtins behind checks, with positional and keyword arguments.
+        "{{ messages|map(attribute='role')|join(', ') }}{{ x|join }}{{ 'a\nb\nc'|indent(2) }}\
+         {{ 'a\nb'|indent(width=3, first=true) }}{{ '%s-%05d'|format('x', 42) }}\
+         {{ '{}/{:>4}'.format('a', 'b') }}{{ '-'.join(['a', 'b']) }}\
+         {{ 'aXbX'.replace('X', '--') }}{{ 'aXbX'.replace('X', '-', 1) }}\
+         {{ 'aXbX'|replace('X', '') }}{{ 'ab'|upper }}{{ 'AB'|lower }}{{ 'ab cd'|title }}\
+         {{ 'ab'|capitalize }}{{ ' a '|trim }}{{ 5|string }}{{ 'a b'|split|list }}\
+         {{ 'a\nb'|lines|list }}{{ '<a>'|escape }}{{ '<a>'|e }}{{ [1, 'a']|pprint }}\
+         {{ '<a>'|safe }}{{ 'abc' is startingwith 'a' }}{{ 'abc' is endingwith 'x' }}\
+         {{ 'a' is in 'abc' }}{{ 'ab'.upper() }}{{ 'AB'.lower() }}{{ 'ab cd'.title() }}\
+         {{ 'ab'.capitalize() }}{{ messages|selectattr('role', 'eq', 'user')|list|length }}",
+        // Escaping turned on.
+        "{% autoescape true %}{{ '<x>' ~ messages[1].content }}{{ ['<a>', 'b']|join('&') }}\
+         {{ '<%s>'|format('&') }}{{ messages[1].content|replace('&', '+') }}{% endautoescape %}",
+        // Errors, with their line.
+        "{% if true %}{{ 1 }}{% endif %}\n{{ 'x' * 'y' }}",
+        "{{ 'a' + 1 }}",
+    ] {
+        let unchecked = render_unchecked(template, &messages);
+        let checked = match render(template, &messages, "<s>", "</s>", true) {
+            Ok(out) => out,
+            Err(e) => format!(
+                "error: {}",
+                e.to_string().replace("chat template failed: ", "")
+            ),
+        };
+        assert_eq!(checked, unchecked, "{template}");
+    }
 }

@@ -228,6 +228,72 @@ fn chat_template_with_huge_output() {
     assert!(largest < 64 << 20);
 }
 
+/// Renders `template`, which must fail quickly with an error naming `limit` and without one
+/// allocation above the 64 MB bound.
+fn template_stops_at(template: &str, limit: &str) {
+    let start = Instant::now();
+    let (result, largest) = largest_allocation(|| render(template, &[user("x")], "", "", true));
+    let Err(err) = result else {
+        panic!("{template}: rendered");
+    };
+    let err = format!("{err:#}");
+    println!(
+        "{template}\n  stopped in {:?}, largest allocation {largest}: {err}",
+        start.elapsed()
+    );
+    assert_contains(&err, &[limit]);
+    assert!(
+        largest <= allocation_bound(template.len()),
+        "{template}: largest allocation {largest} bytes"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn chat_template_strings_are_capped() {
+    for template in [
+        // Found by fuzzing: `'{' * 99999993.0`, under minijinja's own 100 MB bound for `*` and
+        // made while compiling, as minijinja evaluates operators on constants then.
+        "{s{{-3-3333333-3-33333331*3.*'{'*3.*i33}}",
+        "{{ 'x' * 50000000 }}",
+        // The same when rendering: the count is a variable, not a constant.
+        "{% set n = 50000000 %}{{ 'x' * n }}",
+        // Doubling a string: 40 rounds need a few hundred instructions of fuel.
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}\
+         {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}\
+         {% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+        // Builtins that return far more than they are given.
+        "{{ (['x' * 10000000] * 100)|join }}",
+        "{% set s = 'x' * 10000 %}{{ s|replace('', s) }}",
+        "{{ 'a\nb'|indent(1000000000) }}",
+        "{{ '%100000000d'|format(1) }}",
+        "{{ '{:>100000000}'.format(1) }}",
+        "{{ [1]|tojson(indent=1000000000) }}",
+        "{{ [1]|tojson(separators=[[0] * 100000000, ':']) }}",
+        // A lazily repeated list, written out as text.
+        "{{ ([0] * 100000000)|string }}",
+        "{% set a = [0] * 100000000 %}{{ a ~ 'x' }}",
+    ] {
+        template_stops_at(template, "MAX_TEMPLATE_STRING_BYTES");
+    }
+}
+
+#[test]
+fn chat_template_collected_text_is_capped() {
+    for template in [
+        // A macro's output is collected into a string; this one doubles it at each call.
+        "{% macro twice(n) %}{% if n %}{% set t = twice(n - 1) %}{{ t }}{{ t }}\
+         {% else %}x{% endif %}{% endmacro %}{{ twice(40)|length }}",
+        // Template text collected by a set block, 240 thousand times over within the fuel.
+        "{% set x %}{% for i in range(100000) %}{% for j in range(100) %}\
+         0123456789012345678901234567890123456789012345678901234567890123456789\
+         {% endfor %}{% endfor %}{% endset %}{{ x|length }}",
+    ] {
+        template_stops_at(template, "MAX_TEMPLATE_OUTPUT_BYTES");
+    }
+}
+
 // ---- 7: tokenizer.json files that make the tokenizers crate panic ----
 
 /// Writes the tiny model with `tokenizer` as its tokenizer.json and returns the load error.

@@ -1,14 +1,27 @@
 //! Chat templates: the Jinja `chat_template` of HF tokenizers, rendered with minijinja in the
 //! environment transformers' `apply_chat_template` sets up (trim_blocks, lstrip_blocks,
 //! `raise_exception`, `strftime_now`, a Python-style `tojson`, Python string methods).
+//!
+//! A template comes from the model file, so it renders within limits: instructions
+//! (`MAX_TEMPLATE_FUEL`, counted by minijinja), text written (`MAX_TEMPLATE_OUTPUT_BYTES`) and
+//! the length of any one string it builds (`MAX_TEMPLATE_STRING_BYTES`); `limits` says how the
+//! last two are kept.
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Result};
+use minijinja::machinery::{self, Vm};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde::Serialize;
+
+mod limits;
+
+use limits::{checked, text_len, Budget};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
@@ -29,11 +42,19 @@ impl ChatMessage {
 /// thousand; this leaves room for very long conversations while stopping a template (which
 /// comes from the model file) that loops for minutes.
 pub const MAX_TEMPLATE_FUEL: u64 = 10_000_000;
-/// Bytes a chat template may output: far more than any context window holds as text.
+/// Bytes a chat template may write: far more than any context window holds as text. Text a
+/// template collects (`{% set x %}` blocks, macro calls, `{% filter %}` blocks) counts when it
+/// is collected and again when it is output, so no collected text can pass it either.
 pub const MAX_TEMPLATE_OUTPUT_BYTES: usize = 16 << 20;
+/// Bytes of one string a chat template may build: with the operators (`*`, `~`, `+`, `in`
+/// against a string) or with the builtins that lengthen a string or write a value out as text
+/// (`join`, `replace`, `indent`, `format`, `tojson`, ...; `limits` has the list). A prompt
+/// needs no string longer than the output, and at this size a string and the buffer it grows
+/// in stay under the 64 MB that one allocation may take.
+pub const MAX_TEMPLATE_STRING_BYTES: usize = 16 << 20;
 
 /// Renders `messages` through `template`, with the variables HF templates read, within
-/// `MAX_TEMPLATE_FUEL` and `MAX_TEMPLATE_OUTPUT_BYTES`.
+/// `MAX_TEMPLATE_FUEL`, `MAX_TEMPLATE_OUTPUT_BYTES` and `MAX_TEMPLATE_STRING_BYTES`.
 pub fn render(
     template: &str,
     messages: &[ChatMessage],
@@ -41,33 +62,59 @@ pub fn render(
     eos_token: &str,
     add_generation_prompt: bool,
 ) -> Result<String> {
-    let env = environment();
+    // A template that does not parse fails just below, with minijinja's message.
+    if let Ok(ast) = machinery::parse(template, "<string>", Default::default(), Default::default())
+    {
+        if let Err(len) = limits::check_constants(&ast) {
+            bail!(
+                "chat template stopped: a constant in it is a string of {len} bytes or more, \
+                 longer than the limit of {MAX_TEMPLATE_STRING_BYTES} bytes \
+                 (MAX_TEMPLATE_STRING_BYTES)"
+            );
+        }
+    }
+    let budget = Arc::new(Budget::default());
+    let env = environment(&budget);
     let tmpl = env
         .template_from_str(template)
         .map_err(|e| anyhow!("chat template does not parse: {e}"))?;
-    let mut out = BoundedWriter {
-        buf: Vec::new(),
-        limit: MAX_TEMPLATE_OUTPUT_BYTES,
-        exceeded: false,
-    };
-    let result = tmpl.render_captured_to(
-        context! {
-            messages => messages,
-            bos_token => bos_token,
-            eos_token => eos_token,
-            add_generation_prompt => add_generation_prompt,
-        },
-        &mut out,
-    );
-    if out.exceeded {
+    let compiled = machinery::get_compiled_template(&tmpl);
+    let code = checked(&compiled.instructions);
+    let blocks: BTreeMap<_, _> = compiled
+        .blocks
+        .iter()
+        .map(|(name, block)| (*name, checked(block)))
+        .collect();
+    let mut out = String::new();
+    let result = Vm::new(&env)
+        .eval(
+            &code,
+            context! {
+                messages => messages,
+                bos_token => bos_token,
+                eos_token => eos_token,
+                add_generation_prompt => add_generation_prompt,
+            },
+            &blocks,
+            &mut machinery::make_string_output(&mut out),
+            compiled.initial_auto_escape,
+        )
+        .map(|_| ());
+    if budget.output_exceeded() {
         bail!(
-            "chat template stopped: its output passed the limit of {MAX_TEMPLATE_OUTPUT_BYTES} \
-             bytes (MAX_TEMPLATE_OUTPUT_BYTES)"
+            "chat template stopped: the text it wrote (its output and the text it collected in \
+             set blocks and macro calls) passed the limit of {MAX_TEMPLATE_OUTPUT_BYTES} bytes \
+             (MAX_TEMPLATE_OUTPUT_BYTES)"
+        );
+    }
+    if budget.string_exceeded() {
+        bail!(
+            "chat template stopped: it built a string longer than the limit of \
+             {MAX_TEMPLATE_STRING_BYTES} bytes (MAX_TEMPLATE_STRING_BYTES)"
         );
     }
     match result {
-        Ok(_) => String::from_utf8(out.buf)
-            .map_err(|_| anyhow!("chat template output is not valid UTF-8")),
+        Ok(()) => Ok(out),
         Err(e) if e.kind() == ErrorKind::OutOfFuel => bail!(
             "chat template stopped after {MAX_TEMPLATE_FUEL} instructions \
              (MAX_TEMPLATE_FUEL): it loops too long"
@@ -102,41 +149,32 @@ pub fn render_ids(
     tok.encode_chat(&text)
 }
 
-/// Collects output up to `limit` bytes and fails the write beyond it, which aborts rendering.
-struct BoundedWriter {
-    buf: Vec<u8>,
-    limit: usize,
-    exceeded: bool,
-}
-
-impl std::io::Write for BoundedWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        if self.buf.len() + data.len() > self.limit {
-            self.exceeded = true;
-            return Err(std::io::Error::other("chat template output limit reached"));
-        }
-        self.buf.extend_from_slice(data);
-        Ok(data.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn environment() -> Environment<'static> {
+fn environment(budget: &Arc<Budget>) -> Environment<'static> {
     let mut env = Environment::new();
     env.set_fuel(Some(MAX_TEMPLATE_FUEL));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", raise_exception);
+    limits::install(&mut env, budget);
+    let b = budget.clone();
+    env.add_function("raise_exception", move |message: &Value| {
+        raise_exception(&b, message)
+    });
     env.add_function("strftime_now", strftime_now);
-    env.add_filter("tojson", tojson);
+    let b = budget.clone();
+    env.add_filter("tojson", move |value: &Value, kwargs: Kwargs| {
+        tojson(&b, value, kwargs)
+    });
     env
 }
 
-fn raise_exception(message: String) -> Result<Value, Error> {
+/// The message can be any value the template holds, so it is written out only within the
+/// limit.
+fn raise_exception(budget: &Budget, message: &Value) -> Result<Value, Error> {
+    budget.string(text_len(message, MAX_TEMPLATE_STRING_BYTES))?;
+    let message = match message.as_str() {
+        Some(s) if message.kind() == ValueKind::String => s.to_string(),
+        _ => message.to_string(),
+    };
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
@@ -256,17 +294,43 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
 /// transformers' `tojson`: Python `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`. minijinja's own filter differs (compact
 /// separators, HTML-escaped `<>&'`), which would change the prompt the model sees.
-fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+fn tojson(budget: &Budget, value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent = match kwargs.get::<Option<Value>>("indent")? {
         None => None,
         Some(v) if v.is_none() => None,
         Some(v) => Some(match v.as_str() {
             Some(s) => s.to_string(),
-            None => " ".repeat(usize::try_from(v)?),
+            None => {
+                let width = usize::try_from(v)?;
+                budget.string(width)?;
+                " ".repeat(width)
+            }
         }),
     };
-    let (item_sep, key_sep) = match kwargs.get::<Option<Vec<String>>>("separators")? {
-        Some(pair) if pair.len() == 2 => (pair[0].clone(), pair[1].clone()),
+    // The pair's items are counted before they are taken, and each is measured before it is
+    // written out: any value can stand here, a lazily repeated list of billions included.
+    let separators: Option<Vec<Value>> = match kwargs.get::<Option<Value>>("separators")? {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) if matches!(v.kind(), ValueKind::Seq | ValueKind::Iterable) => {
+            Some(v.try_iter()?.take(3).collect())
+        }
+        Some(_) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a list",
+            ))
+        }
+    };
+    let text = |v: &Value| -> Result<String, Error> {
+        budget.string(text_len(v, MAX_TEMPLATE_STRING_BYTES))?;
+        Ok(match v.as_str() {
+            Some(s) if v.kind() == ValueKind::String => s.to_string(),
+            _ => v.to_string(),
+        })
+    };
+    let (item_sep, key_sep) = match separators.as_deref() {
+        Some([item, key]) => (text(item)?, text(key)?),
         Some(_) => {
             return Err(Error::new(
                 ErrorKind::InvalidOperation,
@@ -285,9 +349,28 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
     };
     kwargs.assert_all_used()?;
-    let mut out = String::new();
+    let mut out = JsonOut {
+        text: String::new(),
+        budget,
+    };
     writer.value(value, 0, &mut out)?;
-    Ok(Value::from_safe_string(out))
+    Ok(Value::from_safe_string(out.text))
+}
+
+/// `tojson`'s output, refused past `MAX_TEMPLATE_STRING_BYTES`: indentation and separators
+/// come from the template and repeat at every item.
+struct JsonOut<'a> {
+    text: String,
+    budget: &'a Budget,
+}
+
+impl JsonOut<'_> {
+    fn push(&mut self, s: &str) -> Result<(), Error> {
+        self.budget
+            .string(self.text.len().saturating_add(s.len()))?;
+        self.text.push_str(s);
+        Ok(())
+    }
 }
 
 struct PyJson {
@@ -299,22 +382,25 @@ struct PyJson {
 }
 
 impl PyJson {
-    fn value(&self, v: &Value, depth: usize, out: &mut String) -> Result<(), Error> {
+    fn value(&self, v: &Value, depth: usize, out: &mut JsonOut) -> Result<(), Error> {
         match v.kind() {
-            ValueKind::None => out.push_str("null"),
-            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
-            ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
-            ValueKind::Number => out.push_str(&py_float(f64::try_from(v.clone())?)),
-            ValueKind::String => self.string(v.as_str().unwrap_or_default(), out),
+            ValueKind::None => out.push("null")?,
+            ValueKind::Bool => out.push(if v.is_true() { "true" } else { "false" })?,
+            ValueKind::Number if v.is_integer() => out.push(&v.to_string())?,
+            ValueKind::Number => out.push(&py_float(f64::try_from(v.clone())?))?,
+            ValueKind::String => self.string(v.as_str().unwrap_or_default(), out)?,
             ValueKind::Seq | ValueKind::Iterable => {
-                let items: Vec<Value> = v.try_iter()?.collect();
-                out.push('[');
-                for (i, item) in items.iter().enumerate() {
-                    self.separate(i, depth, out);
-                    self.value(item, depth + 1, out)?;
+                // Item by item, not collected first: a lazily repeated list can stand for
+                // far more items than memory holds, and each item writes at least one byte.
+                out.push("[")?;
+                let mut count = 0;
+                for item in v.try_iter()? {
+                    self.separate(count, depth, out)?;
+                    self.value(&item, depth + 1, out)?;
+                    count += 1;
                 }
-                self.close(items.is_empty(), depth, out);
-                out.push(']');
+                self.close(count == 0, depth, out)?;
+                out.push("]")?;
             }
             ValueKind::Map => {
                 let mut entries = Vec::new();
@@ -329,59 +415,74 @@ impl PyJson {
                 if self.sort_keys {
                     entries.sort_by(|a, b| a.0.cmp(&b.0));
                 }
-                out.push('{');
+                out.push("{")?;
                 for (i, (name, item)) in entries.iter().enumerate() {
-                    self.separate(i, depth, out);
-                    self.string(name, out);
-                    out.push_str(&self.key_sep);
+                    self.separate(i, depth, out)?;
+                    self.string(name, out)?;
+                    out.push(&self.key_sep)?;
                     self.value(item, depth + 1, out)?;
                 }
-                self.close(entries.is_empty(), depth, out);
-                out.push('}');
+                self.close(entries.is_empty(), depth, out)?;
+                out.push("}")?;
             }
             _ => return Err(unserializable("a value", v)),
         }
         Ok(())
     }
 
-    fn separate(&self, index: usize, depth: usize, out: &mut String) {
+    fn separate(&self, index: usize, depth: usize, out: &mut JsonOut) -> Result<(), Error> {
         if index > 0 {
-            out.push_str(&self.item_sep);
+            out.push(&self.item_sep)?;
         }
         if let Some(ind) = &self.indent {
-            out.push('\n');
-            out.push_str(&ind.repeat(depth + 1));
-        }
-    }
-
-    fn close(&self, empty: bool, depth: usize, out: &mut String) {
-        if let (false, Some(ind)) = (empty, &self.indent) {
-            out.push('\n');
-            out.push_str(&ind.repeat(depth));
-        }
-    }
-
-    fn string(&self, s: &str, out: &mut String) {
-        out.push('"');
-        for c in s.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\r' => out.push_str("\\r"),
-                '\t' => out.push_str("\\t"),
-                '\u{8}' => out.push_str("\\b"),
-                '\u{c}' => out.push_str("\\f"),
-                c if (c as u32) < 0x20 || (self.ensure_ascii && !(' '..='~').contains(&c)) => {
-                    let mut units = [0u16; 2];
-                    for unit in c.encode_utf16(&mut units) {
-                        let _ = write!(out, "\\u{unit:04x}");
-                    }
-                }
-                c => out.push(c),
+            out.push("\n")?;
+            for _ in 0..=depth {
+                out.push(ind)?;
             }
         }
-        out.push('"');
+        Ok(())
+    }
+
+    fn close(&self, empty: bool, depth: usize, out: &mut JsonOut) -> Result<(), Error> {
+        if let (false, Some(ind)) = (empty, &self.indent) {
+            out.push("\n")?;
+            for _ in 0..depth {
+                out.push(ind)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn string(&self, s: &str, out: &mut JsonOut) -> Result<(), Error> {
+        out.push("\"")?;
+        // Unescaped runs go out whole; escaping can make a string six times longer, so the
+        // escapes go out one by one, each checked against the limit.
+        let mut run = 0;
+        for (i, c) in s.char_indices() {
+            let escaped: Cow<str> = match c {
+                '"' => "\\\"".into(),
+                '\\' => "\\\\".into(),
+                '\n' => "\\n".into(),
+                '\r' => "\\r".into(),
+                '\t' => "\\t".into(),
+                '\u{8}' => "\\b".into(),
+                '\u{c}' => "\\f".into(),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !(' '..='~').contains(&c)) => {
+                    let mut units = [0u16; 2];
+                    let mut hex = String::new();
+                    for unit in c.encode_utf16(&mut units) {
+                        let _ = write!(hex, "\\u{unit:04x}");
+                    }
+                    Cow::Owned(hex)
+                }
+                _ => continue,
+            };
+            out.push(&s[run..i])?;
+            out.push(&escaped)?;
+            run = i + c.len_utf8();
+        }
+        out.push(&s[run..])?;
+        out.push("\"")
     }
 }
 

@@ -1,0 +1,853 @@
+//! The limits a chat template renders within, beyond minijinja's own fuel: the bytes it writes
+//! (`MAX_TEMPLATE_OUTPUT_BYTES`) and the length of any one string it builds
+//! (`MAX_TEMPLATE_STRING_BYTES`). minijinja has no setting for either, so the template's
+//! compiled code gets a check in front of each instruction that writes text or joins or repeats
+//! strings (`checked`), the builtins that can lengthen a string are replaced by ones that check
+//! first, and constants that minijinja would fold while compiling are checked before it does.
+
+use std::borrow::Cow;
+use std::fmt::{self, Write as _};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+
+use minijinja::machinery::{Instruction, Instructions};
+use minijinja::value::{Rest, ValueKind};
+use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, Value};
+
+use super::{MAX_TEMPLATE_OUTPUT_BYTES, MAX_TEMPLATE_STRING_BYTES};
+
+/// The most an escaped byte grows by when a template turns on auto-escaping: HTML writes `'`
+/// as `&#x27;`, JSON a control byte as `\u0000`.
+const MAX_ESCAPE_GROWTH: usize = 6;
+
+/// What one render has used of its limits. The checks in the render's environment share it;
+/// `render` reads it afterwards to name the limit that stopped the template, whatever error
+/// minijinja made of the check's failure on the way out.
+#[derive(Default)]
+pub(super) struct Budget {
+    /// Bytes written so far, to the output and into collected text.
+    written: AtomicUsize,
+    output_exceeded: AtomicBool,
+    string_exceeded: AtomicBool,
+}
+
+impl Budget {
+    pub(super) fn output_exceeded(&self) -> bool {
+        self.output_exceeded.load(Relaxed)
+    }
+
+    pub(super) fn string_exceeded(&self) -> bool {
+        self.string_exceeded.load(Relaxed)
+    }
+
+    /// Fails if a string of `len` bytes is more than one may hold.
+    pub(super) fn string(&self, len: usize) -> Result<(), Error> {
+        if len <= MAX_TEMPLATE_STRING_BYTES {
+            return Ok(());
+        }
+        self.string_exceeded.store(true, Relaxed);
+        Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "a string of {len} bytes or more passes the limit of \
+                 {MAX_TEMPLATE_STRING_BYTES} bytes (MAX_TEMPLATE_STRING_BYTES)"
+            ),
+        ))
+    }
+
+    /// Counts `len` more bytes written, failing past the output limit.
+    fn write(&self, len: usize) -> Result<(), Error> {
+        let total = self.written.load(Relaxed).saturating_add(len);
+        self.written.store(total, Relaxed);
+        if total <= MAX_TEMPLATE_OUTPUT_BYTES {
+            return Ok(());
+        }
+        self.output_exceeded.store(true, Relaxed);
+        Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "output passes the limit of {MAX_TEMPLATE_OUTPUT_BYTES} bytes \
+                 (MAX_TEMPLATE_OUTPUT_BYTES)"
+            ),
+        ))
+    }
+
+    fn unwritten(&self) -> usize {
+        MAX_TEMPLATE_OUTPUT_BYTES.saturating_sub(self.written.load(Relaxed))
+    }
+}
+
+// The checks `checked` puts in the code, as filters. A filter name is looked up in the
+// environment only (a template variable cannot stand in for it), and these are not
+// identifiers, so a template cannot call them by name either.
+const CHECK_MUL: &str = "%check*";
+const CHECK_ADD: &str = "%check+";
+const CHECK_CONCAT: &str = "%check~";
+const CHECK_IN: &str = "%check-in";
+const CHECK_EMIT: &str = "%check-emit";
+const CHECK_EMIT_RAW: &str = "%check-emit-raw";
+
+/// `code` with a check in front of each instruction that can make a string or write text:
+/// `*`, `+`, `~` and `in` pass their two operands through a check that computes the length of
+/// the string they would make (and hands the operands back unchanged, as a list that
+/// `UnpackList` spreads onto the stack again); `{{ }}` and template text add their length to
+/// the bytes written. Jump targets and macro entry points move with the instructions they
+/// point at, and each added instruction carries the location of the one it checks, so errors
+/// point at the template line as before.
+pub(super) fn checked<'s>(code: &Instructions<'s>) -> Instructions<'s> {
+    let old: Vec<Instruction<'s>> = (0..).map_while(|i| code.get(i).cloned()).collect();
+    // Where each old instruction starts in the new code (at its first check), and the end.
+    let mut start = Vec::with_capacity(old.len() + 1);
+    let mut next = 0u32;
+    for instr in &old {
+        start.push(next);
+        next += checks_for(instr).len() as u32 + 1;
+    }
+    start.push(next);
+
+    let mut new = Instructions::new(code.name(), code.source());
+    for (i, mut instr) in old.into_iter().enumerate() {
+        let i = i as u32;
+        if let Some(target) = jump_target(&mut instr) {
+            *target = start.get(*target as usize).copied().unwrap_or(next);
+        }
+        let (span, line) = (code.get_span(i), code.get_line(i));
+        for one in checks_for(&instr).into_iter().chain([instr]) {
+            match (span, line) {
+                (Some(span), _) => new.add_with_span(one, span),
+                (None, Some(line)) => new.add_with_line(one, line as u16),
+                (None, None) => new.add(one),
+            };
+        }
+    }
+    new
+}
+
+fn checks_for<'s>(instr: &Instruction<'s>) -> Vec<Instruction<'s>> {
+    // Local id !0: look the filter up each time rather than in the VM's small per-template
+    // cache of filters, whose slots the compiler has handed out already.
+    let pair = |name| {
+        vec![
+            Instruction::ApplyFilter(name, Some(2), !0),
+            Instruction::UnpackList(2),
+        ]
+    };
+    match instr {
+        Instruction::Mul => pair(CHECK_MUL),
+        Instruction::Add => pair(CHECK_ADD),
+        Instruction::StringConcat => pair(CHECK_CONCAT),
+        // `in`, and in a chain of comparisons (`a < b in c`) every step, as minijinja keeps
+        // the kind of comparison to itself.
+        Instruction::In | Instruction::CompareAndPreserve(_) => pair(CHECK_IN),
+        Instruction::Emit => vec![Instruction::ApplyFilter(CHECK_EMIT, Some(1), !0)],
+        Instruction::EmitRaw(text) => vec![
+            Instruction::LoadConst(Value::from(text.len())),
+            Instruction::ApplyFilter(CHECK_EMIT_RAW, Some(1), !0),
+            Instruction::DiscardTop,
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// The instruction index `instr` holds, if any. Every instruction is named, so that a
+/// minijinja release that adds one fails to compile here until it is sorted into one arm.
+fn jump_target<'a>(instr: &'a mut Instruction<'_>) -> Option<&'a mut u32> {
+    use Instruction as I;
+    match instr {
+        I::Jump(t)
+        | I::JumpIfFalse(t)
+        | I::JumpIfFalseOrPop(t)
+        | I::JumpIfTrueOrPop(t)
+        | I::Iterate(t)
+        | I::BuildMacro(_, t, _) => Some(t),
+        I::EmitRaw(_)
+        | I::StoreLocal(_)
+        | I::Lookup(_)
+        | I::GetAttr(_)
+        | I::SetAttr(_)
+        | I::GetItem
+        | I::Slice
+        | I::LoadConst(_)
+        | I::BuildMap(_)
+        | I::BuildKwargs(_)
+        | I::MergeKwargs(_)
+        | I::BuildList(_)
+        | I::UnpackList(_)
+        | I::UnpackLists(_)
+        | I::Add
+        | I::Sub
+        | I::Mul
+        | I::Div
+        | I::IntDiv
+        | I::Rem
+        | I::Pow
+        | I::Neg
+        | I::Eq
+        | I::Ne
+        | I::Gt
+        | I::Gte
+        | I::Lt
+        | I::Lte
+        | I::Not
+        | I::StringConcat
+        | I::In
+        | I::CompareAndPreserve(_)
+        | I::ApplyFilter(..)
+        | I::PerformTest(..)
+        | I::Emit
+        | I::PushLoop(_)
+        | I::PushWith
+        | I::PushDidNotIterate
+        | I::PopFrame
+        | I::PopLoopFrame
+        | I::PushAutoEscape
+        | I::PopAutoEscape
+        | I::BeginCapture(_)
+        | I::EndCapture
+        | I::CallFunction(..)
+        | I::CallMethod(..)
+        | I::CallObject(_)
+        | I::DupTop
+        | I::DiscardTop
+        | I::FastSuper
+        | I::FastRecurse
+        | I::Swap
+        | I::CallBlock(_)
+        | I::LoadBlocks
+        | I::Include(_)
+        | I::ExportLocals
+        | I::Return
+        | I::IsUndefined
+        | I::Enclose(_)
+        | I::GetClosure => None,
+    }
+}
+
+/// Bytes of `v` as text (what `~`, `{{ }}` and `join` make of it), counted without building
+/// it and only up to just past `cap`: a lazily repeated list can stand for gigabytes.
+pub(super) fn text_len(v: &Value, cap: usize) -> usize {
+    text_len_as(v, cap, false)
+}
+
+/// [`text_len`], or with `pretty` the length of `pprint`'s `{:#?}`.
+fn text_len_as(v: &Value, cap: usize, pretty: bool) -> usize {
+    if v.kind() == ValueKind::String && !pretty {
+        if let Some(s) = v.as_str() {
+            return s.len();
+        }
+    }
+    struct Count {
+        len: usize,
+        cap: usize,
+    }
+    impl fmt::Write for Count {
+        fn write_str(&mut self, s: &str) -> fmt::Result {
+            self.len = self.len.saturating_add(s.len());
+            if self.len > self.cap {
+                Err(fmt::Error)
+            } else {
+                Ok(())
+            }
+        }
+    }
+    // A list prints as `[a, b]` and a map as `{k: v}`, at least 3 bytes an item; a lazily
+    // repeated list of billions of items would take seconds to print even into nothing.
+    if matches!(
+        v.kind(),
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable
+    ) {
+        if let Some(items) = v.len() {
+            if items.saturating_mul(3) > cap {
+                return cap.saturating_add(1);
+            }
+        }
+    }
+    let mut count = Count { len: 0, cap };
+    let _ = if pretty {
+        write!(count, "{v:#?}")
+    } else {
+        write!(count, "{v}")
+    };
+    count.len
+}
+
+/// How much longer than its text a value gets when written under `state`'s escaping.
+fn escape_growth(state: &State) -> usize {
+    if matches!(state.auto_escape(), AutoEscape::None) {
+        1
+    } else {
+        MAX_ESCAPE_GROWTH
+    }
+}
+
+/// The operands of a checked binary operator, as `UnpackList(2)` restores them.
+fn operands(lhs: &Value, rhs: &Value) -> Value {
+    Value::from(vec![rhs.clone(), lhs.clone()])
+}
+
+/// Bytes of the string `lhs * rhs` makes, when it repeats a string (minijinja picks the
+/// string on the left first).
+fn repeat_len(lhs: &Value, rhs: &Value) -> Option<usize> {
+    let (s, n) = lhs
+        .as_str()
+        .map(|s| (s, rhs))
+        .or_else(|| rhs.as_str().map(|s| (s, lhs)))?;
+    Some(s.len().saturating_mul(n.as_usize()?))
+}
+
+/// Bytes of `lhs + rhs` when it joins two strings.
+fn add_len(lhs: &Value, rhs: &Value) -> Option<usize> {
+    Some(lhs.as_str()?.len().saturating_add(rhs.as_str()?.len()))
+}
+
+/// Bytes of `lhs ~ rhs`, counted up to just past the limit.
+fn concat_len(lhs: &Value, rhs: &Value) -> usize {
+    let cap = MAX_TEMPLATE_STRING_BYTES;
+    text_len(lhs, cap).saturating_add(text_len(rhs, cap))
+}
+
+/// Bytes of the text `item in container` makes of `item`: a string container looks for the
+/// item written out.
+fn contains_len(container: &Value, item: &Value) -> Option<usize> {
+    (container.as_str().is_some() && item.as_str().is_none())
+        .then(|| text_len(item, MAX_TEMPLATE_STRING_BYTES))
+}
+
+/// Puts the checks into `env`, all counting against `budget`: the filters `checked` code
+/// calls, the string builtins behind their checks, and Python's string methods (from
+/// minijinja-contrib) behind theirs.
+pub(super) fn install(env: &mut Environment<'static>, budget: &Arc<Budget>) {
+    add_checks(env, budget);
+    add_string_builtins(env, budget);
+    let b = budget.clone();
+    env.set_unknown_method_callback(move |state, value, method, args| {
+        if value.kind() == ValueKind::String {
+            b.string(method_result_bound(state, value, method, args))?;
+        }
+        minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+    });
+}
+
+pub(super) use constants::check as check_constants;
+
+fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
+    let b = budget.clone();
+    env.add_filter(CHECK_MUL, move |lhs: &Value, rhs: &Value| {
+        b.string(repeat_len(lhs, rhs).unwrap_or(0))?;
+        Ok(operands(lhs, rhs))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_ADD, move |lhs: &Value, rhs: &Value| {
+        b.string(add_len(lhs, rhs).unwrap_or(0))?;
+        Ok(operands(lhs, rhs))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_CONCAT, move |lhs: &Value, rhs: &Value| {
+        b.string(concat_len(lhs, rhs))?;
+        Ok(operands(lhs, rhs))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_IN, move |item: &Value, container: &Value| {
+        b.string(contains_len(container, item).unwrap_or(0))?;
+        Ok(operands(item, container))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_EMIT, move |state: &State, v: &Value| {
+        b.write(text_len(v, b.unwritten()).saturating_mul(escape_growth(state)))?;
+        Ok(v.clone())
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_EMIT_RAW, move |len: usize| {
+        b.write(len)?;
+        Ok(Value::UNDEFINED)
+    });
+}
+
+/// minijinja's filters and tests that can make a string much longer than they are given
+/// (`join`, `replace`, `indent`, `format`, changing case, escaping), or that write out a value
+/// given to them as text (a list of one long string repeated prints as gigabytes), each
+/// behind a check of the longest string its arguments allow.
+fn add_string_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
+    use minijinja::{filters as f, tests as t};
+    type Bound = fn(&State, &[Value]) -> usize;
+    let filters: [(&str, Value, Bound); 16] = [
+        ("join", Value::from_function(f::join), join_bound),
+        (
+            "replace",
+            Value::from_function(f::replace),
+            |state, args| replace_bound(state, args, args.get(1), args.get(2)),
+        ),
+        ("indent", Value::from_function(f::indent), indent_bound),
+        ("format", Value::from_function(f::format), format_bound),
+        ("upper", Value::from_function(f::upper), case_bound),
+        ("lower", Value::from_function(f::lower), case_bound),
+        ("title", Value::from_function(f::title), case_bound),
+        (
+            "capitalize",
+            Value::from_function(f::capitalize),
+            case_bound,
+        ),
+        ("escape", Value::from_function(f::escape), escape_bound),
+        ("e", Value::from_function(f::escape), escape_bound),
+        ("pprint", Value::from_function(f::pprint), |_, args| {
+            args.first().map_or(0, |v| text_len_as(v, TOO_LONG, true))
+        }),
+        ("trim", Value::from_function(f::trim), first_text_bound),
+        ("string", Value::from_function(f::string), first_text_bound),
+        ("split", Value::from_function(f::split), first_text_bound),
+        ("lines", Value::from_function(f::lines), first_text_bound),
+        ("safe", Value::from_function(f::safe), first_text_bound),
+    ];
+    for (name, builtin, bound) in filters {
+        let b = budget.clone();
+        env.add_filter(name, move |state: &State, args: Rest<Value>| {
+            b.string(bound(state, &args))?;
+            builtin.call(state, &args)
+        });
+    }
+    let tests: [(&str, Value, Bound); 3] = [
+        (
+            "startingwith",
+            Value::from_function(t::is_startingwith),
+            all_text_bound,
+        ),
+        (
+            "endingwith",
+            Value::from_function(t::is_endingwith),
+            all_text_bound,
+        ),
+        ("in", Value::from_function(t::is_in), |_, args| match args {
+            [item, container, ..] => contains_len(container, item).unwrap_or(0),
+            _ => 0,
+        }),
+    ];
+    for (name, builtin, bound) in tests {
+        let b = budget.clone();
+        env.add_test(name, move |state: &State, args: Rest<Value>| {
+            b.string(bound(state, &args))?;
+            builtin.call(state, &args).map(|v| v.is_true())
+        });
+    }
+    // `debug()` writes out every variable in scope at once.
+    env.remove_global("debug");
+}
+
+fn first_text_bound(_: &State, args: &[Value]) -> usize {
+    args.first().map_or(0, |v| text_len(v, TOO_LONG))
+}
+
+fn all_text_bound(_: &State, args: &[Value]) -> usize {
+    args.iter()
+        .map(|v| text_len(v, TOO_LONG))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Changing case makes a character at most three times longer (`ΐ` becomes `Ϊ́`); only a
+/// string long enough for that to matter is counted character by character.
+fn case_bound(_: &State, args: &[Value]) -> usize {
+    let Some(text) = args.first().map(text_of) else {
+        return 0;
+    };
+    let Some(text) = text else {
+        return TOO_LONG;
+    };
+    if text.len().saturating_mul(3) <= MAX_TEMPLATE_STRING_BYTES {
+        return text.len();
+    }
+    let case_len = |c: char| {
+        let upper: usize = c.to_uppercase().map(char::len_utf8).sum();
+        let lower: usize = c.to_lowercase().map(char::len_utf8).sum();
+        upper.max(lower)
+    };
+    text.chars().map(case_len).fold(0, usize::saturating_add)
+}
+
+/// HTML escaping writes each of `<>&"'/` as at most six bytes.
+fn escape_bound(_: &State, args: &[Value]) -> usize {
+    match args.first() {
+        Some(v) if v.kind() == ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            let special = s.bytes().filter(|b| b"<>&\"'/".contains(b)).count();
+            s.len()
+                .saturating_add(special.saturating_mul(MAX_ESCAPE_GROWTH - 1))
+        }
+        Some(v) => text_len(v, TOO_LONG).saturating_mul(MAX_ESCAPE_GROWTH),
+        None => 0,
+    }
+}
+
+/// Text of `v` if it is a string or prints as one of at most `MAX_TEMPLATE_STRING_BYTES`.
+fn text_of(v: &Value) -> Option<Cow<'_, str>> {
+    match v.as_str() {
+        Some(s) if v.kind() == ValueKind::String => Some(s.into()),
+        _ if text_len(v, MAX_TEMPLATE_STRING_BYTES) > MAX_TEMPLATE_STRING_BYTES => None,
+        _ => Some(v.to_string().into()),
+    }
+}
+
+/// Past the limit: the result of a filter whose input is too long to look at.
+const TOO_LONG: usize = MAX_TEMPLATE_STRING_BYTES + 1;
+
+fn join_bound(state: &State, args: &[Value]) -> usize {
+    let (Some(seq), joiner) = (args.first(), args.get(1)) else {
+        return 0;
+    };
+    let joiner = joiner
+        .filter(|j| !j.is_undefined() && !j.is_none())
+        .map_or(0, |j| text_len(j, TOO_LONG));
+    let Ok(items) = seq.try_iter() else {
+        return 0;
+    };
+    let mut len = 0usize;
+    for (i, item) in items.enumerate() {
+        let sep = if i > 0 { joiner } else { 0 };
+        len = len
+            .saturating_add(sep)
+            .saturating_add(text_len(&item, TOO_LONG).saturating_mul(escape_growth(state)));
+        if len > MAX_TEMPLATE_STRING_BYTES {
+            break;
+        }
+    }
+    len
+}
+
+/// Length of `text` with every `from` replaced by `to`.
+fn replace_bound(state: &State, args: &[Value], from: Option<&Value>, to: Option<&Value>) -> usize {
+    let (Some(text), Some(from), Some(to)) = (args.first(), from, to) else {
+        return 0;
+    };
+    let (Some(text), Some(from)) = (text_of(text), text_of(from)) else {
+        return TOO_LONG;
+    };
+    let count = if from.is_empty() {
+        text.chars().count() + 1
+    } else {
+        text.matches(from.as_ref()).count()
+    };
+    let to = text_len(to, TOO_LONG).saturating_mul(escape_growth(state));
+    text.len()
+        .saturating_mul(escape_growth(state))
+        .saturating_add(count.saturating_mul(to))
+}
+
+fn indent_bound(_: &State, args: &[Value]) -> usize {
+    let Some(text) = args.first() else {
+        return 0;
+    };
+    let kwargs = args.iter().find(|a| a.is_kwargs());
+    let width = args
+        .get(1)
+        .filter(|a| !a.is_kwargs())
+        .cloned()
+        .or_else(|| kwargs.and_then(|k| k.get_attr("width").ok()))
+        .and_then(|w| w.as_usize())
+        .unwrap_or(4);
+    let Some(text) = text_of(text) else {
+        return TOO_LONG;
+    };
+    let lines = text.bytes().filter(|&c| c == b'\n').count() + 1;
+    text.len().saturating_add(lines.saturating_mul(width))
+}
+
+/// printf-style `format` and Python's `str.format`: the format string, the numbers in it
+/// (widths and precisions, which pad), and for each place that takes an argument the longest
+/// argument (plus room for a float written out in full).
+fn format_bound(state: &State, args: &[Value]) -> usize {
+    let Some(fmt) = args.first().and_then(|f| f.as_str()) else {
+        return 0;
+    };
+    let longest_arg = args[1..]
+        .iter()
+        .map(|a| text_len(a, TOO_LONG).saturating_mul(escape_growth(state)))
+        .max()
+        .unwrap_or(0);
+    let places = fmt.bytes().filter(|&c| c == b'%' || c == b'{').count();
+    let numbers = fmt
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|d| !d.is_empty())
+        .map(|d| d.parse::<usize>().unwrap_or(usize::MAX))
+        .fold(0usize, usize::saturating_add);
+    fmt.len()
+        .saturating_add(numbers)
+        .saturating_add(places.saturating_mul(longest_arg.saturating_add(400)))
+}
+
+/// The longest string a Python string method of minijinja-contrib can return for these
+/// arguments; 0 for the methods that return no longer string than they are given.
+fn method_result_bound(state: &State, value: &Value, method: &str, args: &[Value]) -> usize {
+    let with_value = || {
+        std::iter::once(value.clone())
+            .chain(args.iter().cloned())
+            .collect::<Vec<_>>()
+    };
+    match method {
+        "replace" => replace_bound(
+            state,
+            std::slice::from_ref(value),
+            args.first(),
+            args.get(1),
+        ),
+        "format" => format_bound(state, &with_value()),
+        // `sep.join(items)`: the items with `sep` between them.
+        "join" => match args.first() {
+            Some(items) => join_bound(state, &[items.clone(), value.clone()]),
+            None => 0,
+        },
+        "upper" | "lower" | "title" | "capitalize" => {
+            case_bound(state, std::slice::from_ref(value))
+        }
+        _ => 0,
+    }
+}
+
+/// minijinja's compiler evaluates an operator whose operands are constants (`'x' * 99999999`,
+/// `'a' ~ 'b'`) while it compiles, where none of the checks `checked` adds can run. `check`
+/// walks the parsed template first and evaluates those constants the way the compiler will,
+/// one operator at a time, each after the same length check as at run time.
+mod constants {
+    use minijinja::machinery::ast::{self, BinOpKind, CallArg, Expr, Spanned, Stmt};
+    use minijinja::machinery::Span;
+    use minijinja::Value;
+
+    use super::{add_len, concat_len, contains_len, repeat_len, MAX_TEMPLATE_STRING_BYTES};
+
+    /// Err: the length of a constant string that would pass the limit.
+    type Checked<T> = Result<T, usize>;
+
+    /// Fails with the length of the first constant string in `template` that would pass the
+    /// limit.
+    pub(in crate::tokenizer::chat) fn check(template: &Stmt) -> Checked<()> {
+        stmt(template)
+    }
+
+    fn stmts(body: &[Stmt]) -> Checked<()> {
+        body.iter().try_for_each(stmt)
+    }
+
+    // Every statement and expression is named, so that a minijinja release that adds one fails
+    // to compile here until it is walked.
+    fn stmt(s: &Stmt) -> Checked<()> {
+        match s {
+            Stmt::Template(t) => stmts(&t.children),
+            Stmt::EmitExpr(e) => expr(&e.expr),
+            Stmt::EmitRaw(_) => Ok(()),
+            Stmt::ForLoop(f) => {
+                expr(&f.target)?;
+                expr(&f.iter)?;
+                f.filter_expr.iter().try_for_each(expr)?;
+                stmts(&f.body)?;
+                stmts(&f.else_body)
+            }
+            Stmt::IfCond(i) => {
+                expr(&i.expr)?;
+                stmts(&i.true_body)?;
+                stmts(&i.false_body)
+            }
+            Stmt::WithBlock(w) => {
+                for (target, value) in &w.assignments {
+                    expr(target)?;
+                    expr(value)?;
+                }
+                stmts(&w.body)
+            }
+            Stmt::Set(s) => {
+                expr(&s.target)?;
+                expr(&s.expr)
+            }
+            Stmt::SetBlock(s) => {
+                expr(&s.target)?;
+                s.filter.iter().try_for_each(expr)?;
+                stmts(&s.body)
+            }
+            Stmt::AutoEscape(a) => {
+                expr(&a.enabled)?;
+                stmts(&a.body)
+            }
+            Stmt::FilterBlock(f) => {
+                expr(&f.filter)?;
+                stmts(&f.body)
+            }
+            Stmt::Block(b) => stmts(&b.body),
+            Stmt::Import(i) => {
+                expr(&i.expr)?;
+                expr(&i.name)
+            }
+            Stmt::FromImport(f) => {
+                expr(&f.expr)?;
+                for (name, alias) in &f.names {
+                    expr(name)?;
+                    alias.iter().try_for_each(expr)?;
+                }
+                Ok(())
+            }
+            Stmt::Extends(e) => expr(&e.name),
+            Stmt::Include(i) => expr(&i.name),
+            Stmt::Macro(m) => macro_decl(m),
+            Stmt::CallBlock(c) => {
+                call(&c.call)?;
+                macro_decl(&c.macro_decl)
+            }
+            Stmt::Do(d) => call(&d.call),
+        }
+    }
+
+    fn macro_decl(m: &ast::Macro) -> Checked<()> {
+        m.args.iter().chain(&m.defaults).try_for_each(expr)?;
+        stmts(&m.body)
+    }
+
+    fn call(c: &ast::Call) -> Checked<()> {
+        expr(&c.expr)?;
+        args(&c.args)
+    }
+
+    fn args(args: &[CallArg]) -> Checked<()> {
+        args.iter().try_for_each(|arg| match arg {
+            CallArg::Pos(e)
+            | CallArg::Kwarg(_, e)
+            | CallArg::PosSplat(e)
+            | CallArg::KwargSplat(e) => expr(e),
+        })
+    }
+
+    fn expr(e: &Expr) -> Checked<()> {
+        fold(e).map(drop)
+    }
+
+    /// The constant `e` compiles to, as the compiler's `Expr::as_const` folds it, or None
+    /// where the compiler emits code instead (then its operands are folded on their own).
+    fn fold(e: &Expr) -> Checked<Option<Value>> {
+        Ok(match e {
+            Expr::Const(c) => Some(c.value.clone()),
+            Expr::List(l) => {
+                l.items.iter().try_for_each(expr)?;
+                l.as_const()
+            }
+            Expr::Map(m) => {
+                m.keys.iter().chain(&m.values).try_for_each(expr)?;
+                m.as_const()
+            }
+            Expr::UnaryOp(u) => fold(&u.expr)?.and_then(|v| {
+                // A copy of the operator: `UnaryOpKind` is neither Copy nor Clone.
+                #[allow(clippy::needless_match)]
+                let op = match u.op {
+                    ast::UnaryOpKind::Not => ast::UnaryOpKind::Not,
+                    ast::UnaryOpKind::Neg => ast::UnaryOpKind::Neg,
+                };
+                Expr::UnaryOp(spanned(ast::UnaryOp {
+                    op,
+                    expr: constant(v),
+                }))
+                .as_const()
+            }),
+            Expr::BinOp(b) => match (fold(&b.left)?, fold(&b.right)?) {
+                (Some(left), Some(right)) => {
+                    let len = match b.op {
+                        BinOpKind::Mul => repeat_len(&left, &right),
+                        BinOpKind::Add => add_len(&left, &right),
+                        BinOpKind::Concat => Some(concat_len(&left, &right)),
+                        BinOpKind::In => contains_len(&right, &left),
+                        _ => None,
+                    };
+                    within_limit(len)?;
+                    let (left, right) = (constant(left), constant(right));
+                    Expr::BinOp(spanned(ast::BinOp {
+                        op: b.op,
+                        left,
+                        right,
+                    }))
+                    .as_const()
+                }
+                _ => None,
+            },
+            Expr::Compare(c) => {
+                let first = fold(&c.expr)?;
+                let rest = c
+                    .ops
+                    .iter()
+                    .map(|op| fold(&op.expr))
+                    .collect::<Checked<Vec<_>>>()?;
+                let (Some(first), Some(rest)) =
+                    (first, rest.into_iter().collect::<Option<Vec<_>>>())
+                else {
+                    return Ok(None);
+                };
+                let mut left = &first;
+                for (op, right) in c.ops.iter().zip(&rest) {
+                    if matches!(op.op, ast::CompareOpKind::In | ast::CompareOpKind::NotIn) {
+                        within_limit(contains_len(right, left))?;
+                    }
+                    left = right;
+                }
+                let ops = c
+                    .ops
+                    .iter()
+                    .zip(rest)
+                    .map(|(op, value)| ast::CompareOp {
+                        op: op.op,
+                        expr: constant(value),
+                    })
+                    .collect();
+                Expr::Compare(spanned(ast::Compare {
+                    expr: constant(first),
+                    ops,
+                }))
+                .as_const()
+            }
+            Expr::Var(_) => None,
+            Expr::Slice(s) => {
+                expr(&s.expr)?;
+                [&s.start, &s.stop, &s.step]
+                    .into_iter()
+                    .flatten()
+                    .try_for_each(expr)?;
+                None
+            }
+            Expr::IfExpr(i) => {
+                expr(&i.test_expr)?;
+                expr(&i.true_expr)?;
+                i.false_expr.iter().try_for_each(expr)?;
+                None
+            }
+            Expr::Filter(f) => {
+                f.expr.iter().try_for_each(expr)?;
+                args(&f.args)?;
+                None
+            }
+            Expr::Test(t) => {
+                expr(&t.expr)?;
+                args(&t.args)?;
+                None
+            }
+            Expr::GetAttr(g) => {
+                expr(&g.expr)?;
+                None
+            }
+            Expr::GetItem(g) => {
+                expr(&g.expr)?;
+                expr(&g.subscript_expr)?;
+                None
+            }
+            Expr::Call(c) => {
+                call(c)?;
+                None
+            }
+        })
+    }
+
+    fn within_limit(len: Option<usize>) -> Checked<()> {
+        match len {
+            Some(len) if len > MAX_TEMPLATE_STRING_BYTES => Err(len),
+            _ => Ok(()),
+        }
+    }
+
+    fn spanned<T>(node: T) -> Spanned<T> {
+        Spanned::new(node, Span::default())
+    }
+
+    fn constant<'a>(value: Value) -> Expr<'a> {
+        Expr::Const(spanned(ast::Const { value }))
+    }
+}
