@@ -131,11 +131,6 @@ impl DeviceSampler {
              chunks of {chunk} needs more"
         );
         let n_blocks = vocab.div_ceil(chunk);
-        anyhow::ensure!(
-            kernels == Kernels::Fused || n_blocks <= FINAL_THREADS as usize,
-            "the two-kernel sampler's last CTA takes at most {FINAL_THREADS} blocks: a \
-             vocabulary of {vocab} in chunks of {chunk} has {n_blocks}"
-        );
         let cubin = compile_cubin(
             "sampling",
             &source(),
