@@ -7,7 +7,14 @@ fn main() {
     println!("cargo:rerun-if-changed=.git/refs/heads");
     println!("cargo:rerun-if-changed=.git/index");
     // The sources the binary is built from: an edit makes the tree dirty (or clean again).
-    for dir in ["src", "scheduler", "megakernel", "kernels", "Cargo.toml", "Cargo.lock"] {
+    for dir in [
+        "src",
+        "scheduler",
+        "megakernel",
+        "kernels",
+        "Cargo.toml",
+        "Cargo.lock",
+    ] {
         println!("cargo:rerun-if-changed={dir}");
     }
     let git = |args: &[&str]| {

@@ -270,12 +270,41 @@ fn chat_template_strings_are_capped() {
         "{{ '%100000000d'|format(1) }}",
         "{{ '{:>100000000}'.format(1) }}",
         "{{ [1]|tojson(indent=1000000000) }}",
-        "{{ [1]|tojson(separators=[[0] * 100000000, ':']) }}",
-        // A lazily repeated list, written out as text.
-        "{{ ([0] * 100000000)|string }}",
-        "{% set a = [0] * 100000000 %}{{ a ~ 'x' }}",
+        // A list of a million items written out as text.
+        "{{ ([0] * 1000000)|string * 100 }}",
     ] {
         template_stops_at(template, "MAX_TEMPLATE_STRING_BYTES");
+    }
+}
+
+#[test]
+fn chat_template_lists_are_capped() {
+    for template in [
+        // Doubling a list: minijinja joins lists lazily, and printing or iterating the result
+        // asked for 206 GB, which aborted the process.
+        "{% set ns = namespace(s=[0]) %}{% for i in range(40) %}\
+         {% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set ns = namespace(s=[0]) %}{% for i in range(40) %}\
+         {% set ns.s = ns.s * 2 %}{% endfor %}{{ ns.s|length }}",
+        // Constants: minijinja repeats a list lazily while it compiles, and a `1 in` of it
+        // took 12 s there (a walk no fuel counts).
+        "{{ 1 in [0] * 100000000 }}",
+        "{{ ([0] * 100000000)|string }}",
+        "{% set a = [0] * 100000000 %}{{ a ~ 'x' }}",
+        // The same at run time (the count is a variable), walked by a builtin or `in`.
+        "{% set n = 100000000 %}{{ ([0] * n)|sort|length }}",
+        "{% set n = 100000000 %}{{ 1 in [0] * n }}",
+        "{{ [1]|tojson(separators=[[0] * 100000000, ':']) }}",
+        // A string within its limit made into a list of 24-byte values, one per character or
+        // piece (384 MB and 192 MB).
+        "{{ ('x' * 16000000)|list|length }}",
+        "{{ ('x ' * 8000000)|split|length }}",
+        "{{ ('x ' * 8000000).split()|length }}",
+        "{{ ('x,' * 8000000).split(',')|length }}",
+        "{{ ('x\n' * 8000000)|lines|length }}",
+        "{{ ('x\n' * 8000000).splitlines()|length }}",
+    ] {
+        template_stops_at(template, "MAX_TEMPLATE_LIST_ITEMS");
     }
 }
 

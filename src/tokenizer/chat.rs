@@ -52,9 +52,16 @@ pub const MAX_TEMPLATE_OUTPUT_BYTES: usize = 16 << 20;
 /// needs no string longer than the output, and at this size a string and the buffer it grows
 /// in stay under the 64 MB that one allocation may take.
 pub const MAX_TEMPLATE_STRING_BYTES: usize = 16 << 20;
+/// Items of one list a chat template may build with `*` or `+`, or make of a string with
+/// `list` or `split`. A minijinja value takes 24 bytes, so a list at the limit takes 24 MiB,
+/// under the 64 MB that one allocation may take; a conversation is a few thousand items.
+/// Without it, a list doubled forty times (`s = s + s`) asked for 206 GB and aborted the
+/// process.
+pub const MAX_TEMPLATE_LIST_ITEMS: usize = 1 << 20;
 
 /// Renders `messages` through `template`, with the variables HF templates read, within
-/// `MAX_TEMPLATE_FUEL`, `MAX_TEMPLATE_OUTPUT_BYTES` and `MAX_TEMPLATE_STRING_BYTES`.
+/// `MAX_TEMPLATE_FUEL`, `MAX_TEMPLATE_OUTPUT_BYTES`, `MAX_TEMPLATE_STRING_BYTES` and
+/// `MAX_TEMPLATE_LIST_ITEMS`.
 pub fn render(
     template: &str,
     messages: &[ChatMessage],
@@ -65,12 +72,18 @@ pub fn render(
     // A template that does not parse fails just below, with minijinja's message.
     if let Ok(ast) = machinery::parse(template, "<string>", Default::default(), Default::default())
     {
-        if let Err(len) = limits::check_constants(&ast) {
-            bail!(
+        match limits::check_constants(&ast) {
+            Ok(()) => {}
+            Err(limits::Over::String(len)) => bail!(
                 "chat template stopped: a constant in it is a string of {len} bytes or more, \
                  longer than the limit of {MAX_TEMPLATE_STRING_BYTES} bytes \
                  (MAX_TEMPLATE_STRING_BYTES)"
-            );
+            ),
+            Err(limits::Over::List(n)) => bail!(
+                "chat template stopped: a constant in it is a list of {n} items or more, \
+                 longer than the limit of {MAX_TEMPLATE_LIST_ITEMS} items \
+                 (MAX_TEMPLATE_LIST_ITEMS)"
+            ),
         }
     }
     let budget = Arc::new(Budget::default());
@@ -105,6 +118,12 @@ pub fn render(
             "chat template stopped: the text it wrote (its output and the text it collected in \
              set blocks and macro calls) passed the limit of {MAX_TEMPLATE_OUTPUT_BYTES} bytes \
              (MAX_TEMPLATE_OUTPUT_BYTES)"
+        );
+    }
+    if budget.list_exceeded() {
+        bail!(
+            "chat template stopped: it built a list longer than the limit of \
+             {MAX_TEMPLATE_LIST_ITEMS} items (MAX_TEMPLATE_LIST_ITEMS)"
         );
     }
     if budget.string_exceeded() {

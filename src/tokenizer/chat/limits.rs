@@ -14,7 +14,7 @@ use minijinja::machinery::{Instruction, Instructions};
 use minijinja::value::{Rest, ValueKind};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, Value};
 
-use super::{MAX_TEMPLATE_OUTPUT_BYTES, MAX_TEMPLATE_STRING_BYTES};
+use super::{MAX_TEMPLATE_LIST_ITEMS, MAX_TEMPLATE_OUTPUT_BYTES, MAX_TEMPLATE_STRING_BYTES};
 
 /// The most an escaped byte grows by when a template turns on auto-escaping: HTML writes `'`
 /// as `&#x27;`, JSON a control byte as `\u0000`.
@@ -29,6 +29,7 @@ pub(super) struct Budget {
     written: AtomicUsize,
     output_exceeded: AtomicBool,
     string_exceeded: AtomicBool,
+    list_exceeded: AtomicBool,
 }
 
 impl Budget {
@@ -38,6 +39,25 @@ impl Budget {
 
     pub(super) fn string_exceeded(&self) -> bool {
         self.string_exceeded.load(Relaxed)
+    }
+
+    pub(super) fn list_exceeded(&self) -> bool {
+        self.list_exceeded.load(Relaxed)
+    }
+
+    /// Fails if a list of `n` items is more than one may hold.
+    fn items(&self, n: usize) -> Result<(), Error> {
+        if n <= MAX_TEMPLATE_LIST_ITEMS {
+            return Ok(());
+        }
+        self.list_exceeded.store(true, Relaxed);
+        Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "a list of {n} items or more passes the limit of {MAX_TEMPLATE_LIST_ITEMS} \
+                 items (MAX_TEMPLATE_LIST_ITEMS)"
+            ),
+        ))
     }
 
     /// Fails if a string of `len` bytes is more than one may hold.
@@ -300,6 +320,54 @@ fn add_len(lhs: &Value, rhs: &Value) -> Option<usize> {
     Some(lhs.as_str()?.len().saturating_add(rhs.as_str()?.len()))
 }
 
+/// Items of a list or other sized sequence (minijinja joins lists lazily, and a joined list
+/// reports the sum of its parts).
+fn seq_len(v: &Value) -> Option<usize> {
+    matches!(v.kind(), ValueKind::Seq | ValueKind::Iterable)
+        .then(|| v.len())
+        .flatten()
+}
+
+/// Items of the list `lhs * rhs` makes, when it repeats a list.
+fn repeat_items(lhs: &Value, rhs: &Value) -> Option<usize> {
+    let (n, times) = seq_len(lhs)
+        .map(|n| (n, rhs))
+        .or_else(|| seq_len(rhs).map(|n| (n, lhs)))?;
+    Some(n.saturating_mul(times.as_usize()?))
+}
+
+/// Items of `lhs + rhs` when it joins two lists.
+fn add_items(lhs: &Value, rhs: &Value) -> Option<usize> {
+    Some(seq_len(lhs)?.saturating_add(seq_len(rhs)?))
+}
+
+/// How a string becomes a list.
+#[derive(Clone, Copy)]
+enum Pieces {
+    Chars,
+    Lines,
+    /// Split at the separator given, or at whitespace.
+    Split,
+}
+
+/// Items a string makes as `list` (its characters), `lines` / `splitlines` or `split(sep)`;
+/// for other values these make no more items than they are given, which are bounded already.
+/// Strings shorter than the limit cannot pass it and are not counted.
+fn string_items(v: Option<&Value>, sep: Option<&Value>, pieces: Pieces) -> usize {
+    let Some(s) = v.and_then(|v| v.as_str()) else {
+        return 0;
+    };
+    if s.len() <= MAX_TEMPLATE_LIST_ITEMS {
+        return 0;
+    }
+    match (pieces, sep.and_then(|v| v.as_str())) {
+        (Pieces::Chars, _) => s.chars().count(),
+        (Pieces::Lines, _) => s.lines().count(),
+        (Pieces::Split, Some(sep)) if !sep.is_empty() => s.matches(sep).count() + 1,
+        (Pieces::Split, _) => s.split_whitespace().count(),
+    }
+}
+
 /// Bytes of `lhs ~ rhs`, counted up to just past the limit.
 fn concat_len(lhs: &Value, rhs: &Value) -> usize {
     let cap = MAX_TEMPLATE_STRING_BYTES;
@@ -323,22 +391,32 @@ pub(super) fn install(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     env.set_unknown_method_callback(move |state, value, method, args| {
         if value.kind() == ValueKind::String {
             b.string(method_result_bound(state, value, method, args))?;
+            let pieces = match method {
+                "split" | "rsplit" => Some(Pieces::Split),
+                "splitlines" => Some(Pieces::Lines),
+                _ => None,
+            };
+            if let Some(pieces) = pieces {
+                b.items(string_items(Some(value), args.first(), pieces))?;
+            }
         }
         minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
     });
 }
 
-pub(super) use constants::check as check_constants;
+pub(super) use constants::{check as check_constants, Over};
 
 fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     let b = budget.clone();
     env.add_filter(CHECK_MUL, move |lhs: &Value, rhs: &Value| {
         b.string(repeat_len(lhs, rhs).unwrap_or(0))?;
+        b.items(repeat_items(lhs, rhs).unwrap_or(0))?;
         Ok(operands(lhs, rhs))
     });
     let b = budget.clone();
     env.add_filter(CHECK_ADD, move |lhs: &Value, rhs: &Value| {
         b.string(add_len(lhs, rhs).unwrap_or(0))?;
+        b.items(add_items(lhs, rhs).unwrap_or(0))?;
         Ok(operands(lhs, rhs))
     });
     let b = budget.clone();
@@ -349,6 +427,8 @@ fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     let b = budget.clone();
     env.add_filter(CHECK_IN, move |item: &Value, container: &Value| {
         b.string(contains_len(container, item).unwrap_or(0))?;
+        // A lazily repeated list is searched item by item, outside the fuel's count.
+        b.items(seq_len(container).unwrap_or(0))?;
         Ok(operands(item, container))
     });
     let b = budget.clone();
@@ -402,6 +482,51 @@ fn add_string_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
         let b = budget.clone();
         env.add_filter(name, move |state: &State, args: Rest<Value>| {
             b.string(bound(state, &args))?;
+            let pieces = match name {
+                "split" => Some(Pieces::Split),
+                "lines" => Some(Pieces::Lines),
+                _ => None,
+            };
+            if let Some(pieces) = pieces {
+                b.items(string_items(args.first(), args.get(1), pieces))?;
+            }
+            builtin.call(state, &args)
+        });
+    }
+    // The builtins that make a list of what they are given: a list that `*` repeated while
+    // compiling (minijinja folds constants) is lazy until one of these, or a loop, walks it;
+    // `list` also makes a string's characters a list, 24 bytes a character.
+    let listing: [(&str, Value); 16] = [
+        ("list", Value::from_function(f::list)),
+        ("sort", Value::from_function(f::sort)),
+        ("unique", Value::from_function(f::unique)),
+        ("reverse", Value::from_function(f::reverse)),
+        ("batch", Value::from_function(f::batch)),
+        ("slice", Value::from_function(f::slice)),
+        ("dictsort", Value::from_function(f::dictsort)),
+        ("items", Value::from_function(f::items)),
+        ("select", Value::from_function(f::select)),
+        ("reject", Value::from_function(f::reject)),
+        ("selectattr", Value::from_function(f::selectattr)),
+        ("rejectattr", Value::from_function(f::rejectattr)),
+        ("map", Value::from_function(f::map)),
+        ("groupby", Value::from_function(f::groupby)),
+        ("chain", Value::from_function(f::chain)),
+        ("zip", Value::from_function(f::zip)),
+    ];
+    for (name, builtin) in listing {
+        let b = budget.clone();
+        env.add_filter(name, move |state: &State, args: Rest<Value>| {
+            let given = args
+                .iter()
+                .filter_map(seq_len)
+                .fold(0usize, usize::saturating_add);
+            let chars = if name == "list" {
+                string_items(args.first(), None, Pieces::Chars)
+            } else {
+                0
+            };
+            b.items(given.max(chars))?;
             builtin.call(state, &args)
         });
     }
@@ -610,13 +735,23 @@ mod constants {
     use minijinja::machinery::Span;
     use minijinja::Value;
 
-    use super::{add_len, concat_len, contains_len, repeat_len, MAX_TEMPLATE_STRING_BYTES};
+    use super::{
+        add_items, add_len, concat_len, contains_len, repeat_items, repeat_len, seq_len,
+        MAX_TEMPLATE_LIST_ITEMS, MAX_TEMPLATE_STRING_BYTES,
+    };
 
-    /// Err: the length of a constant string that would pass the limit.
-    type Checked<T> = Result<T, usize>;
+    /// A constant that would pass a limit.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(in crate::tokenizer::chat) enum Over {
+        /// A string of this many bytes.
+        String(usize),
+        /// A list of this many items (a lazily repeated list, or one searched by `in`).
+        List(usize),
+    }
 
-    /// Fails with the length of the first constant string in `template` that would pass the
-    /// limit.
+    type Checked<T> = Result<T, Over>;
+
+    /// Fails with the first constant in `template` that would pass a limit.
     pub(in crate::tokenizer::chat) fn check(template: &Stmt) -> Checked<()> {
         stmt(template)
     }
@@ -743,14 +878,15 @@ mod constants {
             }),
             Expr::BinOp(b) => match (fold(&b.left)?, fold(&b.right)?) {
                 (Some(left), Some(right)) => {
-                    let len = match b.op {
-                        BinOpKind::Mul => repeat_len(&left, &right),
-                        BinOpKind::Add => add_len(&left, &right),
-                        BinOpKind::Concat => Some(concat_len(&left, &right)),
-                        BinOpKind::In => contains_len(&right, &left),
-                        _ => None,
+                    let (len, items) = match b.op {
+                        BinOpKind::Mul => (repeat_len(&left, &right), repeat_items(&left, &right)),
+                        BinOpKind::Add => (add_len(&left, &right), add_items(&left, &right)),
+                        BinOpKind::Concat => (Some(concat_len(&left, &right)), None),
+                        BinOpKind::In => (contains_len(&right, &left), seq_len(&right)),
+                        _ => (None, None),
                     };
                     within_limit(len)?;
+                    within_items(items)?;
                     let (left, right) = (constant(left), constant(right));
                     Expr::BinOp(spanned(ast::BinOp {
                         op: b.op,
@@ -777,6 +913,7 @@ mod constants {
                 for (op, right) in c.ops.iter().zip(&rest) {
                     if matches!(op.op, ast::CompareOpKind::In | ast::CompareOpKind::NotIn) {
                         within_limit(contains_len(right, left))?;
+                        within_items(seq_len(right))?;
                     }
                     left = right;
                 }
@@ -838,7 +975,14 @@ mod constants {
 
     fn within_limit(len: Option<usize>) -> Checked<()> {
         match len {
-            Some(len) if len > MAX_TEMPLATE_STRING_BYTES => Err(len),
+            Some(len) if len > MAX_TEMPLATE_STRING_BYTES => Err(Over::String(len)),
+            _ => Ok(()),
+        }
+    }
+
+    fn within_items(items: Option<usize>) -> Checked<()> {
+        match items {
+            Some(n) if n > MAX_TEMPLATE_LIST_ITEMS => Err(Over::List(n)),
             _ => Ok(()),
         }
     }
