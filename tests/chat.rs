@@ -267,6 +267,25 @@ fn the_size_checks_change_no_output() {
          {{ '<a>'|safe }}{{ 'abc' is startingwith 'a' }}{{ 'abc' is endingwith 'x' }}\
          {{ 'a' is in 'abc' }}{{ 'ab'.upper() }}{{ 'AB'.lower() }}{{ 'ab cd'.title() }}\
          {{ 'ab'.capitalize() }}{{ messages|selectattr('role', 'eq', 'user')|list|length }}",
+        // The list builtins and list operators behind checks, on lists, strings, maps and
+        // iterables of unknown length.
+        "{% set a = [3, 1, 2] %}{{ a + [] }}{{ [] + a }}{{ a * 2 }}{{ 2 * a }}{{ [] * 3 }}\
+         {{ a * 0 }}{{ (a|select('odd')) + a }}{{ a + (a|reject('odd')) }}{{ range(3) + a }}\
+         {{ a|list }}{{ 'abc'|list }}{{ a|sort }}{{ a|sort(reverse=true) }}{{ a|reverse|list }}\
+         {{ 'abc'|reverse }}{{ a|last }}{{ 'abc'|last }}{{ (a * 2)|unique|list }}\
+         {{ {'b': 1, 'a': 2}|dictsort }}{{ {'b': 1}|items|list }}{{ {'b': 1}|list }}\
+         {{ a|batch(2)|list }}{{ a|batch(2, 0)|list }}{{ a|slice(2)|list }}\
+         {{ a|slice(2, 9)|list }}{{ a|map('string')|list }}{{ a|select('odd')|list }}\
+         {{ a|reject('odd')|list }}{{ messages|selectattr('role', 'eq', 'user')|list|length }}\
+         {{ messages|rejectattr('role', 'eq', 'user')|map(attribute='role')|list }}\
+         {{ messages|groupby('role')|map(attribute='grouper')|list }}{{ a|chain([4], [])|list }}\
+         {{ a|zip('xyz', [0, 1])|list }}{{ 'a b  c'|split|list }}{{ 'a,b'|split(',')|list }}\
+         {{ 'a b c'|split(none, 1)|list }}{{ 'a\nb'|lines }}{{ 'a,b,c'.split(',', 1) }}\
+         {{ 'a b'.split() }}{{ 'a\nb\n'.splitlines() }}{{ 'a\nb\n'.splitlines(true) }}\
+         {{ 'abcb'.count('b') }}{{ 1 in a * 2 }}{{ (a * 3)|length }}",
+        "{{ [1] + 'a' }}",
+        "{{ [1] * 'a' }}",
+        "{{ [1] * -1 }}",
         // Escaping turned on.
         "{% autoescape true %}{{ '<x>' ~ messages[1].content }}{{ ['<a>', 'b']|join('&') }}\
          {{ '<%s>'|format('&') }}{{ messages[1].content|replace('&', '+') }}{% endautoescape %}",

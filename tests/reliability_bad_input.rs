@@ -270,8 +270,10 @@ fn chat_template_strings_are_capped() {
         "{{ '%100000000d'|format(1) }}",
         "{{ '{:>100000000}'.format(1) }}",
         "{{ [1]|tojson(indent=1000000000) }}",
-        // A list of a million items written out as text.
-        "{{ ([0] * 1000000)|string * 100 }}",
+        "{{ [1]|tojson(separators=[['x' * 100] * 1000000, ':']) }}",
+        // A lazily repeated list, written out as text.
+        "{{ (['x' * 100] * 1000000)|string }}",
+        "{% set a = ['x' * 100] * 1000000 %}{{ a ~ 'x' }}",
     ] {
         template_stops_at(template, "MAX_TEMPLATE_STRING_BYTES");
     }
@@ -280,32 +282,67 @@ fn chat_template_strings_are_capped() {
 #[test]
 fn chat_template_lists_are_capped() {
     for template in [
-        // Doubling a list: minijinja joins lists lazily, and printing or iterating the result
-        // asked for 206 GB, which aborted the process.
+        // A list doubled with `+`: minijinja joins lazily, then copies a chain deeper than 32
+        // into one list, here of 2^33 items (206 GB), which aborted the process.
         "{% set ns = namespace(s=[0]) %}{% for i in range(40) %}\
          {% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+        // The same through `chain`.
         "{% set ns = namespace(s=[0]) %}{% for i in range(40) %}\
-         {% set ns.s = ns.s * 2 %}{% endfor %}{{ ns.s|length }}",
-        // Constants: minijinja repeats a list lazily while it compiles, and a `1 in` of it
-        // took 12 s there (a walk no fuel counts).
-        "{{ 1 in [0] * 100000000 }}",
-        "{{ ([0] * 100000000)|string }}",
-        "{% set a = [0] * 100000000 %}{{ a ~ 'x' }}",
-        // The same at run time (the count is a variable), walked by a builtin or `in`.
-        "{% set n = 100000000 %}{{ ([0] * n)|sort|length }}",
-        "{% set n = 100000000 %}{{ 1 in [0] * n }}",
-        "{{ [1]|tojson(separators=[[0] * 100000000, ':']) }}",
-        // A string within its limit made into a list of 24-byte values, one per character or
-        // piece (384 MB and 192 MB).
+         {% set ns.s = ns.s|chain(ns.s) %}{% endfor %}{{ ns.s|length }}",
+        // Lists from a string within its own limit: one item per character or piece.
         "{{ ('x' * 16000000)|list|length }}",
         "{{ ('x ' * 8000000)|split|length }}",
-        "{{ ('x ' * 8000000).split()|length }}",
         "{{ ('x,' * 8000000).split(',')|length }}",
-        "{{ ('x\n' * 8000000)|lines|length }}",
-        "{{ ('x\n' * 8000000).splitlines()|length }}",
+        "{{ ('\n' * 8000000)|lines|length }}",
+        "{{ ('\n' * 8000000).splitlines()|length }}",
+        // Lazily repeated lists: free until a builtin copies or walks them.
+        "{{ ([0] * 10000000)|list|length }}",
+        "{% set n = 10000000 %}{{ ([0] * n)|list|length }}",
+        "{{ [0] * 100000000 }}",
+        "{{ 1 in [0] * 100000000 }}",
+        "{% set n = 100000000 %}{{ 1 in [0] * n }}",
+        "{{ ([0] * 100000000)|join }}",
+        "{% set a = [0] * 600000 %}{{ (a + a)|length }}",
+        "{% set a = range(100000)|list %}{{ (a * 20)|sort|length }}",
+        "{{ ([[0]] * 1000)|batch(100000000)|list|length }}",
+        "{{ [0]|slice(100000000)|length }}",
+        "{% set a = [1] * 600000 %}{{ a|zip(a)|list|length }}",
     ] {
         template_stops_at(template, "MAX_TEMPLATE_LIST_ITEMS");
     }
+}
+
+/// Renders `template`, which must succeed quickly and within the 64 MB bound, and returns the
+/// output.
+fn template_renders_quickly(template: &str) -> String {
+    let start = Instant::now();
+    let (result, largest) = largest_allocation(|| render(template, &[user("x")], "", "", true));
+    let out = result.unwrap_or_else(|e| panic!("{template}: {e:#}"));
+    println!(
+        "{template}\n  rendered in {:?}, largest allocation {largest}",
+        start.elapsed()
+    );
+    assert!(
+        largest <= allocation_bound(template.len()),
+        "{template}: largest allocation {largest} bytes"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10), "{template}");
+    out
+}
+
+#[test]
+fn chat_template_empty_lists_stay_cheap() {
+    // An empty list doubled 60 times holds nothing but would be a chain of 2^60 links, and
+    // `[] * n` a walk of n steps.
+    let out = template_renders_quickly(
+        "{% set ns = namespace(s=[]) %}{% for i in range(60) %}\
+         {% set ns.s = ns.s + ns.s %}{% set ns.s = ns.s|chain(ns.s) %}{% endfor %}\
+         {{ ns.s|length }} {{ ns.s|list }} {{ 1 in ns.s }}\
+         {% set n = 1000000000000 %}{{ ([] * n)|list }}{{ 1 in [] * n }}",
+    );
+    assert_eq!(out, "0 [] False[]False");
+    // Python counts an empty string between each two characters; minijinja-contrib looped.
+    assert_eq!(template_renders_quickly("{{ 'abc'.count('') }}"), "4");
 }
 
 #[test]

@@ -3,9 +3,9 @@
 //! `raise_exception`, `strftime_now`, a Python-style `tojson`, Python string methods).
 //!
 //! A template comes from the model file, so it renders within limits: instructions
-//! (`MAX_TEMPLATE_FUEL`, counted by minijinja), text written (`MAX_TEMPLATE_OUTPUT_BYTES`) and
-//! the length of any one string it builds (`MAX_TEMPLATE_STRING_BYTES`); `limits` says how the
-//! last two are kept.
+//! (`MAX_TEMPLATE_FUEL`, counted by minijinja), text written (`MAX_TEMPLATE_OUTPUT_BYTES`), the
+//! length of any one string it builds (`MAX_TEMPLATE_STRING_BYTES`) and the items of any one
+//! list (`MAX_TEMPLATE_LIST_ITEMS`); `limits` says how the last three are kept.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -52,12 +52,13 @@ pub const MAX_TEMPLATE_OUTPUT_BYTES: usize = 16 << 20;
 /// needs no string longer than the output, and at this size a string and the buffer it grows
 /// in stay under the 64 MB that one allocation may take.
 pub const MAX_TEMPLATE_STRING_BYTES: usize = 16 << 20;
-/// Items of one list a chat template may build with `*` or `+`, or make of a string with
-/// `list` or `split`. A minijinja value takes 24 bytes, so a list at the limit takes 24 MiB,
-/// under the 64 MB that one allocation may take; a conversation is a few thousand items.
-/// Without it, a list doubled forty times (`s = s + s`) asked for 206 GB and aborted the
-/// process.
-pub const MAX_TEMPLATE_LIST_ITEMS: usize = 1 << 20;
+/// Items of one list a chat template may build or hand to a builtin that walks or copies it:
+/// with `*` and `+` on lists, and with the builtins that make a list (`list`, `sort`, `split`,
+/// `batch`, ...; `limits` has the list). A minijinja value is 24 bytes, so a list at the limit
+/// is 24 MB and the buffer it grows in stays under the 64 MB that one allocation may take; a
+/// real template's lists (messages, tools, lines of a message) are far shorter. minijinja's own
+/// `range` stops at 100,000 items.
+pub const MAX_TEMPLATE_LIST_ITEMS: usize = 1_000_000;
 
 /// Renders `messages` through `template`, with the variables HF templates read, within
 /// `MAX_TEMPLATE_FUEL`, `MAX_TEMPLATE_OUTPUT_BYTES`, `MAX_TEMPLATE_STRING_BYTES` and
@@ -74,13 +75,13 @@ pub fn render(
     {
         match limits::check_constants(&ast) {
             Ok(()) => {}
-            Err(limits::Over::String(len)) => bail!(
+            Err(limits::Exceeded::String(len)) => bail!(
                 "chat template stopped: a constant in it is a string of {len} bytes or more, \
                  longer than the limit of {MAX_TEMPLATE_STRING_BYTES} bytes \
                  (MAX_TEMPLATE_STRING_BYTES)"
             ),
-            Err(limits::Over::List(n)) => bail!(
-                "chat template stopped: a constant in it is a list of {n} items or more, \
+            Err(limits::Exceeded::List(items)) => bail!(
+                "chat template stopped: a constant in it is a list of {items} items or more, \
                  longer than the limit of {MAX_TEMPLATE_LIST_ITEMS} items \
                  (MAX_TEMPLATE_LIST_ITEMS)"
             ),
@@ -120,16 +121,16 @@ pub fn render(
              (MAX_TEMPLATE_OUTPUT_BYTES)"
         );
     }
-    if budget.list_exceeded() {
-        bail!(
-            "chat template stopped: it built a list longer than the limit of \
-             {MAX_TEMPLATE_LIST_ITEMS} items (MAX_TEMPLATE_LIST_ITEMS)"
-        );
-    }
     if budget.string_exceeded() {
         bail!(
             "chat template stopped: it built a string longer than the limit of \
              {MAX_TEMPLATE_STRING_BYTES} bytes (MAX_TEMPLATE_STRING_BYTES)"
+        );
+    }
+    if budget.list_exceeded() {
+        bail!(
+            "chat template stopped: it built a list longer than the limit of \
+             {MAX_TEMPLATE_LIST_ITEMS} items (MAX_TEMPLATE_LIST_ITEMS)"
         );
     }
     match result {

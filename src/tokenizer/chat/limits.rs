@@ -1,8 +1,9 @@
 //! The limits a chat template renders within, beyond minijinja's own fuel: the bytes it writes
-//! (`MAX_TEMPLATE_OUTPUT_BYTES`) and the length of any one string it builds
-//! (`MAX_TEMPLATE_STRING_BYTES`). minijinja has no setting for either, so the template's
-//! compiled code gets a check in front of each instruction that writes text or joins or repeats
-//! strings (`checked`), the builtins that can lengthen a string are replaced by ones that check
+//! (`MAX_TEMPLATE_OUTPUT_BYTES`), the length of any one string it builds
+//! (`MAX_TEMPLATE_STRING_BYTES`) and the items of any one list (`MAX_TEMPLATE_LIST_ITEMS`).
+//! minijinja has no setting for any of them, so the template's compiled code gets a check in
+//! front of each instruction that writes text or joins or repeats strings or lists (`checked`),
+//! the builtins that can lengthen a string or build a list are replaced by ones that check
 //! first, and constants that minijinja would fold while compiling are checked before it does.
 
 use std::borrow::Cow;
@@ -41,25 +42,6 @@ impl Budget {
         self.string_exceeded.load(Relaxed)
     }
 
-    pub(super) fn list_exceeded(&self) -> bool {
-        self.list_exceeded.load(Relaxed)
-    }
-
-    /// Fails if a list of `n` items is more than one may hold.
-    fn items(&self, n: usize) -> Result<(), Error> {
-        if n <= MAX_TEMPLATE_LIST_ITEMS {
-            return Ok(());
-        }
-        self.list_exceeded.store(true, Relaxed);
-        Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!(
-                "a list of {n} items or more passes the limit of {MAX_TEMPLATE_LIST_ITEMS} \
-                 items (MAX_TEMPLATE_LIST_ITEMS)"
-            ),
-        ))
-    }
-
     /// Fails if a string of `len` bytes is more than one may hold.
     pub(super) fn string(&self, len: usize) -> Result<(), Error> {
         if len <= MAX_TEMPLATE_STRING_BYTES {
@@ -73,6 +55,49 @@ impl Budget {
                  {MAX_TEMPLATE_STRING_BYTES} bytes (MAX_TEMPLATE_STRING_BYTES)"
             ),
         ))
+    }
+
+    pub(super) fn list_exceeded(&self) -> bool {
+        self.list_exceeded.load(Relaxed)
+    }
+
+    /// Fails if a list of `items` items is more than one may hold.
+    fn list(&self, items: usize) -> Result<(), Error> {
+        if items <= MAX_TEMPLATE_LIST_ITEMS {
+            return Ok(());
+        }
+        self.list_exceeded.store(true, Relaxed);
+        Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "a list of {items} items or more passes the limit of \
+                 {MAX_TEMPLATE_LIST_ITEMS} items (MAX_TEMPLATE_LIST_ITEMS)"
+            ),
+        ))
+    }
+
+    /// `v` where a builtin or `+` may walk or copy it: a list, string (its characters) or map
+    /// of at most `MAX_TEMPLATE_LIST_ITEMS` items. An iterable of unknown length is collected
+    /// into a list (up to one item past the limit) and that list stands in for it, so a one-shot
+    /// iterator is not used up by counting it. An empty list is replaced by a new one: minijinja
+    /// joins lists lazily, and an empty list added to itself over and over makes a chain of
+    /// billions of links that hold no item, which take as long to walk.
+    fn items(&self, v: Value) -> Result<Value, Error> {
+        if !matches!(
+            v.kind(),
+            ValueKind::Seq | ValueKind::Iterable | ValueKind::Map | ValueKind::String
+        ) {
+            return Ok(v);
+        }
+        match v.len() {
+            Some(0) if is_list(&v) => Ok(Value::from(Vec::<Value>::new())),
+            Some(n) => self.list(n).map(|()| v),
+            None => {
+                let items: Vec<Value> = v.try_iter()?.take(MAX_TEMPLATE_LIST_ITEMS + 1).collect();
+                self.list(items.len())?;
+                Ok(Value::from(items))
+            }
+        }
     }
 
     /// Counts `len` more bytes written, failing past the output limit.
@@ -315,57 +340,35 @@ fn repeat_len(lhs: &Value, rhs: &Value) -> Option<usize> {
     Some(s.len().saturating_mul(n.as_usize()?))
 }
 
+/// What minijinja's `*` and `+` treat as a list.
+fn is_list(v: &Value) -> bool {
+    matches!(v.kind(), ValueKind::Seq | ValueKind::Iterable)
+}
+
+/// Items of the list `lhs * rhs` makes when it repeats a list of known length, and of the list
+/// repeated (minijinja tries a string first, then a list on the left, then on the right).
+fn list_repeat(lhs: &Value, rhs: &Value) -> Option<(usize, usize)> {
+    if lhs.as_str().is_some() || rhs.as_str().is_some() {
+        return None;
+    }
+    let (list, n) = [(lhs, rhs), (rhs, lhs)]
+        .into_iter()
+        .find(|(l, _)| l.as_object().is_some() && is_list(l))?;
+    let len = list.len()?;
+    Some((len.saturating_mul(n.as_usize()?), len))
+}
+
+/// Items of `lhs + rhs` when it joins two lists of known length.
+fn list_add_len(lhs: &Value, rhs: &Value) -> Option<usize> {
+    if !(is_list(lhs) && is_list(rhs)) {
+        return None;
+    }
+    Some(lhs.len()?.saturating_add(rhs.len()?))
+}
+
 /// Bytes of `lhs + rhs` when it joins two strings.
 fn add_len(lhs: &Value, rhs: &Value) -> Option<usize> {
     Some(lhs.as_str()?.len().saturating_add(rhs.as_str()?.len()))
-}
-
-/// Items of a list or other sized sequence (minijinja joins lists lazily, and a joined list
-/// reports the sum of its parts).
-fn seq_len(v: &Value) -> Option<usize> {
-    matches!(v.kind(), ValueKind::Seq | ValueKind::Iterable)
-        .then(|| v.len())
-        .flatten()
-}
-
-/// Items of the list `lhs * rhs` makes, when it repeats a list.
-fn repeat_items(lhs: &Value, rhs: &Value) -> Option<usize> {
-    let (n, times) = seq_len(lhs)
-        .map(|n| (n, rhs))
-        .or_else(|| seq_len(rhs).map(|n| (n, lhs)))?;
-    Some(n.saturating_mul(times.as_usize()?))
-}
-
-/// Items of `lhs + rhs` when it joins two lists.
-fn add_items(lhs: &Value, rhs: &Value) -> Option<usize> {
-    Some(seq_len(lhs)?.saturating_add(seq_len(rhs)?))
-}
-
-/// How a string becomes a list.
-#[derive(Clone, Copy)]
-enum Pieces {
-    Chars,
-    Lines,
-    /// Split at the separator given, or at whitespace.
-    Split,
-}
-
-/// Items a string makes as `list` (its characters), `lines` / `splitlines` or `split(sep)`;
-/// for other values these make no more items than they are given, which are bounded already.
-/// Strings shorter than the limit cannot pass it and are not counted.
-fn string_items(v: Option<&Value>, sep: Option<&Value>, pieces: Pieces) -> usize {
-    let Some(s) = v.and_then(|v| v.as_str()) else {
-        return 0;
-    };
-    if s.len() <= MAX_TEMPLATE_LIST_ITEMS {
-        return 0;
-    }
-    match (pieces, sep.and_then(|v| v.as_str())) {
-        (Pieces::Chars, _) => s.chars().count(),
-        (Pieces::Lines, _) => s.lines().count(),
-        (Pieces::Split, Some(sep)) if !sep.is_empty() => s.matches(sep).count() + 1,
-        (Pieces::Split, _) => s.split_whitespace().count(),
-    }
 }
 
 /// Bytes of `lhs ~ rhs`, counted up to just past the limit.
@@ -387,37 +390,51 @@ fn contains_len(container: &Value, item: &Value) -> Option<usize> {
 pub(super) fn install(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     add_checks(env, budget);
     add_string_builtins(env, budget);
+    add_list_builtins(env, budget);
     let b = budget.clone();
     env.set_unknown_method_callback(move |state, value, method, args| {
-        if value.kind() == ValueKind::String {
+        if let Some(s) = value.as_str().filter(|_| value.kind() == ValueKind::String) {
             b.string(method_result_bound(state, value, method, args))?;
-            let pieces = match method {
-                "split" | "rsplit" => Some(Pieces::Split),
-                "splitlines" => Some(Pieces::Lines),
-                _ => None,
-            };
-            if let Some(pieces) = pieces {
-                b.items(string_items(Some(value), args.first(), pieces))?;
+            b.list(method_result_items(s, method, args))?;
+            // minijinja-contrib looks for an empty string at the same place for ever; Python
+            // counts one between each two characters and at both ends.
+            if method == "count" && args.first().and_then(Value::as_str) == Some("") {
+                return Ok(Value::from(s.chars().count() + 1));
             }
         }
         minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
     });
 }
 
-pub(super) use constants::{check as check_constants, Over};
+pub(super) use constants::{check as check_constants, Exceeded};
 
 fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     let b = budget.clone();
     env.add_filter(CHECK_MUL, move |lhs: &Value, rhs: &Value| {
         b.string(repeat_len(lhs, rhs).unwrap_or(0))?;
-        b.items(repeat_items(lhs, rhs).unwrap_or(0))?;
-        Ok(operands(lhs, rhs))
+        match list_repeat(lhs, rhs) {
+            // Repeating an empty list n times makes a list that takes n steps to walk.
+            Some((_, 0)) => Ok(operands(&Value::from(Vec::<Value>::new()), &Value::from(0))),
+            Some((items, _)) => {
+                b.list(items)?;
+                Ok(operands(lhs, rhs))
+            }
+            None => Ok(operands(lhs, rhs)),
+        }
     });
     let b = budget.clone();
     env.add_filter(CHECK_ADD, move |lhs: &Value, rhs: &Value| {
         b.string(add_len(lhs, rhs).unwrap_or(0))?;
-        b.items(add_items(lhs, rhs).unwrap_or(0))?;
-        Ok(operands(lhs, rhs))
+        if !(is_list(lhs) && is_list(rhs)) {
+            return Ok(operands(lhs, rhs));
+        }
+        let (lhs, rhs) = (b.items(lhs.clone())?, b.items(rhs.clone())?);
+        b.list(
+            lhs.len()
+                .unwrap_or(0)
+                .saturating_add(rhs.len().unwrap_or(0)),
+        )?;
+        Ok(operands(&lhs, &rhs))
     });
     let b = budget.clone();
     env.add_filter(CHECK_CONCAT, move |lhs: &Value, rhs: &Value| {
@@ -427,8 +444,6 @@ fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     let b = budget.clone();
     env.add_filter(CHECK_IN, move |item: &Value, container: &Value| {
         b.string(contains_len(container, item).unwrap_or(0))?;
-        // A lazily repeated list is searched item by item, outside the fuel's count.
-        b.items(seq_len(container).unwrap_or(0))?;
         Ok(operands(item, container))
     });
     let b = budget.clone();
@@ -450,7 +465,7 @@ fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
 fn add_string_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     use minijinja::{filters as f, tests as t};
     type Bound = fn(&State, &[Value]) -> usize;
-    let filters: [(&str, Value, Bound); 16] = [
+    let filters: [(&str, Value, Bound); 14] = [
         ("join", Value::from_function(f::join), join_bound),
         (
             "replace",
@@ -474,59 +489,12 @@ fn add_string_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
         }),
         ("trim", Value::from_function(f::trim), first_text_bound),
         ("string", Value::from_function(f::string), first_text_bound),
-        ("split", Value::from_function(f::split), first_text_bound),
-        ("lines", Value::from_function(f::lines), first_text_bound),
         ("safe", Value::from_function(f::safe), first_text_bound),
     ];
     for (name, builtin, bound) in filters {
         let b = budget.clone();
         env.add_filter(name, move |state: &State, args: Rest<Value>| {
             b.string(bound(state, &args))?;
-            let pieces = match name {
-                "split" => Some(Pieces::Split),
-                "lines" => Some(Pieces::Lines),
-                _ => None,
-            };
-            if let Some(pieces) = pieces {
-                b.items(string_items(args.first(), args.get(1), pieces))?;
-            }
-            builtin.call(state, &args)
-        });
-    }
-    // The builtins that make a list of what they are given: a list that `*` repeated while
-    // compiling (minijinja folds constants) is lazy until one of these, or a loop, walks it;
-    // `list` also makes a string's characters a list, 24 bytes a character.
-    let listing: [(&str, Value); 16] = [
-        ("list", Value::from_function(f::list)),
-        ("sort", Value::from_function(f::sort)),
-        ("unique", Value::from_function(f::unique)),
-        ("reverse", Value::from_function(f::reverse)),
-        ("batch", Value::from_function(f::batch)),
-        ("slice", Value::from_function(f::slice)),
-        ("dictsort", Value::from_function(f::dictsort)),
-        ("items", Value::from_function(f::items)),
-        ("select", Value::from_function(f::select)),
-        ("reject", Value::from_function(f::reject)),
-        ("selectattr", Value::from_function(f::selectattr)),
-        ("rejectattr", Value::from_function(f::rejectattr)),
-        ("map", Value::from_function(f::map)),
-        ("groupby", Value::from_function(f::groupby)),
-        ("chain", Value::from_function(f::chain)),
-        ("zip", Value::from_function(f::zip)),
-    ];
-    for (name, builtin) in listing {
-        let b = budget.clone();
-        env.add_filter(name, move |state: &State, args: Rest<Value>| {
-            let given = args
-                .iter()
-                .filter_map(seq_len)
-                .fold(0usize, usize::saturating_add);
-            let chars = if name == "list" {
-                string_items(args.first(), None, Pieces::Chars)
-            } else {
-                0
-            };
-            b.items(given.max(chars))?;
             builtin.call(state, &args)
         });
     }
@@ -698,6 +666,112 @@ fn format_bound(state: &State, args: &[Value]) -> usize {
         .saturating_add(places.saturating_mul(longest_arg.saturating_add(400)))
 }
 
+/// minijinja's filters that build a list from a list, string or map, or walk one item by item
+/// into a new one, each behind a check of the items it is given (`Budget::items`, whose copy of
+/// an iterable of unknown length the filter then gets) and, for those that cut into pieces,
+/// of the pieces it makes.
+fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
+    use minijinja::filters as f;
+    /// Items of the result beyond the input's length: `batch` and `slice` pad with a filler
+    /// up to their count.
+    type Extra = fn(&[Value]) -> usize;
+    let count_arg: Extra = |args| args.get(1).and_then(Value::as_usize).unwrap_or(0);
+    let none: Extra = |_| 0;
+    // The value (first argument) only, or every positional argument (`chain`, `zip`).
+    let filters: [(&str, Value, bool, Extra); 16] = [
+        ("list", Value::from_function(f::list), false, none),
+        ("sort", Value::from_function(f::sort), false, none),
+        ("reverse", Value::from_function(f::reverse), false, none),
+        ("last", Value::from_function(f::last), false, none),
+        ("unique", Value::from_function(f::unique), false, none),
+        ("dictsort", Value::from_function(f::dictsort), false, none),
+        ("items", Value::from_function(f::items), false, none),
+        ("groupby", Value::from_function(f::groupby), false, none),
+        ("batch", Value::from_function(f::batch), false, count_arg),
+        ("slice", Value::from_function(f::slice), false, count_arg),
+        ("map", Value::from_function(f::map), false, none),
+        ("select", Value::from_function(f::select), false, none),
+        ("reject", Value::from_function(f::reject), false, none),
+        (
+            "selectattr",
+            Value::from_function(f::selectattr),
+            false,
+            none,
+        ),
+        (
+            "rejectattr",
+            Value::from_function(f::rejectattr),
+            false,
+            none,
+        ),
+        ("chain", Value::from_function(f::chain), true, none),
+    ];
+    let zip = ("zip", Value::from_function(f::zip), true, none);
+    for (name, builtin, all, extra) in filters.into_iter().chain([zip]) {
+        let b = budget.clone();
+        env.add_filter(name, move |state: &State, args: Rest<Value>| {
+            let mut args = args.0;
+            let mut total = extra(&args);
+            let checked = if all { args.len() } else { 1 };
+            for arg in args.iter_mut().take(checked).filter(|a| !a.is_kwargs()) {
+                // A string stays whole where the filter makes a string of it (`reverse`,
+                // `last`); its length is the string limit's to check.
+                if arg.kind() == ValueKind::String && matches!(name, "reverse" | "last") {
+                    continue;
+                }
+                *arg = b.items(std::mem::take(arg))?;
+                total = total.saturating_add(arg.len().unwrap_or(0));
+            }
+            b.list(total)?;
+            builtin.call(state, &args)
+        });
+    }
+    // The pieces of a string, which can be a list of one item per byte.
+    let (b, split) = (budget.clone(), Value::from_function(f::split));
+    env.add_filter("split", move |state: &State, args: Rest<Value>| {
+        let text = args.first().and_then(text_of);
+        let sep = args.get(1).and_then(Value::as_str);
+        let max = args
+            .get(2)
+            .and_then(Value::as_i64)
+            .and_then(|n| usize::try_from(n).ok());
+        b.string(first_text_bound(state, &args))?;
+        b.list(text.map_or(0, |t| split_items(&t, sep, max)))?;
+        split.call(state, &args)
+    });
+    let (b, lines) = (budget.clone(), Value::from_function(f::lines));
+    env.add_filter("lines", move |state: &State, args: Rest<Value>| {
+        b.string(first_text_bound(state, &args))?;
+        let text = args.first().and_then(text_of);
+        b.list(text.map_or(0, |t| t.lines().count()))?;
+        lines.call(state, &args)
+    });
+}
+
+/// Pieces `text.split(sep, max)` makes, counted without making them.
+fn split_items(text: &str, sep: Option<&str>, max: Option<usize>) -> usize {
+    let pieces = match sep {
+        Some(sep) => text.split(sep).count(),
+        None => text.split_whitespace().count(),
+    };
+    max.map_or(pieces, |m| pieces.min(m.saturating_add(1)))
+}
+
+/// Items of the list a Python string method of minijinja-contrib makes of `text`.
+fn method_result_items(text: &str, method: &str, args: &[Value]) -> usize {
+    match method {
+        "split" => split_items(
+            text,
+            args.first().and_then(Value::as_str),
+            args.get(1)
+                .and_then(Value::as_i64)
+                .and_then(|n| usize::try_from(n).ok()),
+        ),
+        "splitlines" => text.split('\n').count(),
+        _ => 0,
+    }
+}
+
 /// The longest string a Python string method of minijinja-contrib can return for these
 /// arguments; 0 for the methods that return no longer string than they are given.
 fn method_result_bound(state: &State, value: &Value, method: &str, args: &[Value]) -> usize {
@@ -727,29 +801,28 @@ fn method_result_bound(state: &State, value: &Value, method: &str, args: &[Value
 }
 
 /// minijinja's compiler evaluates an operator whose operands are constants (`'x' * 99999999`,
-/// `'a' ~ 'b'`) while it compiles, where none of the checks `checked` adds can run. `check`
-/// walks the parsed template first and evaluates those constants the way the compiler will,
-/// one operator at a time, each after the same length check as at run time.
+/// `'a' ~ 'b'`, `[0] * 99999999`) while it compiles, where none of the checks `checked` adds
+/// can run. `check` walks the parsed template first and evaluates those constants the way the
+/// compiler will, one operator at a time, each after the same length checks as at run time.
 mod constants {
     use minijinja::machinery::ast::{self, BinOpKind, CallArg, Expr, Spanned, Stmt};
     use minijinja::machinery::Span;
     use minijinja::Value;
 
     use super::{
-        add_items, add_len, concat_len, contains_len, repeat_items, repeat_len, seq_len,
+        add_len, concat_len, contains_len, list_add_len, list_repeat, repeat_len,
         MAX_TEMPLATE_LIST_ITEMS, MAX_TEMPLATE_STRING_BYTES,
     };
 
     /// A constant that would pass a limit.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub(in crate::tokenizer::chat) enum Over {
+    pub(in crate::tokenizer::chat) enum Exceeded {
         /// A string of this many bytes.
         String(usize),
-        /// A list of this many items (a lazily repeated list, or one searched by `in`).
+        /// A list of this many items.
         List(usize),
     }
 
-    type Checked<T> = Result<T, Over>;
+    type Checked<T> = Result<T, Exceeded>;
 
     /// Fails with the first constant in `template` that would pass a limit.
     pub(in crate::tokenizer::chat) fn check(template: &Stmt) -> Checked<()> {
@@ -878,15 +951,28 @@ mod constants {
             }),
             Expr::BinOp(b) => match (fold(&b.left)?, fold(&b.right)?) {
                 (Some(left), Some(right)) => {
-                    let (len, items) = match b.op {
-                        BinOpKind::Mul => (repeat_len(&left, &right), repeat_items(&left, &right)),
-                        BinOpKind::Add => (add_len(&left, &right), add_items(&left, &right)),
-                        BinOpKind::Concat => (Some(concat_len(&left, &right)), None),
-                        BinOpKind::In => (contains_len(&right, &left), seq_len(&right)),
-                        _ => (None, None),
+                    let len = match b.op {
+                        BinOpKind::Mul => repeat_len(&left, &right),
+                        BinOpKind::Add => add_len(&left, &right),
+                        BinOpKind::Concat => Some(concat_len(&left, &right)),
+                        BinOpKind::In => contains_len(&right, &left),
+                        _ => None,
                     };
                     within_limit(len)?;
-                    within_items(items)?;
+                    let items = match b.op {
+                        // An empty list repeated n times takes n steps to walk.
+                        BinOpKind::Mul => {
+                            list_repeat(&left, &right).map(|(items, len)| match len {
+                                0 => left.as_usize().or(right.as_usize()).unwrap_or(0),
+                                _ => items,
+                            })
+                        }
+                        BinOpKind::Add => list_add_len(&left, &right),
+                        _ => None,
+                    };
+                    if let Some(items) = items.filter(|&n| n > MAX_TEMPLATE_LIST_ITEMS) {
+                        return Err(Exceeded::List(items));
+                    }
                     let (left, right) = (constant(left), constant(right));
                     Expr::BinOp(spanned(ast::BinOp {
                         op: b.op,
@@ -913,7 +999,6 @@ mod constants {
                 for (op, right) in c.ops.iter().zip(&rest) {
                     if matches!(op.op, ast::CompareOpKind::In | ast::CompareOpKind::NotIn) {
                         within_limit(contains_len(right, left))?;
-                        within_items(seq_len(right))?;
                     }
                     left = right;
                 }
@@ -975,14 +1060,7 @@ mod constants {
 
     fn within_limit(len: Option<usize>) -> Checked<()> {
         match len {
-            Some(len) if len > MAX_TEMPLATE_STRING_BYTES => Err(Over::String(len)),
-            _ => Ok(()),
-        }
-    }
-
-    fn within_items(items: Option<usize>) -> Checked<()> {
-        match items {
-            Some(n) if n > MAX_TEMPLATE_LIST_ITEMS => Err(Over::List(n)),
+            Some(len) if len > MAX_TEMPLATE_STRING_BYTES => Err(Exceeded::String(len)),
             _ => Ok(()),
         }
     }
