@@ -8,6 +8,7 @@
 
 use std::ops::Range;
 
+use crate::options::chunk_cols;
 use crate::{assign, validate, GpuShape, ModelShape, Op, Options, Schedule, ScheduleError};
 
 /// Builds and validates the schedule of one decode step.
@@ -46,11 +47,6 @@ fn pieces(range: Range<usize>, rows: usize) -> impl Iterator<Item = (u32, u32)> 
     range
         .step_by(rows)
         .map(move |s| (s as u32, (rows.min(end - s)) as u32))
-}
-
-/// Columns of down chunk `c` (see [`Options::down_chunks`](crate::Options)).
-fn chunk_cols(intermediate: usize, chunks: usize, c: usize) -> Range<usize> {
-    crate::options::chunk_cols(intermediate, chunks, c)
 }
 
 /// The nodes in the global order and the range of each stage in it.

@@ -192,9 +192,8 @@ impl Options {
 
 /// Down chunks start on multiples of this many columns: a chunk of a row is one bulk copy,
 /// which wants 16-byte-aligned addresses (8 bf16 columns), and a quantised row's chunk must
-/// hold whole 32-column blocks. Cutting at `c·I/chunks` misaligned the copies of Qwen3-4B
-/// (9,728 columns in 3 chunks: 3,242 …) and Qwen2.5-7B (18,944 in 5), which failed with a
-/// misaligned-address error.
+/// hold whole 32-column blocks (9,728 columns in 3 chunks cut at `c·I/chunks` start at
+/// column 3,242: a misaligned copy).
 pub const CHUNK_ALIGN: usize = 32;
 
 /// Columns of down chunk `c` of `chunks` over `intermediate` columns: every chunk but the

@@ -33,6 +33,26 @@ pub(super) struct Budget {
     list_exceeded: AtomicBool,
 }
 
+/// Ok when `n` is within `limit`; otherwise raises `flag` (so `render` names the limit) and
+/// fails with an error that names it.
+fn within(
+    flag: &AtomicBool,
+    n: usize,
+    limit: usize,
+    what: &str,
+    unit: &str,
+    name: &str,
+) -> Result<(), Error> {
+    if n <= limit {
+        return Ok(());
+    }
+    flag.store(true, Relaxed);
+    Err(Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{what} of {n} {unit} or more passes the limit of {limit} {unit} ({name})"),
+    ))
+}
+
 impl Budget {
     pub(super) fn output_exceeded(&self) -> bool {
         self.output_exceeded.load(Relaxed)
@@ -44,17 +64,14 @@ impl Budget {
 
     /// Fails if a string of `len` bytes is more than one may hold.
     pub(super) fn string(&self, len: usize) -> Result<(), Error> {
-        if len <= MAX_TEMPLATE_STRING_BYTES {
-            return Ok(());
-        }
-        self.string_exceeded.store(true, Relaxed);
-        Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!(
-                "a string of {len} bytes or more passes the limit of \
-                 {MAX_TEMPLATE_STRING_BYTES} bytes (MAX_TEMPLATE_STRING_BYTES)"
-            ),
-        ))
+        within(
+            &self.string_exceeded,
+            len,
+            MAX_TEMPLATE_STRING_BYTES,
+            "a string",
+            "bytes",
+            "MAX_TEMPLATE_STRING_BYTES",
+        )
     }
 
     pub(super) fn list_exceeded(&self) -> bool {
@@ -63,17 +80,14 @@ impl Budget {
 
     /// Fails if a list of `items` items is more than one may hold.
     fn list(&self, items: usize) -> Result<(), Error> {
-        if items <= MAX_TEMPLATE_LIST_ITEMS {
-            return Ok(());
-        }
-        self.list_exceeded.store(true, Relaxed);
-        Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!(
-                "a list of {items} items or more passes the limit of \
-                 {MAX_TEMPLATE_LIST_ITEMS} items (MAX_TEMPLATE_LIST_ITEMS)"
-            ),
-        ))
+        within(
+            &self.list_exceeded,
+            items,
+            MAX_TEMPLATE_LIST_ITEMS,
+            "a list",
+            "items",
+            "MAX_TEMPLATE_LIST_ITEMS",
+        )
     }
 
     /// `v` where a builtin or `+` may walk or copy it: a list, string (its characters) or map
