@@ -16,7 +16,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::sys as cb;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaModule, CudaSlice};
+use cudarc::driver::{sys, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
 
 use super::compile::compile_cubin;
@@ -34,7 +34,7 @@ use crate::model::{Config, WeightType};
 pub const DEFAULT_CHUNK: usize = 8192;
 
 // Mirrors kernels/prefill/prefill.cu.
-/// Key positions per attention tile (PF_BK in prefill.cu).
+/// Key positions per attention tile (PF_BK in prefill.cu, BK in attention_wgmma.cuh).
 const BK: usize = 64;
 const NORM_THREADS: u32 = 256;
 /// Rows of the LM head computed at once when every position's logits are wanted.
@@ -141,7 +141,7 @@ pub struct Prefill {
     blas: CudaBlas,
     k: Kernels,
     _module: Arc<CudaModule>,
-    attn_smem: u32,
+    attn: AttentionKernel,
     bufs: Option<Buffers>,
     /// A quantised matrix decoded to bf16 just before its product (prefill is compute-bound,
     /// so decoding a layer's weights once per chunk costs little); sized for the largest
@@ -174,9 +174,9 @@ impl Prefill {
             .ctx
             .load_module(Ptx::from_binary(cubin))
             .context("loading the prefill CUBIN")?;
-        let attention = Kernel::load(&module, attention_warps(c.head_dim).1)?;
-        let attn_smem = attention_smem(c.head_dim) as u32;
-        attention.allow_smem(attn_smem as usize)?;
+        let attn = AttentionKernel::choose(c.head_dim, &gpu.arch())?;
+        let attention = Kernel::load(&module, attn.name)?;
+        attention.allow_smem(attn.smem as usize)?;
         Ok(Self {
             blas,
             k: Kernels {
@@ -190,7 +190,7 @@ impl Prefill {
                 embed_q: Kernel::load(&module, "q_embed_rows")?,
             },
             _module: module,
-            attn_smem,
+            attn,
             bufs: None,
             wide: None,
         })
@@ -427,8 +427,12 @@ impl Prefill {
         let (start_i, t_i) = (start as i32, t as i32);
         let (pos_stride, head_stride) = (kv.pos_stride as i64, kv.head_stride as i64);
         let scale_log2 = std::f32::consts::LOG2_E / (c.head_dim as f32).sqrt();
-        let (warps, _) = attention_warps(c.head_dim);
-        let att_grid = (t.div_ceil(16 * warps as usize) * c.num_heads) as u32;
+        let att_grid = (t.div_ceil(self.attn.rows as usize) * c.num_heads) as u32;
+        let maps = if self.attn.tma {
+            Some(CacheMaps::new(kv, c, model.layers.len())?)
+        } else {
+            None
+        };
         for (l, lw) in model.layers.iter().enumerate() {
             let off = (l * kv.layer_stride * 2) as u64;
             let (kc, vc) = (kv.k + off, kv.v + off);
@@ -467,30 +471,61 @@ impl Prefill {
                     ],
                 )
             }?;
-            // SAFETY: the arguments are pf_attention_{64,128}'s parameters in kernels/prefill/prefill.cu, in
-            // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
-            unsafe {
-                self.k.attention.launch(
-                    s,
-                    att_grid,
-                    32 * warps,
-                    self.attn_smem,
-                    false,
-                    &mut kargs![
-                        &q,
-                        &kc,
-                        &vc,
-                        &attn,
-                        &t_i,
-                        &start_i,
-                        &nh,
-                        &nkv,
-                        &pos_stride,
-                        &head_stride,
-                        &scale_log2
-                    ],
-                )
-            }?;
+            if let Some(maps) = &maps {
+                let (layer, pos_dim) = (l as i32, maps.pos_dim);
+                // SAFETY: the arguments are pf_attention_tma_{64,128}'s parameters in
+                // kernels/prefill/attention_wgmma.cuh, in order: the tensor maps by value (128
+                // bytes each, as CUtensorMap), describing the live cache `kv`; q and attn are
+                // live buffers of this engine sized for the chunk.
+                unsafe {
+                    self.k.attention.launch(
+                        s,
+                        att_grid,
+                        self.attn.threads,
+                        self.attn.smem,
+                        false,
+                        &mut kargs![
+                            &q,
+                            &maps.k,
+                            &maps.v,
+                            &layer,
+                            &pos_dim,
+                            &attn,
+                            &t_i,
+                            &start_i,
+                            &nh,
+                            &nkv,
+                            &scale_log2
+                        ],
+                    )
+                }?;
+            } else {
+                // SAFETY: the arguments are pf_attention_{64,128}'s parameters in
+                // kernels/prefill/prefill.cu, in order, and every pointer is a live buffer of
+                // this engine or of the model, sized for the chunk.
+                unsafe {
+                    self.k.attention.launch(
+                        s,
+                        att_grid,
+                        self.attn.threads,
+                        self.attn.smem,
+                        false,
+                        &mut kargs![
+                            &q,
+                            &kc,
+                            &vc,
+                            &attn,
+                            &t_i,
+                            &start_i,
+                            &nh,
+                            &nkv,
+                            &pos_stride,
+                            &head_stride,
+                            &scale_log2
+                        ],
+                    )
+                }?;
+            }
             self.gemm(self.bf16_weights(gpu, &lw.wo)?, attn, x, h, qd, t, true)?;
             self.rmsnorm(gpu, x, ptr(&lw.ffn_norm, s), xn, h, 0, t, eps)?;
             self.gemm(
@@ -572,18 +607,180 @@ impl Prefill {
     }
 }
 
-/// Shared memory of the attention kernel: two buffers of a K and a V tile of `BK` positions
-/// with padded rows.
-/// Warps per attention block for a head_dim (16 query rows each), and the kernel's name: as
-/// pf_attention_64 and pf_attention_128 are instantiated in prefill.cu.
-fn attention_warps(head_dim: usize) -> (u32, &'static str) {
-    if head_dim == 64 {
-        (8, "pf_attention_64")
-    } else {
-        (4, "pf_attention_128")
+/// The prefill's attention kernel: which one, its block and its shared memory (mirrors
+/// kernels/prefill/prefill.cu and attention_wgmma.cuh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionKernel {
+    pub name: &'static str,
+    /// Query rows per block.
+    pub rows: u32,
+    pub threads: u32,
+    pub smem: u32,
+    /// Reads K and V through tensor maps of the cache (the bulk tensor copy engine).
+    pub tma: bool,
+}
+
+impl AttentionKernel {
+    /// The warpgroup (wgmma) kernel fed by the bulk tensor copy engine where the device has
+    /// them (Hopper, `sm_90a`), the mma.sync kernel elsewhere; `MEGAINFER_PREFILL_ATTENTION`
+    /// = `tma` or `mma` picks one, to compare them on one machine.
+    pub fn choose(head_dim: usize, arch: &str) -> Result<Self> {
+        let hopper = arch == "sm_90a";
+        let tma = match std::env::var("MEGAINFER_PREFILL_ATTENTION")
+            .unwrap_or_default()
+            .as_str()
+        {
+            "" | "auto" => hopper,
+            "tma" if hopper => true,
+            "tma" => {
+                bail!("MEGAINFER_PREFILL_ATTENTION=tma needs an sm_90a device (Hopper), not {arch}")
+            }
+            "mma" => false,
+            other => bail!("MEGAINFER_PREFILL_ATTENTION must be auto, tma or mma, not {other:?}"),
+        };
+        Ok(Self::new(head_dim, tma))
+    }
+
+    /// The kernel for `head_dim` (64 or 128), as kernels/prefill instantiates them.
+    pub fn new(head_dim: usize, tma: bool) -> Self {
+        let wide = head_dim == 128;
+        match (tma, wide) {
+            // Two warpgroups of 64 rows; 4 stages of a K and a V tile, 1 KiB to align them
+            // to the 128-byte swizzle's 1024-byte period, and the stages' mbarriers.
+            (true, false) => Self::tma("pf_attention_tma_64", 64),
+            (true, true) => Self::tma("pf_attention_tma_128", 128),
+            // 16 query rows a warp; two buffers of a K and a V tile with padded rows.
+            (false, false) => Self::mma("pf_attention_64", 8, 64),
+            (false, true) => Self::mma("pf_attention_128", 4, 128),
+        }
+    }
+
+    fn mma(name: &'static str, warps: u32, head_dim: usize) -> Self {
+        Self {
+            name,
+            rows: 16 * warps,
+            threads: 32 * warps,
+            smem: (4 * BK * (head_dim + 8) * 2) as u32,
+            tma: false,
+        }
+    }
+
+    fn tma(name: &'static str, head_dim: usize) -> Self {
+        const STAGES: usize = 4;
+        Self {
+            name,
+            rows: 128,
+            threads: 256,
+            smem: (STAGES * 2 * BK * head_dim * 2 + 1024 + 8 * STAGES) as u32,
+            tma: true,
+        }
     }
 }
 
-fn attention_smem(head_dim: usize) -> usize {
-    4 * BK * (head_dim + 8) * 2
+/// Tensor maps of a K/V cache for the bulk tensor copy engine: 4-D (head_dim, then position and
+/// KV head in the order of their strides, then layer), boxes of one 64-column half of `BK`
+/// positions, 128-byte swizzled (the layout wgmma reads), positions past the cache zero-filled.
+struct CacheMaps {
+    k: sys::CUtensorMap,
+    v: sys::CUtensorMap,
+    /// Which coordinate (1 or 2) is the position.
+    pos_dim: i32,
+}
+
+impl CacheMaps {
+    fn new(kv: &KvTarget, c: &Config, layers: usize) -> Result<Self> {
+        if !c.head_dim.is_multiple_of(64) {
+            bail!(
+                "the bulk-copy attention needs head_dim a multiple of 64, not {}",
+                c.head_dim
+            );
+        }
+        let (pos, head) = (
+            (kv.max_seq as u64, kv.pos_stride as u64),
+            (c.num_kv_heads as u64, kv.head_stride as u64),
+        );
+        let (pos_dim, (d1, d2)) = if kv.pos_stride <= kv.head_stride {
+            (1, (pos, head))
+        } else {
+            (2, (head, pos))
+        };
+        let dims = [c.head_dim as u64, d1.0, d2.0, layers as u64];
+        let strides = [d1.1 * 2, d2.1 * 2, kv.layer_stride as u64 * 2];
+        let rows = BK as u32;
+        let boxes = [
+            64,
+            if pos_dim == 1 { rows } else { 1 },
+            if pos_dim == 2 { rows } else { 1 },
+            1,
+        ];
+        Ok(Self {
+            k: encode_map(kv.k, &dims, &strides, &boxes).context("tensor map of the K cache")?,
+            v: encode_map(kv.v, &dims, &strides, &boxes).context("tensor map of the V cache")?,
+            pos_dim,
+        })
+    }
+}
+
+fn encode_map(
+    base: u64,
+    dims: &[u64; 4],
+    strides: &[u64; 3],
+    boxes: &[u32; 4],
+) -> Result<sys::CUtensorMap> {
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let ones = [1u32; 4];
+    // SAFETY: every pointer refers to a live local array of the length the rank (4) asks for;
+    // the map is written by the driver and only read on the device while `base` (a cache
+    // allocation of this engine) lives.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            4,
+            base as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            ones.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("cuTensorMapEncodeTiled failed ({r:?}): dims {dims:?}, byte strides {strides:?}, box {boxes:?}");
+    }
+    Ok(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AttentionKernel;
+
+    /// The H100's shared memory per SM (228 KiB) less the 1 KiB each block reserves, and the
+    /// opt-in limit of one block.
+    const SM_SMEM: u32 = 228 * 1024;
+    const BLOCK_SMEM: u32 = 232_448;
+
+    #[test]
+    fn attention_kernels_fit_their_blocks_per_sm() {
+        // tma_64 is built for two blocks per SM (launch bounds), the others for one.
+        for (head_dim, tma, blocks) in [
+            (64, true, 2),
+            (128, true, 1),
+            (64, false, 2),
+            (128, false, 1),
+        ] {
+            let k = AttentionKernel::new(head_dim, tma);
+            assert!(k.smem <= BLOCK_SMEM, "{}: {} B", k.name, k.smem);
+            assert!(
+                blocks * (k.smem + 1024) <= SM_SMEM,
+                "{}: {blocks} x {} B",
+                k.name,
+                k.smem
+            );
+            assert_eq!(k.rows % 64, 0, "{}", k.name);
+        }
+    }
 }

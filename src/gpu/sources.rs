@@ -8,6 +8,7 @@ pub const ROPE: &str = include_str!("../../kernels/rope.cuh");
 /// Qwen's q/k/v bias and q/k norm, shared by the graph baseline and prefill.
 const QKV_EXTRAS: &str = include_str!("../../kernels/qkv_extras.cuh");
 const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
+const PREFILL_WGMMA: &str = include_str!("../../kernels/prefill/attention_wgmma.cuh");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
 /// The quantised formats' decoding, shared by quant.cu and the megakernel's tiles.
@@ -53,7 +54,7 @@ pub fn quant() -> String {
 
 /// Batched prefill's kernels (src/gpu/prefill.rs).
 pub fn prefill() -> String {
-    [ROPE, QKV_EXTRAS, PREFILL, &quant()].join("\n")
+    [ROPE, QKV_EXTRAS, PREFILL, PREFILL_WGMMA, &quant()].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
