@@ -558,7 +558,9 @@ fn compare_units(v: &Value, cap: usize) -> usize {
         units += 1;
         match v.kind() {
             ValueKind::String => units += v.as_str().map_or(0, str::len) / BYTES_PER_WORK,
-            ValueKind::Seq | ValueKind::Iterable => {
+            // An iterable of unknown length may be a one-shot iterator, which counting must
+            // not use up.
+            ValueKind::Seq | ValueKind::Iterable if v.len().is_some() => {
                 if let Ok(items) = v.try_iter() {
                     walks.push(Box::new(items));
                 }
