@@ -381,6 +381,7 @@ fn chat_template_work_is_capped() {
          {% endfor %}",
         "{% set s = 'x' * 16000000 %}{{ s in [s] * 1000000 }}",
         "{{ (['x' * 16000000] * 1000000)|sort|length }}",
+        "{% set s = 'x' * 16000000 %}{{ ([s] * 1000000)|select('eq', s)|list|length }}",
         // Indexing by walking: a lazy list, a string, and a map compares its keys.
         "{% set a = [0] * 1000000 %}{% for i in range(100000) %}{% set t = a[999999] %}\
          {% endfor %}",

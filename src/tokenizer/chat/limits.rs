@@ -1055,9 +1055,11 @@ fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
                 let items = arg.len().unwrap_or(0);
                 total = total.saturating_add(items);
                 // The builtins that compare items (sorting, picking the smallest, grouping,
-                // dropping repeats) can compare every item in full.
+                // dropping repeats, or testing each, as `select('eq', s)` does) can compare
+                // every item in full.
                 match name {
-                    "sort" | "unique" | "min" | "max" | "groupby" | "dictsort" => b.compare(arg)?,
+                    "sort" | "unique" | "min" | "max" | "groupby" | "dictsort" | "select"
+                    | "reject" | "selectattr" | "rejectattr" => b.compare(arg)?,
                     _ => b.walk(items)?,
                 }
             }
