@@ -1,6 +1,8 @@
 //! Chat templates rendered as transformers' `apply_chat_template` renders them.
 
-use megainfer::tokenizer::chat::{render, ChatMessage};
+use std::time::Instant;
+
+use megainfer::tokenizer::chat::{render, render_with_work, ChatMessage, MAX_TEMPLATE_WORK};
 
 /// `chat_template` of HuggingFaceTB/SmolLM2-135M-Instruct's tokenizer_config.json.
 const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -213,6 +215,17 @@ fn render_unchecked(template: &str, messages: &[ChatMessage]) -> String {
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // The date as `render` writes it.
+    env.add_function("strftime_now", |format: String| {
+        render(
+            &format!("{{{{ strftime_now({format:?}) }}}}"),
+            &[],
+            "",
+            "",
+            false,
+        )
+        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))
+    });
     let result = env.template_from_str(template).and_then(|t| {
         t.render(minijinja::context! {
             messages => messages,
@@ -283,6 +296,31 @@ fn the_size_checks_change_no_output() {
          {{ 'a b c'|split(none, 1)|list }}{{ 'a\nb'|lines }}{{ 'a,b,c'.split(',', 1) }}\
          {{ 'a b'.split() }}{{ 'a\nb\n'.splitlines() }}{{ 'a\nb\n'.splitlines(true) }}\
          {{ 'abcb'.count('b') }}{{ 1 in a * 2 }}{{ (a * 3)|length }}",
+        // Slices (collected by the checks), comparisons (counted) and lists made from lazy
+        // lists (copied before `+`, `*` and `chain` build on them), indexed, walked, printed.
+        "{% set a = [3, 1, 2, 5, 4] %}{{ a[1:] }}{{ a[1:3] }}{{ a[::-1] }}{{ a[::2] }}\
+         {{ a[-2:] }}{{ a[:-1]|list }}{{ a[1:]|length }}{{ a[1:][0] }}{{ (a[1:] + a[:1])|list }}\
+         {{ (a * 2)[3:6]|list }}{{ 'héllo'[1:3] }}{{ 'abc'[::-1] }}{{ none[1:] }}\
+         {{ (a|chain([6]))[5] }}{{ (a|chain([6]))|length }}{{ (range(3)|chain([6]))|list }}\
+         {{ a[1:] is sequence }}{{ (a|chain(a)) is sequence }}{{ (range(3)|chain(a)) is sequence }}\
+         {{ ((a + a) + a)|list }}{{ ((a * 2) * 2)|length }}{{ (a[1:] * 2)|list }}\
+         {{ ((a|chain(a))|chain(a))|list }}{{ a|sum }}{{ a|min }}{{ a|max }}{{ a[1:]|sum }}\
+         {{ 'a' == 'a' }}{{ 'a' < 'b' }}{{ [1, 2] == [1, 2] }}{{ [1] < [2] }}\
+         {{ {'a': 1} == {'a': 1} }}{{ 1 == 1.0 }}{{ 'a' != none }}{{ a[1:] == a[1:] }}\
+         {{ messages[1:]|map(attribute='role')|join(',') }}\
+         {% for m in messages[1:] %}{{ m.role }}{% endfor %}{{ (messages|reverse|list)[0].role }}\
+         {{ 'a b'.split()[1:] }}{{ a[1:]|pprint }}{{ (a|chain(a))|pprint }}{{ (a + a)|pprint }}\
+         {{ 'b' in a[1:] }}{{ 2 in (a|chain(a)) }}{{ a|sort(reverse=true) == a|sort|reverse|list }}\
+         {{ 'ab'.isalpha() }}{{ '-'.join(a[1:]|map('string')) }}{{ a[1:]|unique|list }}",
+        // Indexing, which the checks count: lists, lazy lists, strings, maps, objects.
+        "{% set a = [3, 1, 2] %}{% set ns = namespace(x=1) %}{{ a[1] }}{{ a[-1] }}{{ a[7] }}\
+         {{ a[1:][1] }}{{ a[1:][-1] }}{{ (a * 2)[4] }}{{ (a + a)[3] }}{{ (a|chain(a))[4] }}\
+         {{ 'héllo'[1] }}{{ 'abc'[-1] }}{{ 'abc'[9] }}{{ {'a': 1}['a'] }}{{ {'a': 1}['b'] }}\
+         {{ messages[0]['role'] }}{{ messages[1:][0].role }}{{ ns['x'] }}{{ a['x'] }}\
+         {{ none['x'] }}{{ range(5)[2] }}{{ (a|reverse)[0] }}",
+        "{{ [1, 2][0:1:0] }}",
+        "{{ 5[1:] }}",
+        "{{ [1, 2]['a':] }}",
         "{{ [1] + 'a' }}",
         "{{ [1] * 'a' }}",
         "{{ [1] * -1 }}",
@@ -302,5 +340,64 @@ fn the_size_checks_change_no_output() {
             ),
         };
         assert_eq!(checked, unchecked, "{template}");
+    }
+}
+
+/// `n` messages: a system prompt, then a user and the assistant in turn, with markup, quotes,
+/// new lines and non-ASCII text, of varied lengths.
+fn conversation(n: usize) -> Vec<ChatMessage> {
+    (0..n)
+        .map(|i| {
+            let role = match i {
+                0 => "system",
+                _ if i % 2 == 1 => "user",
+                _ => "assistant",
+            };
+            let text = format!(
+                "Message {i}: <b>bold</b> & 'quoted' \"text\"\n  ünïcode ✓ {}",
+                "word ".repeat(i % 60)
+            );
+            ChatMessage::new(role, text)
+        })
+        .collect()
+}
+
+/// Real templates (the ones these tests and the fuzz corpus hold) render a 4,000-message
+/// conversation far within the work limit, and as minijinja renders them without the checks.
+#[test]
+fn real_templates_stay_far_from_the_work_limit() {
+    let messages = conversation(4000);
+    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/chat_template");
+    let mut templates = vec![
+        ("SmolLM2".to_string(), SMOLLM2.to_string()),
+        ("Llama 3.2".to_string(), LLAMA32.to_string()),
+    ];
+    let mut seeds: Vec<_> = std::fs::read_dir(&corpus)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    seeds.sort();
+    for seed in seeds {
+        let name = seed.file_name().unwrap().to_string_lossy().into_owned();
+        templates.push((name, std::fs::read_to_string(&seed).unwrap()));
+    }
+    assert!(templates.len() >= 4);
+    for (name, template) in &templates {
+        let start = Instant::now();
+        let (out, work) = render_with_work(template, &messages, "<s>", "</s>", true)
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        println!(
+            "{name}: {} messages, {} bytes out, work {work} of {MAX_TEMPLATE_WORK}, {:?}",
+            messages.len(),
+            out.len(),
+            start.elapsed()
+        );
+        assert!(work < MAX_TEMPLATE_WORK / 10, "{name}: work {work}");
+        assert!(out.contains("Message 3999: "), "{name}");
+        // minijinja's own `tojson` writes JSON unlike Python's, so a template that uses it
+        // renders differently without the checks' environment.
+        if !template.contains("tojson") {
+            assert_eq!(out, render_unchecked(template, &messages), "{name}");
+        }
     }
 }

@@ -231,6 +231,11 @@ fn chat_template_with_huge_output() {
 /// Renders `template`, which must fail quickly with an error naming `limit` and without one
 /// allocation above the 64 MB bound.
 fn template_stops_at(template: &str, limit: &str) {
+    template_stops_within(template, limit, Duration::from_secs(10));
+}
+
+/// [`template_stops_at`], within `time`.
+fn template_stops_within(template: &str, limit: &str, time: Duration) {
     let start = Instant::now();
     let (result, largest) = largest_allocation(|| render(template, &[user("x")], "", "", true));
     let Err(err) = result else {
@@ -246,7 +251,7 @@ fn template_stops_at(template: &str, limit: &str) {
         largest <= allocation_bound(template.len()),
         "{template}: largest allocation {largest} bytes"
     );
-    assert!(start.elapsed() < Duration::from_secs(10));
+    assert!(start.elapsed() < time, "{template}: {:?}", start.elapsed());
 }
 
 #[test]
@@ -343,6 +348,84 @@ fn chat_template_empty_lists_stay_cheap() {
     assert_eq!(out, "0 [] False[]False");
     // Python counts an empty string between each two characters; minijinja-contrib looped.
     assert_eq!(template_renders_quickly("{{ 'abc'.count('') }}"), "4");
+}
+
+/// Work inside instructions, which fuel counts as one each: a bounded copy, walk or comparison
+/// repeated as often as the fuel allows ran for hours. Each of these stopped within 0.4 s on 2
+/// shared cores; 5 s is the hang guard.
+#[test]
+fn chat_template_work_is_capped() {
+    for template in [
+        // A list at the list limit copied 100,000 times (96 ms a round).
+        "{% set a = [0] * 1000000 %}{% for i in range(100000) %}{% set b = a|list %}{% endfor %}",
+        // A string of 16 MB copied 100,000 times (24 ms a round with `~`, 8 ms with `+`).
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s ~ 'y' %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s + 'y' %}\
+         {% endfor %}",
+        // A one-item slice of a list at the limit, made over and over: each skips a million
+        // items.
+        "{% set a = [0] * 1000000 %}{% for i in range(100000) %}{% set s = a[999999:] %}\
+         {% endfor %}",
+        // A list grown one item at a time (86 s): each `+` copies it.
+        "{% set ns = namespace(s=[]) %}{% for i in range(100000) %}\
+         {% set ns.s = ns.s + [i] %}{% endfor %}{{ ns.s|length }}",
+        // The same through `chain`.
+        "{% set ns = namespace(s=[0]) %}{% for i in range(100000) %}\
+         {% set ns.s = ns.s|chain([i]) %}{% endfor %}{{ ns.s|length }}",
+        // Walks and comparisons of large values, each one instruction.
+        "{% set a = [0] * 1000000 %}{% for i in range(100000) %}{% set t = 1 in a %}{% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s == s %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = [s] < [s] %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{{ s in [s] * 1000000 }}",
+        "{{ (['x' * 16000000] * 1000000)|sort|length }}",
+        "{% set s = 'x' * 16000000 %}{{ ([s] * 1000000)|select('eq', s)|list|length }}",
+        // Indexing by walking: a lazy list, a string, and a map compares its keys.
+        "{% set a = [0] * 1000000 %}{% for i in range(100000) %}{% set t = a[999999] %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s[-1] %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% set d = {s: 1} %}{% for i in range(100000) %}\
+         {% set t = d[s] %}{% endfor %}",
+        // Strings taken apart character by character, 16 MB at a time.
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s|title %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s[::-1] %}\
+         {% endfor %}",
+        "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s|tojson %}\
+         {% endfor %}",
+        // A list written out as text (300,000 items, 900 KB a round).
+        "{% set a = [0] * 300000 %}{% for i in range(100000) %}{% set t = a ~ '' %}{% endfor %}",
+    ] {
+        template_stops_within(template, "MAX_TEMPLATE_WORK", Duration::from_secs(5));
+    }
+}
+
+/// minijinja's lazy lists, built on other lazy lists, walked in far more than their length or
+/// nested past the stack. Collected as they are made, these render at once.
+#[test]
+fn chat_template_lazy_lists_stay_cheap() {
+    // A one-item slice of a list at the limit doubled 10 times: 1,024 slices that each skipped
+    // a million items at every walk (82 s).
+    let start = Instant::now();
+    let out = template_renders_quickly(
+        "{% set a = [0] * 1000000 %}{% set ns = namespace(s=a[999999:]) %}\
+         {% for i in range(10) %}{% set ns.s = ns.s + ns.s %}{% endfor %}\
+         {{ ns.s|length }} {{ ns.s|list|length }} {{ ns.s|sum }}",
+    );
+    assert_eq!(out, "1024 1024 0");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // A list repeated once, 100,000 times over: a repeat of a repeat, nested 100,000 deep,
+    // overflowed the stack when walked.
+    let start = Instant::now();
+    let out = template_renders_quickly(
+        "{% set ns = namespace(s=[0]) %}{% for i in range(100000) %}\
+         {% set ns.s = ns.s * 1 %}{% endfor %}{{ ns.s|list }}",
+    );
+    assert_eq!(out, "[0]");
+    assert!(start.elapsed() < Duration::from_secs(5));
 }
 
 #[test]

@@ -1,10 +1,23 @@
 //! The limits a chat template renders within, beyond minijinja's own fuel: the bytes it writes
 //! (`MAX_TEMPLATE_OUTPUT_BYTES`), the length of any one string it builds
-//! (`MAX_TEMPLATE_STRING_BYTES`) and the items of any one list (`MAX_TEMPLATE_LIST_ITEMS`).
-//! minijinja has no setting for any of them, so the template's compiled code gets a check in
-//! front of each instruction that writes text or joins or repeats strings or lists (`checked`),
-//! the builtins that can lengthen a string or build a list are replaced by ones that check
-//! first, and constants that minijinja would fold while compiling are checked before it does.
+//! (`MAX_TEMPLATE_STRING_BYTES`), the items of any one list (`MAX_TEMPLATE_LIST_ITEMS`) and the
+//! work done inside instructions (`MAX_TEMPLATE_WORK`). minijinja has no setting for any of
+//! them, so the template's compiled code gets a check in front of each instruction that writes
+//! text, joins or repeats strings or lists, or walks or compares them (`checked`), the
+//! builtins that can lengthen a string, build a list or walk one are replaced by ones that
+//! check first, and constants that minijinja would fold while compiling are checked before it
+//! does.
+//!
+//! Fuel counts an instruction as one unit however much it copies, so the checks also count
+//! the items and bytes each one copies, walks or compares against `MAX_TEMPLATE_WORK`
+//! (`Budget::work`).
+//! That count is only honest if walking a list costs about its length. minijinja keeps joins
+//! (`+`, `chain`), repeats (`*`) and slices lazy, and a lazy list built from other lazy lists
+//! can cost far more to walk than its length shows (a one-item slice that skips a million
+//! items first; a list grown one item at a time, each item passing through up to 32 nested
+//! joins). So the checks copy a lazy list into a plain one, counting the copy, before `+` or
+//! `*` builds on it, and slices and `chain` are collected when they are made: every lazy list a
+//! template holds is then one level over plain lists, and walks in about its length.
 
 use std::borrow::Cow;
 use std::fmt::{self, Write as _};
@@ -15,7 +28,10 @@ use minijinja::machinery::{Instruction, Instructions};
 use minijinja::value::{Rest, ValueKind};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, Value};
 
-use super::{MAX_TEMPLATE_LIST_ITEMS, MAX_TEMPLATE_OUTPUT_BYTES, MAX_TEMPLATE_STRING_BYTES};
+use super::{
+    MAX_TEMPLATE_LIST_ITEMS, MAX_TEMPLATE_OUTPUT_BYTES, MAX_TEMPLATE_STRING_BYTES,
+    MAX_TEMPLATE_WORK,
+};
 
 /// The most an escaped byte grows by when a template turns on auto-escaping: HTML writes `'`
 /// as `&#x27;`, JSON a control byte as `\u0000`.
@@ -31,7 +47,19 @@ pub(super) struct Budget {
     output_exceeded: AtomicBool,
     string_exceeded: AtomicBool,
     list_exceeded: AtomicBool,
+    /// Work done so far, in `MAX_TEMPLATE_WORK`'s units.
+    work: AtomicUsize,
+    work_exceeded: AtomicBool,
 }
+
+/// Bytes of a string copied or scanned that count as one unit of work. A unit is one item of
+/// a list copied or walked (50 to 130 ns on 2 shared cores); strings are copied or searched at
+/// 0.2 to 2 ns a byte, so 64 bytes take about as long.
+const BYTES_PER_WORK: usize = 64;
+/// Bytes of a string taken apart character by character (slicing, reversing, escaping into
+/// JSON: 2.5 to 10 ns a byte) that count as one unit. Changing case costs 18 to 48 ns a byte
+/// (Unicode tables, and `title` looks at the character before), so there a byte is a unit.
+const CHARS_PER_WORK: usize = 8;
 
 /// Ok when `n` is within `limit`; otherwise raises `flag` (so `render` names the limit) and
 /// fails with an error that names it.
@@ -90,6 +118,92 @@ impl Budget {
         )
     }
 
+    pub(super) fn work_exceeded(&self) -> bool {
+        self.work_exceeded.load(Relaxed)
+    }
+
+    /// Counts `units` more work, failing past `MAX_TEMPLATE_WORK`.
+    pub(super) fn work(&self, units: usize) -> Result<(), Error> {
+        let total = self.work.load(Relaxed).saturating_add(units);
+        self.work.store(total, Relaxed);
+        within(
+            &self.work_exceeded,
+            total,
+            MAX_TEMPLATE_WORK,
+            "work (items and bytes copied, walked or compared)",
+            "units",
+            "MAX_TEMPLATE_WORK",
+        )
+    }
+
+    /// Work done so far.
+    pub(super) fn work_done(&self) -> usize {
+        self.work.load(Relaxed)
+    }
+
+    /// Counts walking or copying `items` items; an empty list still costs a step.
+    pub(super) fn walk(&self, items: usize) -> Result<(), Error> {
+        self.work(items.saturating_add(1))
+    }
+
+    /// Counts copying or scanning `bytes` bytes of strings.
+    pub(super) fn bytes(&self, bytes: usize) -> Result<(), Error> {
+        self.work(1 + bytes / BYTES_PER_WORK)
+    }
+
+    /// Counts taking apart `bytes` bytes of strings character by character.
+    pub(super) fn chars(&self, bytes: usize) -> Result<(), Error> {
+        self.work(1 + bytes / CHARS_PER_WORK)
+    }
+
+    /// Counts making `len` bytes of text of `v`: a string is copied, any other value is
+    /// formatted piece by piece (a list of small numbers at about 30 ns a byte), which is
+    /// counted as an item a byte.
+    fn text(&self, v: &Value, len: usize) -> Result<(), Error> {
+        if v.kind() == ValueKind::String {
+            self.bytes(len)
+        } else {
+            self.work(len.saturating_add(1))
+        }
+    }
+
+    /// Counts walking `v` once: its items, or a string's bytes.
+    fn walk_value(&self, v: &Value) -> Result<(), Error> {
+        match v.kind() {
+            ValueKind::String => self.bytes(v.as_str().map_or(0, str::len)),
+            ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+                self.walk(v.len().unwrap_or(0))
+            }
+            _ => self.work(1),
+        }
+    }
+
+    /// Work left before the limit, plus one: as far as a count of work needs to go.
+    fn left(&self) -> usize {
+        MAX_TEMPLATE_WORK
+            .saturating_sub(self.work.load(Relaxed))
+            .saturating_add(1)
+    }
+
+    /// Counts comparing `v` with other values: its strings' bytes and its items, all the way
+    /// down, as two equal values compare all of them.
+    fn compare(&self, v: &Value) -> Result<(), Error> {
+        self.work(compare_units(v, self.left()))
+    }
+
+    /// `v`, if it is a lazy list (a join, repeat, slice or reverse of other lists), copied into
+    /// a plain list, the copy counted; anything else unchanged. A list made from plain lists
+    /// walks in about its length, one made from lazy lists may not (see the module's notes).
+    fn flat(&self, v: Value) -> Result<Value, Error> {
+        if !is_list(&v) || v.downcast_object_ref::<Vec<Value>>().is_some() {
+            return Ok(v);
+        }
+        let items: Vec<Value> = v.try_iter()?.take(MAX_TEMPLATE_LIST_ITEMS + 1).collect();
+        self.list(items.len())?;
+        self.walk(items.len())?;
+        Ok(Value::from(items))
+    }
+
     /// `v` where a builtin or `+` may walk or copy it: a list, string (its characters) or map
     /// of at most `MAX_TEMPLATE_LIST_ITEMS` items. An iterable of unknown length is collected
     /// into a list (up to one item past the limit) and that list stands in for it, so a one-shot
@@ -143,16 +257,22 @@ const CHECK_MUL: &str = "%check*";
 const CHECK_ADD: &str = "%check+";
 const CHECK_CONCAT: &str = "%check~";
 const CHECK_IN: &str = "%check-in";
+const CHECK_SLICE: &str = "%check-slice";
+const CHECK_SLICED: &str = "%check-sliced";
+const CHECK_COMPARE: &str = "%check-compare";
+const CHECK_GET_ITEM: &str = "%check-get-item";
 const CHECK_EMIT: &str = "%check-emit";
 const CHECK_EMIT_RAW: &str = "%check-emit-raw";
 
-/// `code` with a check in front of each instruction that can make a string or write text:
-/// `*`, `+`, `~` and `in` pass their two operands through a check that computes the length of
-/// the string they would make (and hands the operands back unchanged, as a list that
-/// `UnpackList` spreads onto the stack again); `{{ }}` and template text add their length to
-/// the bytes written. Jump targets and macro entry points move with the instructions they
-/// point at, and each added instruction carries the location of the one it checks, so errors
-/// point at the template line as before.
+/// `code` with a check in front of each instruction that can make a string or list, walk or
+/// compare one, or write text: `*`, `+`, `~`, `in`, comparisons, indexing and slices pass
+/// their operands through a check that computes the length of the string or list they would
+/// make and counts the work (and hands the operands back, as a list that `UnpackList` spreads
+/// onto the stack again); `{{ }}` and template text add their length to the bytes written. A slice also gets a check after it,
+/// which collects the slice it made. Jump targets and macro entry points move with the
+/// instructions they point at (to the first check in front), and each added instruction
+/// carries the location of the one it checks, so errors point at the template line as
+/// before.
 pub(super) fn checked<'s>(code: &Instructions<'s>) -> Instructions<'s> {
     let old: Vec<Instruction<'s>> = (0..).map_while(|i| code.get(i).cloned()).collect();
     // Where each old instruction starts in the new code (at its first check), and the end.
@@ -160,7 +280,8 @@ pub(super) fn checked<'s>(code: &Instructions<'s>) -> Instructions<'s> {
     let mut next = 0u32;
     for instr in &old {
         start.push(next);
-        next += checks_for(instr).len() as u32 + 1;
+        let (before, after) = checks_for(instr);
+        next += (before.len() + 1 + after.len()) as u32;
     }
     start.push(next);
 
@@ -171,7 +292,8 @@ pub(super) fn checked<'s>(code: &Instructions<'s>) -> Instructions<'s> {
             *target = start.get(*target as usize).copied().unwrap_or(next);
         }
         let (span, line) = (code.get_span(i), code.get_line(i));
-        for one in checks_for(&instr).into_iter().chain([instr]) {
+        let (before, after) = checks_for(&instr);
+        for one in before.into_iter().chain([instr]).chain(after) {
             match (span, line) {
                 (Some(span), _) => new.add_with_span(one, span),
                 (None, Some(line)) => new.add_with_line(one, line as u16),
@@ -182,22 +304,34 @@ pub(super) fn checked<'s>(code: &Instructions<'s>) -> Instructions<'s> {
     new
 }
 
-fn checks_for<'s>(instr: &Instruction<'s>) -> Vec<Instruction<'s>> {
+/// The checks that go in front of `instr` and after it.
+type Checks<'s> = (Vec<Instruction<'s>>, Vec<Instruction<'s>>);
+
+fn checks_for<'s>(instr: &Instruction<'s>) -> Checks<'s> {
     // Local id !0: look the filter up each time rather than in the VM's small per-template
     // cache of filters, whose slots the compiler has handed out already.
-    let pair = |name| {
+    let operands = |name, n| {
         vec![
-            Instruction::ApplyFilter(name, Some(2), !0),
-            Instruction::UnpackList(2),
+            Instruction::ApplyFilter(name, Some(n), !0),
+            Instruction::UnpackList(n.into()),
         ]
     };
-    match instr {
-        Instruction::Mul => pair(CHECK_MUL),
-        Instruction::Add => pair(CHECK_ADD),
-        Instruction::StringConcat => pair(CHECK_CONCAT),
+    let before = match instr {
+        Instruction::Mul => operands(CHECK_MUL, 2),
+        Instruction::Add => operands(CHECK_ADD, 2),
+        Instruction::StringConcat => operands(CHECK_CONCAT, 2),
         // `in`, and in a chain of comparisons (`a < b in c`) every step, as minijinja keeps
         // the kind of comparison to itself.
-        Instruction::In | Instruction::CompareAndPreserve(_) => pair(CHECK_IN),
+        Instruction::In | Instruction::CompareAndPreserve(_) => operands(CHECK_IN, 2),
+        Instruction::Eq
+        | Instruction::Ne
+        | Instruction::Gt
+        | Instruction::Gte
+        | Instruction::Lt
+        | Instruction::Lte => operands(CHECK_COMPARE, 2),
+        // The value, start, stop and step.
+        Instruction::Slice => operands(CHECK_SLICE, 4),
+        Instruction::GetItem => operands(CHECK_GET_ITEM, 2),
         Instruction::Emit => vec![Instruction::ApplyFilter(CHECK_EMIT, Some(1), !0)],
         Instruction::EmitRaw(text) => vec![
             Instruction::LoadConst(Value::from(text.len())),
@@ -205,7 +339,12 @@ fn checks_for<'s>(instr: &Instruction<'s>) -> Vec<Instruction<'s>> {
             Instruction::DiscardTop,
         ],
         _ => Vec::new(),
-    }
+    };
+    let after = match instr {
+        Instruction::Slice => vec![Instruction::ApplyFilter(CHECK_SLICED, Some(1), !0)],
+        _ => Vec::new(),
+    };
+    (before, after)
 }
 
 /// The instruction index `instr` holds, if any. Every instruction is named, so that a
@@ -344,6 +483,102 @@ fn operands(lhs: &Value, rhs: &Value) -> Value {
     Value::from(vec![rhs.clone(), lhs.clone()])
 }
 
+/// Work of `item in container`: a string is scanned for the item's text; a list is walked,
+/// each of its items compared with `item`, which can take as long as comparing `item` with
+/// itself; a map looks the item up.
+fn contains_work(b: &Budget, item: &Value, container: &Value) -> Result<(), Error> {
+    if let Some(s) = container.as_str() {
+        let item_len = item
+            .as_str()
+            .map_or_else(|| contains_len(container, item).unwrap_or(0), str::len);
+        return b.bytes(s.len().saturating_add(item_len));
+    }
+    match container.kind() {
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items = container.len().unwrap_or(0);
+            b.work(items.saturating_mul(compare_units(item, b.left())))
+        }
+        ValueKind::Map => b.compare(item),
+        _ => Ok(()),
+    }
+}
+
+/// Work of `container[key]`: a map compares the key with its keys; a string and an iterable
+/// (which minijinja indexes by walking it) walk up to the item; a list indexes at once.
+fn get_item_work(b: &Budget, container: &Value, key: &Value) -> Result<(), Error> {
+    let steps = |len: usize| match key.as_i64() {
+        Some(i) if i >= 0 => usize::try_from(i).map_or(len, |i| i.saturating_add(1).min(len)),
+        _ => len,
+    };
+    match container.kind() {
+        ValueKind::Map => b.compare(key),
+        ValueKind::String if key.is_integer() => {
+            b.chars(steps(container.as_str().map_or(0, str::len)))
+        }
+        ValueKind::Iterable if key.is_integer() => {
+            b.walk(steps(container.len().unwrap_or(MAX_TEMPLATE_LIST_ITEMS)))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Work of comparing `lhs` with `rhs` (`==`, `<`, ...): strings compare up to the shorter one,
+/// lists and maps item by item; numbers and the like are one instruction's work.
+fn compare_work(b: &Budget, lhs: &Value, rhs: &Value) -> Result<(), Error> {
+    // The sort of value and its size, for the values that compare piece by piece.
+    let size = |v: &Value| match v.kind() {
+        ValueKind::String => v.as_str().map(|s| (0, s.len())),
+        ValueKind::Seq | ValueKind::Iterable => v.len().map(|n| (1, n)),
+        ValueKind::Map => v.len().map(|n| (2, n)),
+        _ => None,
+    };
+    match (size(lhs), size(rhs)) {
+        (Some((l, left)), Some((r, right))) if l == r => {
+            b.compare(if left <= right { lhs } else { rhs })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Units of work in comparing all of `v` (see `Budget::compare`), counted up to `cap`. The
+/// count keeps a walk per level on the heap, not the stack: a list can nest deeper than the
+/// stack allows.
+fn compare_units(v: &Value, cap: usize) -> usize {
+    let mut units = 0usize;
+    let mut walks: Vec<Box<dyn Iterator<Item = Value>>> =
+        vec![Box::new(std::iter::once(v.clone()))];
+    while let Some(walk) = walks.last_mut() {
+        if units >= cap {
+            break;
+        }
+        let Some(v) = walk.next() else {
+            walks.pop();
+            continue;
+        };
+        units += 1;
+        match v.kind() {
+            ValueKind::String => units += v.as_str().map_or(0, str::len) / BYTES_PER_WORK,
+            // An iterable of unknown length may be a one-shot iterator, which counting must
+            // not use up.
+            ValueKind::Seq | ValueKind::Iterable if v.len().is_some() => {
+                if let Ok(items) = v.try_iter() {
+                    walks.push(Box::new(items));
+                }
+            }
+            ValueKind::Map => {
+                if let Ok(keys) = v.try_iter() {
+                    walks.push(Box::new(keys.flat_map(move |key| {
+                        let value = v.get_item(&key).unwrap_or_default();
+                        [key, value]
+                    })));
+                }
+            }
+            _ => {}
+        }
+    }
+    units
+}
+
 /// Bytes of the string `lhs * rhs` makes, when it repeats a string (minijinja picks the
 /// string on the left first).
 fn repeat_len(lhs: &Value, rhs: &Value) -> Option<usize> {
@@ -407,9 +642,19 @@ pub(super) fn install(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     add_list_builtins(env, budget);
     let b = budget.clone();
     env.set_unknown_method_callback(move |state, value, method, args| {
+        b.walk_value(value)?;
         if let Some(s) = value.as_str().filter(|_| value.kind() == ValueKind::String) {
-            b.string(method_result_bound(state, value, method, args))?;
-            b.list(method_result_items(s, method, args))?;
+            let bound = method_result_bound(state, value, method, args);
+            b.string(bound)?;
+            match method {
+                "upper" | "lower" | "title" | "capitalize" => b.work(s.len())?,
+                m if m.starts_with("is") => b.chars(s.len())?,
+                _ => b.bytes(bound)?,
+            }
+            args.iter().try_for_each(|a| b.walk_value(a))?;
+            let items = method_result_items(s, method, args);
+            b.list(items)?;
+            b.walk(items)?;
             // minijinja-contrib looks for an empty string at the same place for ever; Python
             // counts one between each two characters and at both ends.
             if method == "count" && args.first().and_then(Value::as_str) == Some("") {
@@ -425,20 +670,27 @@ pub(super) use constants::{check as check_constants, Exceeded};
 fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     let b = budget.clone();
     env.add_filter(CHECK_MUL, move |lhs: &Value, rhs: &Value| {
-        b.string(repeat_len(lhs, rhs).unwrap_or(0))?;
+        if let Some(len) = repeat_len(lhs, rhs) {
+            b.string(len)?;
+            b.bytes(len)?;
+        }
         match list_repeat(lhs, rhs) {
             // Repeating an empty list n times makes a list that takes n steps to walk.
             Some((_, 0)) => Ok(operands(&Value::from(Vec::<Value>::new()), &Value::from(0))),
+            // The repeat is lazy, and walks in its length if what it repeats does.
             Some((items, _)) => {
                 b.list(items)?;
-                Ok(operands(lhs, rhs))
+                Ok(operands(&b.flat(lhs.clone())?, &b.flat(rhs.clone())?))
             }
             None => Ok(operands(lhs, rhs)),
         }
     });
     let b = budget.clone();
     env.add_filter(CHECK_ADD, move |lhs: &Value, rhs: &Value| {
-        b.string(add_len(lhs, rhs).unwrap_or(0))?;
+        if let Some(len) = add_len(lhs, rhs) {
+            b.string(len)?;
+            b.bytes(len)?;
+        }
         if !(is_list(lhs) && is_list(rhs)) {
             return Ok(operands(lhs, rhs));
         }
@@ -448,17 +700,62 @@ fn add_checks(env: &mut Environment<'static>, budget: &Arc<Budget>) {
                 .unwrap_or(0)
                 .saturating_add(rhs.len().unwrap_or(0)),
         )?;
-        Ok(operands(&lhs, &rhs))
+        // minijinja joins the two lazily; over plain lists the join walks in its length.
+        // Growing a list one item at a time therefore copies it at each step (as Python's
+        // `+` does), and the copies are counted.
+        b.work(1)?;
+        Ok(operands(&b.flat(lhs)?, &b.flat(rhs)?))
     });
     let b = budget.clone();
     env.add_filter(CHECK_CONCAT, move |lhs: &Value, rhs: &Value| {
-        b.string(concat_len(lhs, rhs))?;
+        let cap = MAX_TEMPLATE_STRING_BYTES;
+        let (left, right) = (text_len(lhs, cap), text_len(rhs, cap));
+        b.string(left.saturating_add(right))?;
+        b.text(lhs, left)?;
+        b.text(rhs, right)?;
         Ok(operands(lhs, rhs))
     });
     let b = budget.clone();
     env.add_filter(CHECK_IN, move |item: &Value, container: &Value| {
         b.string(contains_len(container, item).unwrap_or(0))?;
+        contains_work(&b, item, container)?;
         Ok(operands(item, container))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_COMPARE, move |lhs: &Value, rhs: &Value| {
+        compare_work(&b, lhs, rhs)?;
+        Ok(operands(lhs, rhs))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_GET_ITEM, move |container: &Value, key: &Value| {
+        get_item_work(&b, container, key)?;
+        Ok(operands(container, key))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_SLICE, move |args: Rest<Value>| {
+        // A slice skips its start item by item and a backwards one copies the whole list
+        // first: at most one walk of what it slices.
+        match args.first() {
+            Some(v) if v.kind() == ValueKind::String => b.chars(v.as_str().map_or(0, str::len))?,
+            Some(v) => b.walk_value(v)?,
+            None => {}
+        }
+        Ok(Value::from(args.0.into_iter().rev().collect::<Vec<_>>()))
+    });
+    let b = budget.clone();
+    env.add_filter(CHECK_SLICED, move |v: Value| {
+        // minijinja's slice of a list is lazy and skips its start again at every walk:
+        // collected here, the slice walks in its length. It stays an iterable, as minijinja
+        // makes it.
+        if v.kind() != ValueKind::Iterable {
+            return Ok(v);
+        }
+        let items: Vec<Value> = v.try_iter()?.take(MAX_TEMPLATE_LIST_ITEMS + 1).collect();
+        b.list(items.len())?;
+        b.walk(items.len())?;
+        Ok(Value::make_object_iterable(items, |items| {
+            Box::new(items.iter().cloned())
+        }))
     });
     let b = budget.clone();
     env.add_filter(CHECK_EMIT, move |state: &State, v: &Value| {
@@ -508,7 +805,19 @@ fn add_string_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     for (name, builtin, bound) in filters {
         let b = budget.clone();
         env.add_filter(name, move |state: &State, args: Rest<Value>| {
-            b.string(bound(state, &args))?;
+            let len = bound(state, &args);
+            b.string(len)?;
+            // `join` walks its list, and copies strings or writes out other values; the
+            // others make their text of their first argument.
+            match (name, args.first()) {
+                ("join", Some(items)) => {
+                    b.walk(items.len().unwrap_or(0))?;
+                    b.bytes(len)?;
+                }
+                ("upper" | "lower" | "title" | "capitalize", Some(_)) => b.work(len)?,
+                (_, Some(v)) => b.text(v, len)?,
+                (_, None) => {}
+            }
             builtin.call(state, &args)
         });
     }
@@ -531,7 +840,12 @@ fn add_string_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     for (name, builtin, bound) in tests {
         let b = budget.clone();
         env.add_test(name, move |state: &State, args: Rest<Value>| {
-            b.string(bound(state, &args))?;
+            let len = bound(state, &args);
+            b.string(len)?;
+            match (name, &args[..]) {
+                ("in", [item, container, ..]) => contains_work(&b, item, container)?,
+                _ => b.bytes(len)?,
+            }
             builtin.call(state, &args).map(|v| v.is_true())
         });
     }
@@ -681,9 +995,9 @@ fn format_bound(state: &State, args: &[Value]) -> usize {
 }
 
 /// minijinja's filters that build a list from a list, string or map, or walk one item by item
-/// into a new one, each behind a check of the items it is given (`Budget::items`, whose copy of
-/// an iterable of unknown length the filter then gets) and, for those that cut into pieces,
-/// of the pieces it makes.
+/// into a new one or a sum, each behind a check of the items it is given (`Budget::items`,
+/// whose copy of an iterable of unknown length the filter then gets), the walk counted as
+/// work, and, for those that cut into pieces, of the pieces it makes.
 fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     use minijinja::filters as f;
     /// Items of the result beyond the input's length: `batch` and `slice` pad with a filler
@@ -692,7 +1006,7 @@ fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
     let count_arg: Extra = |args| args.get(1).and_then(Value::as_usize).unwrap_or(0);
     let none: Extra = |_| 0;
     // The value (first argument) only, or every positional argument (`chain`, `zip`).
-    let filters: [(&str, Value, bool, Extra); 16] = [
+    let filters: [(&str, Value, bool, Extra); 19] = [
         ("list", Value::from_function(f::list), false, none),
         ("sort", Value::from_function(f::sort), false, none),
         ("reverse", Value::from_function(f::reverse), false, none),
@@ -719,6 +1033,9 @@ fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
             none,
         ),
         ("chain", Value::from_function(f::chain), true, none),
+        ("sum", Value::from_function(f::sum), false, none),
+        ("min", Value::from_function(f::min), false, none),
+        ("max", Value::from_function(f::max), false, none),
     ];
     let zip = ("zip", Value::from_function(f::zip), true, none);
     for (name, builtin, all, extra) in filters.into_iter().chain([zip]) {
@@ -731,13 +1048,27 @@ fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
                 // A string stays whole where the filter makes a string of it (`reverse`,
                 // `last`); its length is the string limit's to check.
                 if arg.kind() == ValueKind::String && matches!(name, "reverse" | "last") {
+                    b.chars(arg.as_str().map_or(0, str::len))?;
                     continue;
                 }
                 *arg = b.items(std::mem::take(arg))?;
-                total = total.saturating_add(arg.len().unwrap_or(0));
+                let items = arg.len().unwrap_or(0);
+                total = total.saturating_add(items);
+                // The builtins that compare items (sorting, picking the smallest, grouping,
+                // dropping repeats, or testing each, as `select('eq', s)` does) can compare
+                // every item in full.
+                match name {
+                    "sort" | "unique" | "min" | "max" | "groupby" | "dictsort" | "select"
+                    | "reject" | "selectattr" | "rejectattr" => b.compare(arg)?,
+                    _ => b.walk(items)?,
+                }
             }
             b.list(total)?;
-            builtin.call(state, &args)
+            let result = builtin.call(state, &args)?;
+            if name == "chain" {
+                return collect_chain(&b, state, &builtin, result);
+            }
+            Ok(result)
         });
     }
     // The pieces of a string, which can be a list of one item per byte.
@@ -749,17 +1080,49 @@ fn add_list_builtins(env: &mut Environment<'static>, budget: &Arc<Budget>) {
             .get(2)
             .and_then(Value::as_i64)
             .and_then(|n| usize::try_from(n).ok());
-        b.string(first_text_bound(state, &args))?;
-        b.list(text.map_or(0, |t| split_items(&t, sep, max)))?;
+        let len = first_text_bound(state, &args);
+        b.string(len)?;
+        b.bytes(len)?;
+        let pieces = text.map_or(0, |t| split_items(&t, sep, max));
+        b.list(pieces)?;
+        b.walk(pieces)?;
         split.call(state, &args)
     });
     let (b, lines) = (budget.clone(), Value::from_function(f::lines));
     env.add_filter("lines", move |state: &State, args: Rest<Value>| {
-        b.string(first_text_bound(state, &args))?;
+        let len = first_text_bound(state, &args);
+        b.string(len)?;
+        b.bytes(len)?;
         let text = args.first().and_then(text_of);
-        b.list(text.map_or(0, |t| t.lines().count()))?;
+        let pieces = text.map_or(0, |t| t.lines().count());
+        b.list(pieces)?;
+        b.walk(pieces)?;
         lines.call(state, &args)
     });
+}
+
+/// `chain`'s result collected into one list of the same kind. minijinja joins what it chains
+/// lazily, a chain of chains up to 32 deep, and flattens the parts of deeper ones: a list
+/// chained one item at a time is a walk through up to 32 nested joins an item, and looking up
+/// an item of it passes every part before. A map stays as minijinja merges it.
+fn collect_chain(b: &Budget, state: &State, chain: &Value, result: Value) -> Result<Value, Error> {
+    if !is_list(&result) {
+        return Ok(result);
+    }
+    let items: Vec<Value> = result
+        .try_iter()?
+        .take(MAX_TEMPLATE_LIST_ITEMS + 1)
+        .collect();
+    b.list(items.len())?;
+    b.walk(items.len())?;
+    if result.kind() == ValueKind::Seq {
+        // minijinja's chain of lists alone is a list that can be indexed; one part of it is.
+        chain.call(state, &[Value::from(items)])
+    } else {
+        Ok(Value::make_object_iterable(items, |items| {
+            Box::new(items.iter().cloned())
+        }))
+    }
 }
 
 /// Pieces `text.split(sep, max)` makes, counted without making them.
