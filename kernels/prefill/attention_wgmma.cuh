@@ -135,7 +135,8 @@ __device__ __forceinline__ void pf_mbar_expect(pf_u32 bar, unsigned bytes) {
                  : "memory");
 }
 // Waits for the phase `parity` of an mbarrier to complete. A copy that never lands (a bad
-// tensor map) ends the kernel with an error after about a second instead of hanging the GPU.
+// tensor map) traps the kernel, an error the host reports, after about a million polls
+// instead of hanging the GPU.
 __device__ __forceinline__ void pf_mbar_wait(pf_u32 bar, unsigned parity) {
     for (unsigned tries = 0;; tries++) {
         pf_u32 done;
