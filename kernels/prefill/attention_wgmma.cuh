@@ -216,17 +216,7 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
     const int wr = wg * 64 + warp * 16;
     const int ra = q0 + wr + g, rb = ra + 8;
     pf_u32 qf[D / 16][4];
-    {
-        const pf_bf16* pa_row = q + (size_t)min(ra, T - 1) * q_dim + h * D + tq * 2;
-        const pf_bf16* pb_row = q + (size_t)min(rb, T - 1) * q_dim + h * D + tq * 2;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            qf[kk][0] = ra < T ? *(const pf_u32*)(pa_row + kk * 16) : 0u;
-            qf[kk][1] = rb < T ? *(const pf_u32*)(pb_row + kk * 16) : 0u;
-            qf[kk][2] = ra < T ? *(const pf_u32*)(pa_row + kk * 16 + 8) : 0u;
-            qf[kk][3] = rb < T ? *(const pf_u32*)(pb_row + kk * 16 + 8) : 0u;
-        }
-    }
+    pf_load_q<D>(q, T, q_dim, h, ra, rb, tq, qf);
 
     float o[D / 8][4];
 #pragma unroll
@@ -241,27 +231,9 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
     // Scores -> probabilities in place; returns (warp-uniform) whether the output must be
     // rescaled by alpha before the next P V.
     auto softmax = [&](float (&s)[BK / 8][4], int k0, float& alpha_a, float& alpha_b) {
-        if (k0 + BK - 1 > g_first || k0 + BK > kv_end) {
-#pragma unroll
-            for (int n = 0; n < BK / 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int kp = k0 + n * 8 + tq * 2 + e;
-                    if (kp >= kv_end || kp > pa) s[n][e] = PF_NEG_INF;
-                    if (kp >= kv_end || kp > pb) s[n][2 + e] = PF_NEG_INF;
-                }
-            }
-        }
-        float mx_a = PF_NEG_INF, mx_b = PF_NEG_INF;
-#pragma unroll
-        for (int n = 0; n < BK / 8; n++) {
-            mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        if (k0 + BK - 1 > g_first || k0 + BK > kv_end) pf_mask<BK>(s, k0, kv_end, pa, pb, tq);
+        float mx_a, mx_b;
+        pf_tile_max<BK>(s, mx_a, mx_b);
         // Key 0 is visible to every row and sits in the first tile, so the maxima are finite
         // from the first tile on (and the first tile always moves them off -inf).
         mx_a *= scale_log2;
@@ -272,15 +244,7 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
         m_a = grow_a ? mx_a : m_a;
         m_b = grow_b ? mx_b : m_b;
         float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-        for (int n = 0; n < BK / 8; n++) {
-            s[n][0] = exp2f(fmaf(s[n][0], scale_log2, -m_a));
-            s[n][1] = exp2f(fmaf(s[n][1], scale_log2, -m_a));
-            s[n][2] = exp2f(fmaf(s[n][2], scale_log2, -m_b));
-            s[n][3] = exp2f(fmaf(s[n][3], scale_log2, -m_b));
-            sum_a += s[n][0] + s[n][1];
-            sum_b += s[n][2] + s[n][3];
-        }
+        pf_exp_tile<BK>(s, scale_log2, m_a, m_b, sum_a, sum_b);
         l_a = l_a * alpha_a + sum_a;
         l_b = l_b * alpha_b + sum_b;
         return __any_sync(0xffffffffu, grow_a || grow_b);
@@ -367,17 +331,7 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
     pf_wg_pin<D / 2>(&o[0][0]);
     for (int kt = n_w; kt < n_kt; kt++) next_tile(kt);
 
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    const float ia = 1.f / l_a, ib = 1.f / l_b;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-        const int d = h * D + n * 8 + tq * 2;
-        if (ra < T) *(pf_u32*)(out + (size_t)ra * q_dim + d) = pf_pack(o[n][0] * ia, o[n][1] * ia);
-        if (rb < T) *(pf_u32*)(out + (size_t)rb * q_dim + d) = pf_pack(o[n][2] * ib, o[n][3] * ib);
-    }
+    pf_store_rows<D>(out, o, 1.f / pf_quad_sum(l_a), 1.f / pf_quad_sum(l_b), T, q_dim, h, ra, rb, tq);
 }
 #endif  // PF_HAS_WGMMA
 

@@ -156,6 +156,92 @@ __device__ __forceinline__ void pf_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Helpers of both attention kernels (this file's and attention_wgmma.cuh's), whose
+// accumulators share mma.sync's C layout: thread (g, tq) of a warp holds rows g and g + 8 of
+// the warp's 16, columns 8n + 2tq and 8n + 2tq + 1 of each n8 block.
+
+// The A fragments of query rows ra and rb = ra + 8 of head h (rows past T read as zeros:
+// computed, never stored).
+template <int D>
+__device__ __forceinline__ void pf_load_q(const pf_bf16* q, int T, int q_dim, int h, int ra, int rb, int tq,
+                                          pf_u32 (&qf)[D / 16][4]) {
+    const pf_bf16* pa_row = q + (size_t)min(ra, T - 1) * q_dim + h * D + tq * 2;
+    const pf_bf16* pb_row = q + (size_t)min(rb, T - 1) * q_dim + h * D + tq * 2;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        qf[kk][0] = ra < T ? *(const pf_u32*)(pa_row + kk * 16) : 0u;
+        qf[kk][1] = rb < T ? *(const pf_u32*)(pb_row + kk * 16) : 0u;
+        qf[kk][2] = ra < T ? *(const pf_u32*)(pa_row + kk * 16 + 8) : 0u;
+        qf[kk][3] = rb < T ? *(const pf_u32*)(pb_row + kk * 16 + 8) : 0u;
+    }
+}
+
+// Scores of keys k0.. a row may not see to -inf: key kp is visible to a row at position pr
+// when kp <= pr and kp < kv_end (pa, pb: the positions of this thread's two rows).
+template <int BK>
+__device__ __forceinline__ void pf_mask(float (&s)[BK / 8][4], int k0, int kv_end, int pa, int pb, int tq) {
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int kp = k0 + n * 8 + tq * 2 + e;
+            if (kp >= kv_end || kp > pa) s[n][e] = PF_NEG_INF;
+            if (kp >= kv_end || kp > pb) s[n][2 + e] = PF_NEG_INF;
+        }
+    }
+}
+
+// The maxima of this thread's two rows over a tile (the four threads of a row combined).
+template <int BK>
+__device__ __forceinline__ void pf_tile_max(const float (&s)[BK / 8][4], float& mx_a, float& mx_b) {
+    mx_a = PF_NEG_INF;
+    mx_b = PF_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+        mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+}
+
+// Scores to probabilities in place, relative to the rows' maxima (log2 units, the scale
+// folded into exp2's argument); adds this thread's part of each row's sum to sum_a, sum_b.
+template <int BK>
+__device__ __forceinline__ void pf_exp_tile(float (&s)[BK / 8][4], float scale_log2, float m_a, float m_b, float& sum_a,
+                                            float& sum_b) {
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+        s[n][0] = exp2f(fmaf(s[n][0], scale_log2, -m_a));
+        s[n][1] = exp2f(fmaf(s[n][1], scale_log2, -m_a));
+        s[n][2] = exp2f(fmaf(s[n][2], scale_log2, -m_b));
+        s[n][3] = exp2f(fmaf(s[n][3], scale_log2, -m_b));
+        sum_a += s[n][0] + s[n][1];
+        sum_b += s[n][2] + s[n][3];
+    }
+}
+
+// A row's sum over its four threads.
+__device__ __forceinline__ float pf_quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    return v;
+}
+
+// Output rows ra and rb (those below T) of head h, scaled by ia and ib.
+template <int D>
+__device__ __forceinline__ void pf_store_rows(pf_bf16* out, const float (&o)[D / 8][4], float ia, float ib, int T,
+                                              int q_dim, int h, int ra, int rb, int tq) {
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        const int d = h * D + n * 8 + tq * 2;
+        if (ra < T) *(pf_u32*)(out + (size_t)ra * q_dim + d) = pf_pack(o[n][0] * ia, o[n][1] * ia);
+        if (rb < T) *(pf_u32*)(out + (size_t)rb * q_dim + d) = pf_pack(o[n][2] * ib, o[n][3] * ib);
+    }
+}
+
 // q, out: [T, heads * D] bf16 (chunk rows); k_cache, v_cache: the layer's cache, positions
 // [0, start + T) valid; query row t sits at position start + t and sees keys 0..=start + t.
 template <int D, int WARPS>
@@ -201,17 +287,7 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
     const int wr = warp * 16;
     const int ra = q0 + wr + g, rb = ra + 8;
     pf_u32 qf[D / 16][4];
-    {
-        const pf_bf16* pa_row = q + (size_t)min(ra, T - 1) * q_dim + h * D + tq * 2;
-        const pf_bf16* pb_row = q + (size_t)min(rb, T - 1) * q_dim + h * D + tq * 2;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            qf[kk][0] = ra < T ? *(const pf_u32*)(pa_row + kk * 16) : 0u;
-            qf[kk][1] = rb < T ? *(const pf_u32*)(pb_row + kk * 16) : 0u;
-            qf[kk][2] = ra < T ? *(const pf_u32*)(pa_row + kk * 16 + 8) : 0u;
-            qf[kk][3] = rb < T ? *(const pf_u32*)(pb_row + kk * 16 + 8) : 0u;
-        }
-    }
+    pf_load_q<D>(q, T, q_dim, h, ra, rb, tq, qf);
 
     float o[D / 8][4];
 #pragma unroll
@@ -252,27 +328,9 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
             }
             // Mask only a tile that reaches past the warp's first row's position or the end of
             // the keys: key kp is visible to a row at position pr when kp <= pr and kp < kv_end.
-            if (k0 + PF_BK - 1 > p_first || k0 + PF_BK > kv_end) {
-#pragma unroll
-                for (int n = 0; n < PF_BK / 8; n++) {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int kp = k0 + n * 8 + tq * 2 + e;
-                        if (kp >= kv_end || kp > pa) s[n][e] = PF_NEG_INF;
-                        if (kp >= kv_end || kp > pb) s[n][2 + e] = PF_NEG_INF;
-                    }
-                }
-            }
-            float mx_a = PF_NEG_INF, mx_b = PF_NEG_INF;
-#pragma unroll
-            for (int n = 0; n < PF_BK / 8; n++) {
-                mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-                mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
-            }
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+            if (k0 + PF_BK - 1 > p_first || k0 + PF_BK > kv_end) pf_mask<PF_BK>(s, k0, kv_end, pa, pb, tq);
+            float mx_a, mx_b;
+            pf_tile_max<PF_BK>(s, mx_a, mx_b);
             // The running maxima in log2 units (the scale is positive, so the raw maximum scales
             // to the scaled one). Key 0 is visible to every row and sits in the first tile, so
             // they are finite from the first tile on; a masked score (-inf) weighs exp2(-inf) = 0.
@@ -281,15 +339,7 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
             m_a = new_a;
             m_b = new_b;
             float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-            for (int n = 0; n < PF_BK / 8; n++) {
-                s[n][0] = exp2f(fmaf(s[n][0], scale_log2, -m_a));
-                s[n][1] = exp2f(fmaf(s[n][1], scale_log2, -m_a));
-                s[n][2] = exp2f(fmaf(s[n][2], scale_log2, -m_b));
-                s[n][3] = exp2f(fmaf(s[n][3], scale_log2, -m_b));
-                sum_a += s[n][0] + s[n][1];
-                sum_b += s[n][2] + s[n][3];
-            }
+            pf_exp_tile<PF_BK>(s, scale_log2, m_a, m_b, sum_a, sum_b);
             l_a = l_a * alpha_a + sum_a;
             l_b = l_b * alpha_b + sum_b;
 #pragma unroll
@@ -318,17 +368,7 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
         __syncthreads();  // buffer buf is free for tile kt + 2
     }
 
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    const float ia = 1.f / l_a, ib = 1.f / l_b;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-        const int d = h * D + n * 8 + tq * 2;
-        if (ra < T) *(pf_u32*)(out + (size_t)ra * q_dim + d) = pf_pack(o[n][0] * ia, o[n][1] * ia);
-        if (rb < T) *(pf_u32*)(out + (size_t)rb * q_dim + d) = pf_pack(o[n][2] * ib, o[n][3] * ib);
-    }
+    pf_store_rows<D>(out, o, 1.f / pf_quad_sum(l_a), 1.f / pf_quad_sum(l_b), T, q_dim, h, ra, rb, tq);
 }
 
 // Grid: ceil(T / BQ) * heads blocks; 32 x WARPS threads; shared memory 4 * PF_BK * (D + 8) * 2

@@ -471,61 +471,51 @@ impl Prefill {
                     ],
                 )
             }?;
-            if let Some(maps) = &maps {
-                let (layer, pos_dim) = (l as i32, maps.pos_dim);
-                // SAFETY: the arguments are pf_attention_tma_{64,128}'s parameters in
-                // kernels/prefill/attention_wgmma.cuh, in order: the tensor maps by value (128
-                // bytes each, as CUtensorMap), describing the live cache `kv`; q and attn are
-                // live buffers of this engine sized for the chunk.
-                unsafe {
-                    self.k.attention.launch(
-                        s,
-                        att_grid,
-                        self.attn.threads,
-                        self.attn.smem,
-                        false,
-                        &mut kargs![
-                            &q,
-                            &maps.k,
-                            &maps.v,
-                            &layer,
-                            &pos_dim,
-                            &attn,
-                            &t_i,
-                            &start_i,
-                            &nh,
-                            &nkv,
-                            &scale_log2
-                        ],
-                    )
-                }?;
-            } else {
-                // SAFETY: the arguments are pf_attention_{64,128}'s parameters in
-                // kernels/prefill/prefill.cu, in order, and every pointer is a live buffer of
-                // this engine or of the model, sized for the chunk.
-                unsafe {
-                    self.k.attention.launch(
-                        s,
-                        att_grid,
-                        self.attn.threads,
-                        self.attn.smem,
-                        false,
-                        &mut kargs![
-                            &q,
-                            &kc,
-                            &vc,
-                            &attn,
-                            &t_i,
-                            &start_i,
-                            &nh,
-                            &nkv,
-                            &pos_stride,
-                            &head_stride,
-                            &scale_log2
-                        ],
-                    )
-                }?;
-            }
+            let (layer, pos_dim) = (l as i32, maps.as_ref().map_or(0, |m| m.pos_dim));
+            let mut args = match &maps {
+                // pf_attention_tma_{64,128} (kernels/prefill/attention_wgmma.cuh): the tensor
+                // maps by value (128 bytes each, as CUtensorMap), describing the live cache `kv`.
+                Some(m) => kargs![
+                    &q,
+                    &m.k,
+                    &m.v,
+                    &layer,
+                    &pos_dim,
+                    &attn,
+                    &t_i,
+                    &start_i,
+                    &nh,
+                    &nkv,
+                    &scale_log2
+                ],
+                // pf_attention_{64,128} (kernels/prefill/prefill.cu).
+                None => kargs![
+                    &q,
+                    &kc,
+                    &vc,
+                    &attn,
+                    &t_i,
+                    &start_i,
+                    &nh,
+                    &nkv,
+                    &pos_stride,
+                    &head_stride,
+                    &scale_log2
+                ],
+            };
+            // SAFETY: `args` are the chosen kernel's parameters, in order, each a live local;
+            // q, attn and the cache are live buffers of this engine or of the model, sized for
+            // the chunk.
+            unsafe {
+                self.k.attention.launch(
+                    s,
+                    att_grid,
+                    self.attn.threads,
+                    self.attn.smem,
+                    false,
+                    &mut args,
+                )
+            }?;
             self.gemm(self.bf16_weights(gpu, &lw.wo)?, attn, x, h, qd, t, true)?;
             self.rmsnorm(gpu, x, ptr(&lw.ffn_norm, s), xn, h, 0, t, eps)?;
             self.gemm(
