@@ -53,33 +53,31 @@ __device__ __forceinline__ void pf_wg_pin(float* r) {
 
 #define PF_WG_R8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 
-// d[0..32) (+)= a (m64 x k16, registers) * B (k16 x n64, descriptor); TB: B is MN-major.
+// d[0..32) += a (m64 x k16, registers) * B (k16 x n64, descriptor); TB: B is MN-major.
 template <int TB>
-__device__ __forceinline__ void pf_wgmma_n64(float* d, const pf_u32* a, unsigned long long b, int accumulate) {
+__device__ __forceinline__ void pf_wgmma_n64(float* d, const pf_u32* a, unsigned long long b) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;\n"
         : PF_WG_R8(0), PF_WG_R8(8), PF_WG_R8(16), PF_WG_R8(24)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
 }
 
-// d[0..64) (+)= a (m64 x k16, registers) * B (k16 x n128, descriptor).
+// d[0..64) += a (m64 x k16, registers) * B (k16 x n128, descriptor).
 template <int TB>
-__device__ __forceinline__ void pf_wgmma_n128(float* d, const pf_u32* a, unsigned long long b, int accumulate) {
+__device__ __forceinline__ void pf_wgmma_n128(float* d, const pf_u32* a, unsigned long long b) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+        "{%64, %65, %66, %67}, %68, 1, 1, 1, %69;\n"
         : PF_WG_R8(0), PF_WG_R8(8), PF_WG_R8(16), PF_WG_R8(24), PF_WG_R8(32), PF_WG_R8(40), PF_WG_R8(48),
           PF_WG_R8(56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
 }
 
 #define PF_WG_W8(i) "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), "=f"(d[i + 6]), "=f"(d[i + 7])
@@ -111,13 +109,14 @@ __device__ __forceinline__ void pf_wgmma_first(float* d, const pf_u32* a, unsign
     }
 }
 
+// d += a * B over an N-column accumulator (the first product of a sum: pf_wgmma_first).
 template <int N, int TB>
-__device__ __forceinline__ void pf_wgmma(float* d, const pf_u32* a, unsigned long long b, int accumulate) {
+__device__ __forceinline__ void pf_wgmma(float* d, const pf_u32* a, unsigned long long b) {
     if constexpr (N == 64) {
-        pf_wgmma_n64<TB>(d, a, b, accumulate);
+        pf_wgmma_n64<TB>(d, a, b);
     } else {
         static_assert(N == 128, "wgmma tiles are 64 or 128 columns wide here");
-        pf_wgmma_n128<TB>(d, a, b, accumulate);
+        pf_wgmma_n128<TB>(d, a, b);
     }
 }
 
@@ -251,12 +250,7 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
     };
     auto pack = [&](const float (&s)[BK / 8][4], pf_u32 (&p)[BK / 16][4]) {
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; kk++) {
-            p[kk][0] = pf_pack_rn(s[2 * kk][0], s[2 * kk][1]);
-            p[kk][1] = pf_pack_rn(s[2 * kk][2], s[2 * kk][3]);
-            p[kk][2] = pf_pack_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            p[kk][3] = pf_pack_rn(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
+        for (int kk = 0; kk < BK / 16; kk++) pf_pack_k16<BK>(s, kk, p[kk]);
     };
     auto rescale = [&](float alpha_a, float alpha_b) {
 #pragma unroll
@@ -275,7 +269,7 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
             if (kk == 0) {
                 pf_wgmma_first<BK>(&s[0][0], qf[kk], kd);
             } else {
-                pf_wgmma<BK, 0>(&s[0][0], qf[kk], kd, 1);
+                pf_wgmma<BK, 0>(&s[0][0], qf[kk], kd);
             }
         }
         pf_wg_commit();
@@ -283,7 +277,7 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
     auto issue_pv = [&](const pf_u32 (&p)[BK / 16][4], int kt) {
         const unsigned long long d = vdesc0 + (((kt % STAGES) * 2 * TILE) >> 4);
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; kk++) pf_wgmma<D, 1>(&o[0][0], p[kk], d + ((kk * 16 * 128) >> 4), 1);
+        for (int kk = 0; kk < BK / 16; kk++) pf_wgmma<D, 1>(&o[0][0], p[kk], d + ((kk * 16 * 128) >> 4));
         pf_wg_commit();
     };
     // Round kt: every thread passes the block's barrier (so tile kt - 2's stage is free
@@ -336,7 +330,8 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
 #endif  // PF_HAS_WGMMA
 
 // Grid: ceil(T / 128) * heads blocks of 256 threads; shared memory STAGES * 2 * 64 * D * 2
-// + 1024 (alignment) + 8 * STAGES (mbarriers) bytes, mirrored by src/gpu/prefill.rs.
+// + 1024 (alignment) + 8 * STAGES (mbarriers) bytes, mirrored by src/gpu/prefill.rs
+// (AttentionKernel).
 #ifdef PF_HAS_WGMMA
 #define PF_TMA_BODY(D, STAGES) \
     pf_attention_tma_body<D, STAGES>(q, &k_map, &v_map, layer, pos_dim, out, T, start, n_heads, n_kv, scale_log2);

@@ -223,6 +223,16 @@ __device__ __forceinline__ void pf_exp_tile(float (&s)[BK / 8][4], float scale_l
     }
 }
 
+// Probabilities of keys 16kk..16kk+15 as the bf16 A fragment of P V (two n8 blocks of the
+// accumulator layout are the A layout of one k16 step).
+template <int BK>
+__device__ __forceinline__ void pf_pack_k16(const float (&s)[BK / 8][4], int kk, pf_u32 (&a)[4]) {
+    a[0] = pf_pack_rn(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pf_pack_rn(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pf_pack_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pf_pack_rn(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // A row's sum over its four threads.
 __device__ __forceinline__ float pf_quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -353,9 +363,8 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
             // b0, b1 of two n-blocks.
 #pragma unroll
             for (int kk = 0; kk < PF_BK / 16; kk++) {
-                const pf_u32 a[4] = {pf_pack_rn(s[2 * kk][0], s[2 * kk][1]), pf_pack_rn(s[2 * kk][2], s[2 * kk][3]),
-                                     pf_pack_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                     pf_pack_rn(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                pf_u32 a[4];
+                pf_pack_k16<PF_BK>(s, kk, a);
 #pragma unroll
                 for (int n = 0; n < D / 8; n += 2) {
                     pf_u32 b[4];

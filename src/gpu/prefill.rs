@@ -246,13 +246,19 @@ impl Prefill {
             self.bufs = None; // free the old chunk buffers before allocating larger ones
             self.bufs = Some(Buffers::new(gpu, c, cap)?);
         }
+        // The cache's tensor maps serve every chunk (they name the cache, not a position).
+        let maps = if self.attn.tma {
+            Some(CacheMaps::new(kv, c, model.layers.len())?)
+        } else {
+            None
+        };
         let mut out = Vec::new();
         let mut pos = start;
         for part in tokens.chunks(chunk) {
             let b = self.bufs.as_mut().expect("allocated above");
             gpu.stream
                 .memcpy_htod(part, &mut b.tokens.slice_mut(0..part.len()))?;
-            self.chunk(gpu, model, kv, part.len(), pos)?;
+            self.chunk(gpu, model, kv, maps.as_ref(), part.len(), pos)?;
             pos += part.len();
             match which {
                 Logits::All => {
@@ -374,6 +380,7 @@ impl Prefill {
         gpu: &Gpu,
         model: &DeviceModel,
         kv: &KvTarget,
+        maps: Option<&CacheMaps>,
         t: usize,
         start: usize,
     ) -> Result<()> {
@@ -427,12 +434,7 @@ impl Prefill {
         let (start_i, t_i) = (start as i32, t as i32);
         let (pos_stride, head_stride) = (kv.pos_stride as i64, kv.head_stride as i64);
         let scale_log2 = std::f32::consts::LOG2_E / (c.head_dim as f32).sqrt();
-        let att_grid = (t.div_ceil(self.attn.rows as usize) * c.num_heads) as u32;
-        let maps = if self.attn.tma {
-            Some(CacheMaps::new(kv, c, model.layers.len())?)
-        } else {
-            None
-        };
+        let att_grid = (t.div_ceil(self.attn.rows() as usize) * c.num_heads) as u32;
         for (l, lw) in model.layers.iter().enumerate() {
             let off = (l * kv.layer_stride * 2) as u64;
             let (kc, vc) = (kv.k + off, kv.v + off);
@@ -471,8 +473,8 @@ impl Prefill {
                     ],
                 )
             }?;
-            let (layer, pos_dim) = (l as i32, maps.as_ref().map_or(0, |m| m.pos_dim));
-            let mut args = match &maps {
+            let (layer, pos_dim) = (l as i32, maps.map_or(0, |m| m.pos_dim));
+            let mut args = match maps {
                 // pf_attention_tma_{64,128} (kernels/prefill/attention_wgmma.cuh): the tensor
                 // maps by value (128 bytes each, as CUtensorMap), describing the live cache `kv`.
                 Some(m) => kargs![
@@ -510,7 +512,7 @@ impl Prefill {
                 self.k.attention.launch(
                     s,
                     att_grid,
-                    self.attn.threads,
+                    self.attn.threads(),
                     self.attn.smem,
                     false,
                     &mut args,
@@ -602,9 +604,8 @@ impl Prefill {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionKernel {
     pub name: &'static str,
-    /// Query rows per block.
-    pub rows: u32,
-    pub threads: u32,
+    /// Warps per block; every kernel gives each warp 16 query rows.
+    pub warps: u32,
     pub smem: u32,
     /// Reads K and V through tensor maps of the cache (the bulk tensor copy engine).
     pub tma: bool,
@@ -645,11 +646,19 @@ impl AttentionKernel {
         }
     }
 
+    /// Query rows per block.
+    pub fn rows(&self) -> u32 {
+        16 * self.warps
+    }
+
+    pub fn threads(&self) -> u32 {
+        32 * self.warps
+    }
+
     fn mma(name: &'static str, warps: u32, head_dim: usize) -> Self {
         Self {
             name,
-            rows: 16 * warps,
-            threads: 32 * warps,
+            warps,
             smem: (4 * BK * (head_dim + 8) * 2) as u32,
             tma: false,
         }
@@ -659,8 +668,7 @@ impl AttentionKernel {
         const STAGES: usize = 4;
         Self {
             name,
-            rows: 128,
-            threads: 256,
+            warps: 8,
             smem: (STAGES * 2 * BK * head_dim * 2 + 1024 + 8 * STAGES) as u32,
             tma: true,
         }
@@ -678,13 +686,8 @@ struct CacheMaps {
 }
 
 impl CacheMaps {
+    /// `c.head_dim` is 64 or 128 (Prefill::new refuses others): whole 64-column boxes.
     fn new(kv: &KvTarget, c: &Config, layers: usize) -> Result<Self> {
-        if !c.head_dim.is_multiple_of(64) {
-            bail!(
-                "the bulk-copy attention needs head_dim a multiple of 64, not {}",
-                c.head_dim
-            );
-        }
         let (pos, head) = (
             (kv.max_seq as u64, kv.pos_stride as u64),
             (c.num_kv_heads as u64, kv.head_stride as u64),
@@ -770,7 +773,7 @@ mod tests {
                 k.name,
                 k.smem
             );
-            assert_eq!(k.rows % 64, 0, "{}", k.name);
+            assert_eq!(k.rows() % 64, 0, "{}", k.name);
         }
     }
 }
