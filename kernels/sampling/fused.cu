@@ -292,12 +292,5 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         token = SMP_NONE;
         if (tid < 32) token = smp_cut_and_draw(s, m.pos, z_all, sm, tid);
     }
-    if (tid == 0) {
-        history[m.pos] = m.token;
-        history[m.pos + 1] = token;
-        const smp_u32 next = token == SMP_NONE ? 0u : token;
-        meta_out->next = next;
-        meta_out->token = next;
-        meta_out->pos = m.pos + 1;
-    }
+    if (tid == 0) smp_store_token(m, token, history, meta_out);
 }

@@ -17,6 +17,22 @@ struct SmpMeta {
     smp_u32 token, pos, next, pad;
 };
 
+// The end of every draw (smp_final, smp_sample), by one thread: the drawn token t into
+// history[pos + 1] and meta_out (token, next; position advanced), and the fed token into
+// history[pos], so the repetition penalty's window stays on the device. The graph paths pass
+// meta_out == meta (one slot); the megakernel, whose CTAs read a step's slot for the whole
+// launch, passes the other of its two slots.
+__device__ __forceinline__ void smp_store_token(const SmpMeta& m, smp_u32 t, smp_u32* history, SmpMeta* meta_out) {
+    history[m.pos] = m.token;
+    history[m.pos + 1] = t;
+    // Nothing to draw from (NaN logits): the host sees the bad token in history and stops;
+    // the next step must still read a real embedding row.
+    const smp_u32 next = t == SMP_NONE ? 0u : t;
+    meta_out->next = next;
+    meta_out->token = next;
+    meta_out->pos = m.pos + 1;
+}
+
 __device__ __forceinline__ void smp_pdl_launch_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void smp_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
@@ -38,10 +54,7 @@ extern "C" __global__ void __launch_bounds__(SMP_BLOCK_THREADS)
                    [] { __syncthreads(); });
 }
 
-// The drawn token into meta_out (token, next; position advanced) and history[pos + 1]; the fed
-// token into history[pos], so the repetition penalty's window stays on the device. The graph
-// paths pass meta_out == meta (one slot); the megakernel, whose CTAs read a step's slot for
-// the whole launch, passes the other of its two slots.
+// One CTA merges the blocks' results and draws; the token goes out as smp_store_token says.
 extern "C" __global__ void __launch_bounds__(SMP_FINAL_THREADS)
     smp_final(const SmpBlock* blocks, int nb, const float* cand_v, const smp_u32* cand_i, const SmpParams* sp,
               const SmpMeta* meta, smp_u32* history, SmpMeta* meta_out) {
@@ -53,16 +66,7 @@ extern "C" __global__ void __launch_bounds__(SMP_FINAL_THREADS)
     const smp_u32 t = smp_final_part([&](int b) { return blocks[b]; }, nb, [&](int i) { return cand_v[i]; },
                                      [&](int i) { return cand_i[i]; }, s, m.pos, sm, threadIdx.x, blockDim.x,
                                      [] { __syncthreads(); });
-    if (threadIdx.x == 0) {
-        history[m.pos] = m.token;
-        history[m.pos + 1] = t;
-        // Nothing to draw from (NaN logits): the host sees the bad token in history and stops;
-        // the next step must still read a real embedding row.
-        const smp_u32 next = t == SMP_NONE ? 0u : t;
-        meta_out->next = next;
-        meta_out->token = next;
-        meta_out->pos = m.pos + 1;
-    }
+    if (threadIdx.x == 0) smp_store_token(m, t, history, meta_out);
 }
 
 // Philox4x32-10 of counters ctr[i] under key (key_lo, key_hi), for the test that the device
