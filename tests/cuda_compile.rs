@@ -45,33 +45,6 @@ fn sampling_kernels_compile_for_sm90a() {
     assert_compiles("sampling", &megainfer::sampling::device::source(), &[], "");
 }
 
-/// megakernel/ops/sample.cuh is not called by the interpreter yet: compile it with the
-/// interpreter and a kernel that calls both of its functions, so its templates are
-/// instantiated and type-checked against the interpreter's runtime.
-#[test]
-fn megakernel_sampling_header_compiles_for_sm90a() {
-    require_nvrtc();
-    let cfg = presets::by_name("smollm2-135m").unwrap();
-    let defines = sources::megakernel_defines(&cfg);
-    let harness = r#"
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_sample_check(const __grid_constant__ MkParams p, SmpParams smp, u64* blocks, u64* cands, int final_part) {
-    if (threadIdx.x < 32) return;
-    const TokenMeta m = p.meta[p.epoch & 1];
-    if (final_part) op_sample(p, m, smp, blocks, cands);
-    else mk_sample_block(p, p.instrs, m, smp, blocks, cands);
-}
-"#;
-    let src = [
-        sources::megakernel(),
-        megainfer::sampling::device::device_functions(),
-        include_str!("../megakernel/ops/sample.cuh").to_string(),
-        harness.to_string(),
-    ]
-    .join("\n");
-    assert_compiles("megakernel-sample", &src, &defines, "");
-}
-
 #[test]
 fn megakernel_compiles_for_sm90a() {
     require_nvrtc();

@@ -1,8 +1,7 @@
-// The sampler's device functions, shared by the graph path's kernels (sample.cu) and the
-// megakernel (megakernel/ops/sample.cuh). The rule is src/sampling/mod.rs's `sample_at`; see
-// docs/sampling.md. Every function is run by `nthreads` threads (a multiple of 32, warp
-// aligned) numbered `tid`, which `sync` makes wait for each other: __syncthreads in a kernel
-// of its own, the consumers' named barrier in the megakernel.
+// The sampler's device functions, shared by its kernels (sample.cu, fused.cu). The rule is
+// src/sampling/mod.rs's `sample_at`; see docs/sampling.md. Every function is run by `nthreads`
+// threads (a multiple of 32, warp aligned) numbered `tid`, which `sync` makes wait for each
+// other (__syncthreads in these kernels).
 //
 // Two parts:
 // - smp_block_part: over one block of consecutive vocabulary rows, the penalised logits'

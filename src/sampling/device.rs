@@ -61,12 +61,6 @@ impl Kernels {
     }
 }
 
-/// The device functions alone (Philox and the two parts of the rule), for a compilation unit
-/// that calls them from kernels of its own (the megakernel's megakernel/ops/sample.cuh).
-pub fn device_functions() -> String {
-    [PHILOX, SELECT].join("\n")
-}
-
 /// `SmpParams` as the kernels read it.
 pub fn param_words(p: &SamplingParams) -> [u32; 8] {
     let last_n = if p.penalises() {
