@@ -14,12 +14,69 @@ __device__ __forceinline__ q_u16 q_to_bf16(float f) {
     return (q_u16)(u >> 16);
 }
 
-// Prefill: every element of a rows x cols matrix to bf16 (cuBLAS's operand), row-major. A block
-// per row, grid-stride over the rows.
-extern "C" __global__ void q_dequant_bf16(int ty, const void* data, q_u16* out, long long rows, int cols) {
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            out[r * cols + c] = q_to_bf16(q_element(ty, data, (size_t)r, c, cols));
+// Prefill: up to Q_SET_MAX quantised matrices to bf16 (cuBLAS's operands), row-major, in one
+// launch: a launch per matrix cost SmolLM2 121 launches per prefill chunk. A thread decodes
+// one 32-element block (its quants in one or two 16-byte loads: rows are whole multiples of
+// 16 bytes) into four 16-byte stores, with q_element's arithmetic, so the values are the CPU
+// reference's. Threads take the matrices' blocks in turn: matrix 0's, then matrix 1's, ...
+#define Q_SET_MAX 4
+struct QDequantSet {
+    const void* data[Q_SET_MAX];
+    q_u16* out[Q_SET_MAX];
+    long long rows[Q_SET_MAX];
+    int ty[Q_SET_MAX];
+    int cols[Q_SET_MAX];
+    int n;
+};
+
+__device__ __forceinline__ q_u32 q_pack_bf16(float lo, float hi) {
+    return (q_u32)q_to_bf16(lo) | ((q_u32)q_to_bf16(hi) << 16);
+}
+
+extern "C" __global__ void q_dequant_bf16_set(const __grid_constant__ QDequantSet s) {
+    long long total = 0;
+    for (int m = 0; m < s.n; m++) total += s.rows[m] * (s.cols[m] >> 5);
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < total;
+         g += (long long)gridDim.x * blockDim.x) {
+        int m = 0;
+        long long i = g;
+        while (i >= s.rows[m] * (s.cols[m] >> 5)) i -= s.rows[m] * (s.cols[m] >> 5), m++;
+        const int ty = s.ty[m], cols = s.cols[m], per_row = cols >> 5;
+        const long long r = i / per_row;
+        const int b = (int)(i - r * per_row);
+        const unsigned char* row = (const unsigned char*)s.data[m] + r * q_row_bytes(ty, cols);
+        const q_u16* scales = (const q_u16*)(row + q_quant_bytes(ty, cols));
+        float v[32];
+        if (ty == WEIGHT_Q8_0) {
+            const float d = q_f16(scales[b]);
+            const uint4* q = (const uint4*)(row + b * 32);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint4 w = q[h];
+                const q_u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int k = 0; k < 16; k++)
+                    v[16 * h + k] = __fmul_rn((float)(signed char)(words[k >> 2] >> (8 * (k & 3))), d);
+            }
+        } else {
+            const bool q41 = ty == WEIGHT_Q4_1;
+            const float d = q_f16(scales[q41 ? 2 * b : b]), mn = q41 ? q_f16(scales[2 * b + 1]) : 0.f;
+            const uint4 w = *(const uint4*)(row + b * 16);
+            const q_u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 16; k++) {
+                const q_u32 byte = (words[k >> 2] >> (8 * (k & 3))) & 255u;
+                const int lo = (int)(byte & 15u), hi = (int)(byte >> 4);
+                v[k] = q41 ? __fadd_rn(__fmul_rn((float)lo, d), mn) : __fmul_rn((float)(lo - 8), d);
+                v[k + 16] = q41 ? __fadd_rn(__fmul_rn((float)hi, d), mn) : __fmul_rn((float)(hi - 8), d);
+            }
+        }
+        uint4* out = (uint4*)(s.out[m] + r * cols + b * 32);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            out[k] = make_uint4(q_pack_bf16(v[8 * k], v[8 * k + 1]), q_pack_bf16(v[8 * k + 2], v[8 * k + 3]),
+                                q_pack_bf16(v[8 * k + 4], v[8 * k + 5]), q_pack_bf16(v[8 * k + 6], v[8 * k + 7]));
+    }
 }
 
 // Prefill: x[t, :] = row tokens[t] of the embedding. One block per token.

@@ -37,8 +37,42 @@ pub const DEFAULT_CHUNK: usize = 8192;
 /// Key positions per attention tile (PF_BK in prefill.cu, BK in attention_wgmma.cuh).
 const BK: usize = 64;
 const NORM_THREADS: u32 = 256;
+/// Blocks per token of pf_rope_kv.
+const ROPE_PARTS: usize = 4;
+/// pf_silu_mul's block: threads, four columns each.
+const SILU_THREADS: u32 = 256;
+const SILU_COLUMNS_PER_BLOCK: usize = 4 * SILU_THREADS as usize;
 /// Rows of the LM head computed at once when every position's logits are wanted.
 const LOGIT_ROWS: usize = 256;
+/// Matrices one dequantising launch takes (Q_SET_MAX in kernels/quant/quant.cu).
+const DEQUANT_SET_MAX: usize = 4;
+const DEQUANT_THREADS: u32 = 256;
+
+/// q_dequant_bf16_set's argument (QDequantSet in kernels/quant/quant.cu): `n` matrices.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct DequantSet {
+    data: [u64; DEQUANT_SET_MAX],
+    out: [u64; DEQUANT_SET_MAX],
+    rows: [i64; DEQUANT_SET_MAX],
+    ty: [i32; DEQUANT_SET_MAX],
+    cols: [i32; DEQUANT_SET_MAX],
+    n: i32,
+}
+
+/// Elements of `wide` a quantised matrix takes: rounded up to 128 (256 bytes), so that every
+/// decoded matrix starts as aligned as cuBLAS likes its operands.
+fn wide_span(m: &DeviceMatrix) -> usize {
+    (m.rows * m.cols).next_multiple_of(128)
+}
+
+/// Elements of `wide` the quantised matrices among `ms` take together.
+fn wide_elements(ms: &[&DeviceMatrix]) -> usize {
+    ms.iter()
+        .filter(|m| m.ty != WeightType::Bf16)
+        .map(|m| wide_span(m))
+        .sum()
+}
 
 /// Where a decode path keeps K and V: element `d` of the row of KV head `h` at position `p`
 /// in layer `l` sits at `l * layer_stride + h * head_stride + p * pos_stride + d` (bf16
@@ -143,9 +177,9 @@ pub struct Prefill {
     _module: Arc<CudaModule>,
     attn: AttentionKernel,
     bufs: Option<Buffers>,
-    /// A quantised matrix decoded to bf16 just before its product (prefill is compute-bound,
-    /// so decoding a layer's weights once per chunk costs little); sized for the largest
-    /// quantised matrix, absent for bf16 models.
+    /// A layer's quantised matrices (or the LM head) decoded to bf16 just before their products
+    /// (prefill is compute-bound, so decoding a layer's weights once per chunk costs little);
+    /// sized for the largest such set, absent for bf16 models.
     wide: Option<CudaSlice<u16>>,
 }
 
@@ -186,7 +220,7 @@ impl Prefill {
                 silu_mul: Kernel::load(&module, "pf_silu_mul")?,
                 attention,
                 qkv_extras: Kernel::load(&module, "qkv_extras")?,
-                dequant: Kernel::load(&module, "q_dequant_bf16")?,
+                dequant: Kernel::load(&module, "q_dequant_bf16_set")?,
                 embed_q: Kernel::load(&module, "q_embed_rows")?,
             },
             _module: module,
@@ -229,11 +263,10 @@ impl Prefill {
         let widest = model
             .layers
             .iter()
-            .flat_map(|l| [&l.w_qkv, &l.wo, &l.w_gu, &l.w_down])
-            .chain([model.lm_head()])
-            .filter(|m| m.ty != WeightType::Bf16)
-            .map(|m| m.rows * m.cols)
-            .max();
+            .map(|l| wide_elements(&[&l.w_qkv, &l.wo, &l.w_gu, &l.w_down]))
+            .chain([wide_elements(&[model.lm_head()])])
+            .max()
+            .filter(|&n| n > 0);
         if let Some(n) = widest {
             if self.wide.as_ref().is_none_or(|w| w.len() < n) {
                 self.wide = None;
@@ -276,30 +309,59 @@ impl Prefill {
         Ok(out)
     }
 
-    /// `m` as bf16 for a product: its own values, or its blocks decoded into `wide`.
-    fn bf16_weights(&self, gpu: &Gpu, m: &DeviceMatrix) -> Result<u64> {
-        if m.ty == WeightType::Bf16 {
-            return Ok(m.ptr(gpu));
+    /// The matrices `ms` as bf16 operands: a bf16 matrix as it is, the quantised ones decoded
+    /// into `wide` one after another by a single launch.
+    fn bf16_weights<const N: usize>(&self, gpu: &Gpu, ms: [&DeviceMatrix; N]) -> Result<[u64; N]> {
+        const { assert!(N <= DEQUANT_SET_MAX) };
+        let mut out = ms.map(|m| m.ptr(gpu));
+        let mut set = DequantSet::default();
+        let mut offset = 0u64;
+        for (i, m) in ms.iter().enumerate() {
+            if m.ty == WeightType::Bf16 {
+                continue;
+            }
+            if m.cols % 32 != 0 {
+                bail!(
+                    "prefill: a quantised matrix of {} columns (not whole 32-element blocks)",
+                    m.cols
+                );
+            }
+            let wide = self
+                .wide
+                .as_ref()
+                .context("prefill: no buffer for quantised weights")?;
+            out[i] = ptr(wide, &gpu.stream) + 2 * offset;
+            let k = set.n as usize;
+            set.data[k] = m.ptr(gpu);
+            set.out[k] = out[i];
+            set.rows[k] = m.rows as i64;
+            set.ty[k] = m.type_code();
+            set.cols[k] = m.cols as i32;
+            set.n += 1;
+            offset += wide_span(m) as u64;
         }
-        let wide = self
-            .wide
-            .as_ref()
-            .context("prefill: no buffer for quantised weights")?;
-        let (ty, data, out) = (m.type_code(), m.ptr(gpu), ptr(wide, &gpu.stream));
-        let (rows, cols) = (m.rows as i64, m.cols as i32);
-        let grid = m.rows.min(65535) as u32;
-        // SAFETY: the arguments are q_dequant_bf16's parameters in kernels/quant/quant.cu, in
-        // order; data holds m's rows x cols elements, `wide` at least as many (sized in run).
-        unsafe {
-            self.k.dequant.launch(
-                &gpu.stream,
-                grid,
-                256,
-                0,
-                false,
-                &mut kargs![&ty, &data, &out, &rows, &cols],
-            )
-        }?;
+        if set.n > 0 {
+            // A thread per 32-element block.
+            let blocks: i64 = (0..set.n as usize)
+                .map(|k| set.rows[k] * (set.cols[k] / 32) as i64)
+                .sum();
+            let grid = (blocks as u64)
+                .div_ceil(DEQUANT_THREADS as u64)
+                .min(1 << 20) as u32;
+            // SAFETY: the argument is q_dequant_bf16_set's QDequantSet in kernels/quant/quant.cu
+            // (same layout, repr(C)); each data pointer holds its matrix's rows x cols elements
+            // and each output span lies in `wide`, sized in run for the largest set.
+            unsafe {
+                self.k.dequant.launch(
+                    &gpu.stream,
+                    grid,
+                    DEQUANT_THREADS,
+                    0,
+                    false,
+                    &mut kargs![&set],
+                )
+            }?;
+        }
         Ok(out)
     }
 
@@ -434,27 +496,24 @@ impl Prefill {
         let (start_i, t_i) = (start as i32, t as i32);
         let (pos_stride, head_stride) = (kv.pos_stride as i64, kv.head_stride as i64);
         let scale_log2 = std::f32::consts::LOG2_E / (c.head_dim as f32).sqrt();
+        let rope_parts = ROPE_PARTS as i32;
+        let silu_parts = inter.div_ceil(SILU_COLUMNS_PER_BLOCK);
+        let silu_parts_i = silu_parts as i32;
         let att_grid = (t.div_ceil(self.attn.rows() as usize) * c.num_heads) as u32;
         for (l, lw) in model.layers.iter().enumerate() {
             let off = (l * kv.layer_stride * 2) as u64;
             let (kc, vc) = (kv.k + off, kv.v + off);
             self.rmsnorm(gpu, x, ptr(&lw.attn_norm, s), xn, h, 0, t, eps)?;
-            self.gemm(
-                self.bf16_weights(gpu, &lw.w_qkv)?,
-                xn,
-                qkv,
-                qd + 2 * kvd,
-                h,
-                t,
-                false,
-            )?;
+            let [w_qkv, wo, w_gu, w_down] =
+                self.bf16_weights(gpu, [&lw.w_qkv, &lw.wo, &lw.w_gu, &lw.w_down])?;
+            self.gemm(w_qkv, xn, qkv, qd + 2 * kvd, h, t, false)?;
             enqueue_qkv_extras(&self.k.qkv_extras, gpu, c, lw, qkv, t, false)?;
             // SAFETY: the arguments are pf_rope_kv's parameters in kernels/prefill/prefill.cu, in
             // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
             unsafe {
                 self.k.rope_kv.launch(
                     s,
-                    t as u32,
+                    (t * ROPE_PARTS) as u32,
                     256,
                     0,
                     false,
@@ -469,7 +528,8 @@ impl Prefill {
                         &nkv,
                         &hd,
                         &pos_stride,
-                        &head_stride
+                        &head_stride,
+                        &rope_parts
                     ],
                 )
             }?;
@@ -518,40 +578,23 @@ impl Prefill {
                     &mut args,
                 )
             }?;
-            self.gemm(self.bf16_weights(gpu, &lw.wo)?, attn, x, h, qd, t, true)?;
+            self.gemm(wo, attn, x, h, qd, t, true)?;
             self.rmsnorm(gpu, x, ptr(&lw.ffn_norm, s), xn, h, 0, t, eps)?;
-            self.gemm(
-                self.bf16_weights(gpu, &lw.w_gu)?,
-                xn,
-                gu,
-                2 * inter,
-                h,
-                t,
-                false,
-            )?;
-            let (inter_i, total) = (inter as i32, (t * inter) as i64);
-            let grid = (t * inter).div_ceil(256).min(65535) as u32;
+            self.gemm(w_gu, xn, gu, 2 * inter, h, t, false)?;
+            let inter_i = inter as i32;
             // SAFETY: the arguments are pf_silu_mul's parameters in kernels/prefill/prefill.cu, in
             // order, and every pointer is a live buffer of this engine or of the model, sized for the chunk.
             unsafe {
                 self.k.silu_mul.launch(
                     s,
-                    grid,
-                    256,
+                    (t * silu_parts) as u32,
+                    SILU_THREADS,
                     0,
                     false,
-                    &mut kargs![&gu, &act, &inter_i, &total],
+                    &mut kargs![&gu, &act, &inter_i, &silu_parts_i],
                 )
             }?;
-            self.gemm(
-                self.bf16_weights(gpu, &lw.w_down)?,
-                act,
-                x,
-                h,
-                inter,
-                t,
-                true,
-            )?;
+            self.gemm(w_down, act, x, h, inter, t, true)?;
         }
         Ok(())
     }
@@ -574,7 +617,7 @@ impl Prefill {
         )?;
         if n == 1 {
             self.gemm(
-                self.bf16_weights(gpu, model.lm_head())?,
+                self.bf16_weights(gpu, [model.lm_head()])?[0],
                 xn,
                 ptr(&b.logits, s),
                 c.vocab_size,
@@ -587,7 +630,7 @@ impl Prefill {
         let logits =
             gpu.alloc_zeros::<f32>(n * c.vocab_size, "prefill logits of every position")?;
         self.gemm(
-            self.bf16_weights(gpu, model.lm_head())?,
+            self.bf16_weights(gpu, [model.lm_head()])?[0],
             xn,
             ptr(&logits, s),
             c.vocab_size,
@@ -749,7 +792,8 @@ fn encode_map(
 
 #[cfg(test)]
 mod tests {
-    use super::AttentionKernel;
+    use super::{AttentionKernel, DequantSet};
+    use std::mem::{offset_of, size_of};
 
     /// The H100's shared memory per SM (228 KiB) less the 1 KiB each block reserves, and the
     /// opt-in limit of one block.
@@ -775,5 +819,18 @@ mod tests {
             );
             assert_eq!(k.rows() % 64, 0, "{}", k.name);
         }
+    }
+
+    /// DequantSet is passed by value as kernels/quant/quant.cu's QDequantSet: four pointers,
+    /// four pointers, four long longs, four ints, four ints, an int, padded to 8 bytes.
+    #[test]
+    fn dequant_set_matches_the_kernels_struct() {
+        assert_eq!(offset_of!(DequantSet, data), 0);
+        assert_eq!(offset_of!(DequantSet, out), 32);
+        assert_eq!(offset_of!(DequantSet, rows), 64);
+        assert_eq!(offset_of!(DequantSet, ty), 96);
+        assert_eq!(offset_of!(DequantSet, cols), 112);
+        assert_eq!(offset_of!(DequantSet, n), 128);
+        assert_eq!(size_of::<DequantSet>(), 136);
     }
 }
