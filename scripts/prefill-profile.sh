@@ -24,8 +24,8 @@ times = collections.defaultdict(list)
 order = []
 for r in body:
     k = r[name]
-    if k.startswith("megakernel"):
-        continue  # the decode steps, not the prefill
+    if k.startswith("megakernel") or k == "bw_read":
+        continue  # the decode steps and bench's bandwidth probe, not the prefill
     if k not in times:
         order.append(k)
     times[k].append(float(r[value].replace(",", "")) / 1e3)  # ns -> us
