@@ -125,8 +125,16 @@ __shared__ u32 mk_instr;
 // kept in a register). Only their last value matters, so no ordering beyond that is needed.
 __device__ __forceinline__ void set_failed(u32 v) { *(volatile u32*)&mk_failed = v; }
 __device__ __forceinline__ bool any_failed() { return *(volatile u32*)&mk_failed != 0; }
+// MK_INSTR_ATOMIC=1 makes mk_instr's accesses shared-memory atomics, for compute-sanitizer's
+// racecheck, which reports volatile accesses from two warps with no barrier between them as
+// hazards; the atomics cost 0.4% a token (BENCHMARKS.md), so runs keep the volatile word.
+#if defined(MK_INSTR_ATOMIC) && MK_INSTR_ATOMIC
+__device__ __forceinline__ void set_current_instr(u32 v) { atomicExch(&mk_instr, v); }
+__device__ __forceinline__ u32 current_instr() { return atomicAdd(&mk_instr, 0u); }
+#else
 __device__ __forceinline__ void set_current_instr(u32 v) { *(volatile u32*)&mk_instr = v; }
 __device__ __forceinline__ u32 current_instr() { return *(volatile u32*)&mk_instr; }
+#endif
 
 __device__ __forceinline__ u32 launch_tag(const MkParams& p) { return p.epoch + 1; }
 

@@ -40,6 +40,17 @@ const _: () = assert!(MAX_REDUCE_PARTS >= scheduler::options::MAX_ATTN_PARTS);
 /// A wait for an input longer than this is a scheduling bug: the kernel stops and reports it.
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
 
+/// The wait limit a new path starts with: `MEGAINFER_WAIT_TIMEOUT_MS` where set (tools such as
+/// compute-sanitizer slow the kernel by orders of magnitude, so under them the default limit
+/// would report stalls that are not there), else DEFAULT_WAIT_TIMEOUT_MS.
+fn initial_wait_timeout_ms() -> u64 {
+    std::env::var("MEGAINFER_WAIT_TIMEOUT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&ms| ms > 0)
+        .unwrap_or(DEFAULT_WAIT_TIMEOUT_MS)
+}
+
 pub struct MegakernelPath<'g> {
     gpu: &'g Gpu,
     model: &'g DeviceModel,
@@ -66,8 +77,9 @@ pub struct MegakernelPath<'g> {
     _layers: CudaSlice<LayerW>,
     _kv: KvCache,
     seq: Sequence,
-    /// Made on the first sampled step: the draw runs as two small kernels after each launch,
-    /// reading the launch's logits and writing the token where the next launch reads it.
+    /// Made on the first sampled step: the draw runs as one kernel after each launch (two for
+    /// vocabularies too large for its last CTA, `Kernels::for_vocab`), reading the launch's
+    /// logits and writing the token where the next launch reads it.
     sampler: Option<DeviceSampler>,
 }
 
@@ -356,7 +368,7 @@ impl<'g> MegakernelPath<'g> {
             pages: pages as i32,
             eps: c.rms_norm_eps,
             epoch: 0,
-            timeout_ns: DEFAULT_WAIT_TIMEOUT_MS * 1_000_000,
+            timeout_ns: initial_wait_timeout_ms().saturating_mul(1_000_000),
         };
         Ok(Self {
             gpu,
