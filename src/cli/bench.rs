@@ -102,6 +102,10 @@ struct PathResult {
     percent_of_bandwidth: f64,
     ttft_ms_median: f64,
     ttft_ms_min: f64,
+    /// Host time until every kernel of the prefill was queued (median over the reps).
+    prefill_enqueued_ms_median: Option<f64>,
+    /// Host time of the whole prefill call, the logits' copy included (median).
+    prefill_call_ms_median: Option<f64>,
     prefill_tokens_per_s: f64,
     tokens: Vec<u32>,
 }
@@ -239,6 +243,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         // Warm-up: compilation, module load, first-touch of every buffer.
         decode(&mut path, &prompt, args.gen, &params)?;
         let (mut tpot, mut ttft) = (Vec::new(), Vec::new());
+        let (mut enqueued, mut in_prefill) = (Vec::new(), Vec::new());
         let mut tokens = Vec::new();
         for _ in 0..args.reps {
             path.reset();
@@ -248,6 +253,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             ttft.push(first_time.as_secs_f64() * 1e3);
             tpot.push((total - first_time).as_secs_f64() * 1e3 / (args.gen - 1) as f64);
             tokens = std::iter::once(first).chain(rest).collect();
+            // Prompts of one token take a decode step, not the batched prefill.
+            if prompt.len() >= 2 {
+                if let Some(t) = path.last_prefill_timing() {
+                    enqueued.push(t.enqueued.as_secs_f64() * 1e3);
+                    in_prefill.push(t.total.as_secs_f64() * 1e3);
+                }
+            }
         }
         if args.profile {
             if let Some(mk) = path.as_megakernel() {
@@ -276,6 +288,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             ttft_ms_median: ttft_med,
             ttft_ms_min: ttft_min,
             prefill_tokens_per_s: args.prompt_len as f64 / (ttft_med * 1e-3),
+            prefill_enqueued_ms_median: (!enqueued.is_empty()).then(|| median(&mut enqueued)),
+            prefill_call_ms_median: (!in_prefill.is_empty()).then(|| median(&mut in_prefill)),
             tokens,
         });
     }
@@ -342,9 +356,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
     println!("GB/s and % of BW: (weights + the K/V a step reads) / TPOT, against the measured read bandwidth; 100% is the floor.");
+    for r in &results {
+        if let (Some(q), Some(c)) = (r.prefill_enqueued_ms_median, r.prefill_call_ms_median) {
+            println!(
+                "{}: the prefill's kernels were all queued {q:.2} ms into its {c:.2} ms (medians); the rest waited for the GPU{}",
+                r.path,
+                if q > 0.8 * c { " (launch-bound: the host sets the pace)" } else { "" }
+            );
+        }
+    }
     println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
-        println!("Sampled steps draw on the device on every path; the megakernel's draw runs as two small kernels after each launch (not yet inside the launch).");
+        println!("Sampled steps draw on the device on every path; the megakernel's draw is one kernel after each launch (two above 311,296 tokens of vocabulary), not yet inside the launch.");
     }
     if let Some(path) = &args.json {
         let report = Report {

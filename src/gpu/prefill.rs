@@ -12,6 +12,7 @@
 
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::sys as cb;
@@ -181,6 +182,19 @@ pub struct Prefill {
     /// (prefill is compute-bound, so decoding a layer's weights once per chunk costs little);
     /// sized for the largest such set, absent for bf16 models.
     wide: Option<CudaSlice<u16>>,
+    /// Where the host's time went in the last `run` (see [`PrefillTiming`]).
+    last_timing: Option<PrefillTiming>,
+    /// When the last chunk's logits began their copy to the host (set by `logits`).
+    copy_started: std::cell::Cell<Option<Instant>>,
+}
+
+/// The host's view of one prefill: `enqueued` is the time until every kernel of it was
+/// queued (the logits' copy, which waits for the GPU, about to start), `total` the whole call.
+/// Where `enqueued` is close to `total`, launching is what the prefill waits for, not the GPU.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillTiming {
+    pub enqueued: Duration,
+    pub total: Duration,
 }
 
 /// Whether libcublas can be loaded (cudarc panics on first use when it cannot).
@@ -227,7 +241,14 @@ impl Prefill {
             attn,
             bufs: None,
             wide: None,
+            last_timing: None,
+            copy_started: std::cell::Cell::new(None),
         })
+    }
+
+    /// Where the host's time went in the last prefill, if there was one.
+    pub fn last_timing(&self) -> Option<PrefillTiming> {
+        self.last_timing
     }
 
     /// Runs `tokens` at positions `start..` through the model in chunks of at most `chunk`
@@ -243,6 +264,8 @@ impl Prefill {
         chunk: usize,
         which: Logits,
     ) -> Result<Vec<f32>> {
+        let t0 = Instant::now();
+        self.copy_started.set(None);
         let c = &model.config;
         if tokens.is_empty() {
             bail!("no tokens to prefill");
@@ -306,6 +329,11 @@ impl Prefill {
                 Logits::Last => {}
             }
         }
+        let total = t0.elapsed();
+        self.last_timing = Some(PrefillTiming {
+            enqueued: self.copy_started.get().map_or(total, |t| t - t0),
+            total,
+        });
         Ok(out)
     }
 
@@ -625,6 +653,7 @@ impl Prefill {
                 1,
                 false,
             )?;
+            self.copy_started.set(Some(Instant::now()));
             return Ok(s.clone_dtoh(&b.logits)?);
         }
         let logits =
@@ -638,6 +667,7 @@ impl Prefill {
             n,
             false,
         )?;
+        self.copy_started.set(Some(Instant::now()));
         Ok(s.clone_dtoh(&logits)?)
     }
 }
