@@ -32,6 +32,7 @@ pub mod baseline;
 pub mod compile;
 pub mod device;
 pub mod launch;
+pub mod lt_gemm;
 pub mod megakernel;
 pub mod model;
 pub mod paths;

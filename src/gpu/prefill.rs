@@ -17,12 +17,13 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::sys as cb;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaModule, CudaSlice};
+use cudarc::driver::{sys, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
+use super::lt_gemm::LtGemm;
 use super::model::{enqueue_qkv_extras, DeviceMatrix, DeviceModel, KvCache};
 use crate::kargs;
 use crate::model::{Config, WeightType};
@@ -186,6 +187,10 @@ pub struct Prefill {
     last_timing: Option<PrefillTiming>,
     /// When the last chunk's logits began their copy to the host (set by `logits`).
     copy_started: std::cell::Cell<Option<Instant>>,
+    /// The products through cuBLASLt with cached plans, where `MEGAINFER_PREFILL_GEMM=lt`
+    /// asks for it; else `cublasGemmEx`.
+    lt: std::cell::RefCell<Option<LtGemm>>,
+    stream: Arc<CudaStream>,
 }
 
 /// The host's view of one prefill: `enqueued` is the time until every kernel of it was
@@ -243,6 +248,12 @@ impl Prefill {
             wide: None,
             last_timing: None,
             copy_started: std::cell::Cell::new(None),
+            lt: std::cell::RefCell::new(match std::env::var("MEGAINFER_PREFILL_GEMM").as_deref() {
+                Ok("lt") => Some(LtGemm::new(gpu)?),
+                Ok("gemm-ex") | Err(_) => None,
+                Ok(other) => bail!("MEGAINFER_PREFILL_GEMM must be lt or gemm-ex, not {other:?}"),
+            }),
+            stream: gpu.stream.clone(),
         })
     }
 
@@ -406,6 +417,9 @@ impl Prefill {
         t: usize,
         accumulate: bool,
     ) -> Result<()> {
+        if let Some(lt) = self.lt.borrow_mut().as_mut() {
+            return lt.gemm(&self.stream, w, x, y, n, k, t, accumulate);
+        }
         let alpha = 1f32;
         let beta = if accumulate { 1f32 } else { 0f32 };
         // Column-major view: y^T [n, t] = W [n, k] (W^T read as k x n) * x^T [k, t].
