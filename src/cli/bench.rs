@@ -242,6 +242,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         // Warm-up: compilation, module load, first-touch of every buffer.
         decode(&mut path, &prompt, args.gen, &params)?;
+        path.take_prefill_timing();
         let (mut tpot, mut ttft) = (Vec::new(), Vec::new());
         let (mut enqueued, mut in_prefill) = (Vec::new(), Vec::new());
         let mut tokens = Vec::new();
@@ -253,12 +254,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             ttft.push(first_time.as_secs_f64() * 1e3);
             tpot.push((total - first_time).as_secs_f64() * 1e3 / (args.gen - 1) as f64);
             tokens = std::iter::once(first).chain(rest).collect();
-            // Prompts of one token take a decode step, not the batched prefill.
-            if prompt.len() >= 2 {
-                if let Some(t) = path.last_prefill_timing() {
-                    enqueued.push(t.enqueued.as_secs_f64() * 1e3);
-                    in_prefill.push(t.total.as_secs_f64() * 1e3);
-                }
+            // None where the prompt took decode steps (one token), not the batched prefill.
+            if let Some(t) = path.take_prefill_timing() {
+                enqueued.push(t.enqueued.as_secs_f64() * 1e3);
+                in_prefill.push(t.total.as_secs_f64() * 1e3);
             }
         }
         if args.profile {

@@ -1,7 +1,7 @@
 //! Prefill's products through cuBLASLt, with everything one product needs made once per shape:
 //! the operation and layout descriptors and the algorithm cuBLASLt's heuristic picks. A short
 //! prompt's prefill is a few hundred launches, and `cublasGemmEx` repeats that setup on the
-//! host at every call; with a plan cached per (rows, depth, tokens, accumulate) a product is one
+//! host at every call; with a plan cached per (rows, depth, tokens) a product is one
 //! `cublasLtMatmul` call. `MEGAINFER_PREFILL_GEMM=lt` selects it (`src/gpu/prefill.rs`).
 
 use std::collections::HashMap;
@@ -11,6 +11,8 @@ use std::mem::size_of;
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
+use std::sync::Arc;
+
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::{ptr, Gpu};
@@ -44,10 +46,13 @@ impl Drop for Plan {
     }
 }
 
+/// A cuBLASLt handle bound to one stream, as a `CudaBlas` is, with its plans.
 pub struct LtGemm {
     handle: sys::cublasLtHandle_t,
+    stream: Arc<CudaStream>,
     workspace: CudaSlice<u8>,
-    plans: HashMap<(usize, usize, usize, bool), Plan>,
+    /// By (n, k, t): whether a product accumulates is its beta, not part of its plan.
+    plans: HashMap<(usize, usize, usize), Plan>,
 }
 
 impl Drop for LtGemm {
@@ -77,6 +82,7 @@ impl LtGemm {
         let workspace = gpu.alloc_zeros(WORKSPACE_BYTES, "cuBLASLt workspace")?;
         Ok(Self {
             handle,
+            stream: gpu.stream.clone(),
             workspace,
             plans: HashMap::new(),
         })
@@ -134,11 +140,10 @@ impl LtGemm {
         Ok(plan)
     }
 
-    /// `y (+)= x · W^T` as [`Plan`] describes, on `stream`.
+    /// `y (+)= x · W^T` as [`Plan`] describes (`accumulate` adds to y), on the handle's stream.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &mut self,
-        stream: &CudaStream,
         w: u64,
         x: u64,
         y: u64,
@@ -147,7 +152,7 @@ impl LtGemm {
         t: usize,
         accumulate: bool,
     ) -> Result<()> {
-        let key = (n, k, t, accumulate);
+        let key = (n, k, t);
         if !self.plans.contains_key(&key) {
             if self.plans.len() >= MAX_PLANS {
                 self.plans.clear();
@@ -157,6 +162,7 @@ impl LtGemm {
         }
         let plan = &self.plans[&key];
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let stream = &self.stream;
         let ws = ptr(&self.workspace, stream);
         // SAFETY: the pointers are live device buffers of the sizes the plan describes (the
         // callers' allocations); alpha and beta are host values (default pointer mode); the

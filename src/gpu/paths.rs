@@ -159,14 +159,16 @@ impl<'g> GpuPath<'g> {
         Ok(())
     }
 
-    /// The host's view of the last batched prefill (None before the first one).
-    pub fn last_prefill_timing(&mut self) -> Option<super::prefill::PrefillTiming> {
+    /// The host's view of the last batched prefill, once (see [`Prefill::take_timing`]).
+    ///
+    /// [`Prefill::take_timing`]: super::prefill::Prefill::take_timing
+    pub fn take_prefill_timing(&mut self) -> Option<super::prefill::PrefillTiming> {
         use super::stepping::Steps;
         let seq = match self {
             Self::Megakernel(p) => p.seq(),
             Self::Baseline(p) => p.seq(),
         };
-        seq.prefill.as_ref().and_then(|p| p.last_timing())
+        seq.prefill.as_mut().and_then(|p| p.take_timing())
     }
 
     pub fn reset(&mut self) {

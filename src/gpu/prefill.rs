@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::sys as cb;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
 
 use super::compile::compile_cubin;
@@ -171,10 +171,17 @@ impl Buffers {
     }
 }
 
+/// What computes the products: `cublasGemmEx`, or cuBLASLt with a plan cached per shape
+/// (`MEGAINFER_PREFILL_GEMM=lt`, src/gpu/lt_gemm.rs).
+enum Products {
+    GemmEx(CudaBlas),
+    Lt(std::cell::RefCell<LtGemm>),
+}
+
 /// The prefill engine of one sequence: cuBLAS handle, kernels and chunk buffers (allocated on
 /// first use, for the chunk size asked for).
 pub struct Prefill {
-    blas: CudaBlas,
+    products: Products,
     k: Kernels,
     _module: Arc<CudaModule>,
     attn: AttentionKernel,
@@ -187,10 +194,6 @@ pub struct Prefill {
     last_timing: Option<PrefillTiming>,
     /// When the last chunk's logits began their copy to the host (set by `logits`).
     copy_started: std::cell::Cell<Option<Instant>>,
-    /// The products through cuBLASLt with cached plans, where `MEGAINFER_PREFILL_GEMM=lt`
-    /// asks for it; else `cublasGemmEx`.
-    lt: std::cell::RefCell<Option<LtGemm>>,
-    stream: Arc<CudaStream>,
 }
 
 /// The host's view of one prefill: `enqueued` is the time until every kernel of it was
@@ -220,8 +223,14 @@ impl Prefill {
                  to LD_LIBRARY_PATH"
             );
         }
-        let blas = CudaBlas::new(gpu.stream.clone())
-            .map_err(|e| anyhow!("creating a cuBLAS handle failed: {e:?}"))?;
+        let products = match std::env::var("MEGAINFER_PREFILL_GEMM").as_deref() {
+            Ok("lt") => Products::Lt(std::cell::RefCell::new(LtGemm::new(gpu)?)),
+            Ok("gemm-ex") | Err(_) => Products::GemmEx(
+                CudaBlas::new(gpu.stream.clone())
+                    .map_err(|e| anyhow!("creating a cuBLAS handle failed: {e:?}"))?,
+            ),
+            Ok(other) => bail!("MEGAINFER_PREFILL_GEMM must be lt or gemm-ex, not {other:?}"),
+        };
         let cubin = compile_cubin("prefill", &super::sources::prefill(), &gpu.arch(), &[])?;
         let module = gpu
             .ctx
@@ -231,7 +240,7 @@ impl Prefill {
         let attention = Kernel::load(&module, attn.name)?;
         attention.allow_smem(attn.smem as usize)?;
         Ok(Self {
-            blas,
+            products,
             k: Kernels {
                 embed: Kernel::load(&module, "pf_embed")?,
                 rmsnorm: Kernel::load(&module, "pf_rmsnorm")?,
@@ -248,18 +257,13 @@ impl Prefill {
             wide: None,
             last_timing: None,
             copy_started: std::cell::Cell::new(None),
-            lt: std::cell::RefCell::new(match std::env::var("MEGAINFER_PREFILL_GEMM").as_deref() {
-                Ok("lt") => Some(LtGemm::new(gpu)?),
-                Ok("gemm-ex") | Err(_) => None,
-                Ok(other) => bail!("MEGAINFER_PREFILL_GEMM must be lt or gemm-ex, not {other:?}"),
-            }),
-            stream: gpu.stream.clone(),
         })
     }
 
-    /// Where the host's time went in the last prefill, if there was one.
-    pub fn last_timing(&self) -> Option<PrefillTiming> {
-        self.last_timing
+    /// Where the host's time went in the last prefill, once: a second call, or one after a
+    /// feed that took no batched prefill, gets None rather than an older prefill's timing.
+    pub fn take_timing(&mut self) -> Option<PrefillTiming> {
+        self.last_timing.take()
     }
 
     /// Runs `tokens` at positions `start..` through the model in chunks of at most `chunk`
@@ -417,9 +421,10 @@ impl Prefill {
         t: usize,
         accumulate: bool,
     ) -> Result<()> {
-        if let Some(lt) = self.lt.borrow_mut().as_mut() {
-            return lt.gemm(&self.stream, w, x, y, n, k, t, accumulate);
-        }
+        let blas = match &self.products {
+            Products::GemmEx(blas) => blas,
+            Products::Lt(lt) => return lt.borrow_mut().gemm(w, x, y, n, k, t, accumulate),
+        };
         let alpha = 1f32;
         let beta = if accumulate { 1f32 } else { 0f32 };
         // Column-major view: y^T [n, t] = W [n, k] (W^T read as k x n) * x^T [k, t].
@@ -427,7 +432,7 @@ impl Prefill {
         // callers' allocation); alpha and beta are host values (default pointer mode).
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                *blas.handle(),
                 cb::cublasOperation_t::CUBLAS_OP_T,
                 cb::cublasOperation_t::CUBLAS_OP_N,
                 n as i32,
