@@ -169,6 +169,8 @@ __device__ __forceinline__ void attn_softmax(int n, float* S, float* stats) {
             sum += e;
         }
         sum = warp_sum(sum);
+        // Shuffles order no memory: every lane read stats[g] above, and lane 0 rewrites it.
+        __syncwarp();
         if (lane == 0) {
             const float corr = __expf(m_old - m_new);  // m_old = -inf in the first round: 0
             stats[g] = m_new;
