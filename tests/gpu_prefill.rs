@@ -156,7 +156,17 @@ fn decode_after_prefill_matches_token_by_token_on_every_path() {
     for (label, cfg) in shapes() {
         let w = random_weights(&cfg, 33);
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-        for (n, chunk) in [(1, 2048), (2, 2048), (65, 64), (300, 128), (1000, 333)] {
+        // Up to GRAPH_MAX_TOKENS in one chunk: the captured graphs (37 and 128 padded to
+        // buckets of 48 and 128); the others launch kernel by kernel.
+        for (n, chunk) in [
+            (1, 2048),
+            (2, 2048),
+            (37, 2048),
+            (128, 2048),
+            (65, 64),
+            (300, 128),
+            (1000, 333),
+        ] {
             let max_seq = n + STEPS + GREEDY + 2;
             let tokens = prompt(n + STEPS, cfg.vocab_size, 3 * n);
             let (input, forced) = tokens.split_at(n);
@@ -302,6 +312,61 @@ fn prefill_continues_from_the_cache() {
             assert!(e <= TOL, "{kname}: position {} rel L2 {e:.2e}", 77 + i);
         }
         println!("second prefill {kname}: worst rel L2 {worst:.2e}");
+    }
+}
+
+/// Short prompts one after another, as a chat's turns: each runs as the graph of its length
+/// bucket wherever it starts (20 and 30 tokens share the 32-token graph, at positions 0 and
+/// 20), the padding rows' cache writes past each prompt are overwritten by the next, and a
+/// prompt whose padded length would pass the end of the cache runs kernel by kernel. The last
+/// logits of every prompt, and the steps after the last, against the CPU reference.
+#[test]
+#[ignore = "needs a GPU"]
+fn short_prompts_share_graphs_at_any_position() {
+    let gpu = gpu();
+    let pieces = [20, 30, 25, 9];
+    let total: usize = pieces.iter().sum();
+    let max_seq = total + 4; // the last piece (9 at 75) would pad to 16, to 91: past the cache
+    for (label, cfg) in [
+        ("g3-hd64", tiny(576, 9, 3, 64, 1536)),
+        ("g4-hd128", tiny(1024, 8, 2, 128, 2056)),
+    ] {
+        let w = random_weights(&cfg, 21);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let tokens = prompt(total + 4, cfg.vocab_size, 5);
+        let mut cpu = CpuForward::new(&cfg, &w, max_seq);
+        let mut want = Vec::new();
+        let mut at = 0;
+        for &n in &pieces {
+            want.push(cpu.forward(&tokens[at..at + n]).unwrap());
+            at += n;
+        }
+        for &t in &tokens[total..] {
+            want.push(cpu.forward(&[t]).unwrap());
+        }
+        for (kname, kind) in &KINDS {
+            let got = with_path(&gpu, &dm, kind, max_seq, &mut |p| {
+                let mut got = Vec::new();
+                let mut at = 0;
+                for &n in &pieces {
+                    got.push(p.prefill(&tokens[at..at + n], 2048, Logits::Last));
+                    at += n;
+                }
+                for &t in &tokens[total..] {
+                    got.push(p.feed_steps(&[t]));
+                }
+                got
+            });
+            let mut worst = 0f64;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let e = rel_l2(g, w);
+                worst = worst.max(e);
+                assert!(e <= TOL, "{label} {kname}: logits {i} rel L2 {e:.2e}");
+            }
+            println!(
+                "{label} {kname}: prompts of {pieces:?} then 4 steps, worst rel L2 {worst:.2e}"
+            );
+        }
     }
 }
 

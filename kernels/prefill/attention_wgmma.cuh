@@ -334,14 +334,14 @@ __device__ __forceinline__ void pf_attention_tma_body(const pf_bf16* q, const Pf
 // (AttentionKernel).
 #ifdef PF_HAS_WGMMA
 #define PF_TMA_BODY(D, STAGES) \
-    pf_attention_tma_body<D, STAGES>(q, &k_map, &v_map, layer, pos_dim, out, T, start, n_heads, n_kv, scale_log2);
+    pf_attention_tma_body<D, STAGES>(q, &k_map, &v_map, layer, pos_dim, out, T, *start_p, n_heads, n_kv, scale_log2);
 #else
 #define PF_TMA_BODY(D, STAGES) __trap();
 #endif
 #define PF_TMA_KERNEL(NAME, D, STAGES, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         NAME(const pf_bf16* q, const __grid_constant__ PfTensorMap k_map, const __grid_constant__ PfTensorMap v_map, \
-             int layer, int pos_dim, pf_bf16* out, int T, int start, int n_heads, int n_kv, float scale_log2) {      \
+             int layer, int pos_dim, pf_bf16* out, int T, const int* start_p, int n_heads, int n_kv, float scale_log2) { \
         PF_TMA_BODY(D, STAGES)                                                                                       \
     }
 PF_TMA_KERNEL(pf_attention_tma_64, 64, 4, 2)

@@ -81,15 +81,16 @@ extern "C" __global__ void pf_rmsnorm(const float* x, const pf_bf16* w, pf_bf16*
 }
 
 // The QKV product's rows [T, q | k | v] (f32): RoPE (rotate_half: pairs i, i + head_dim/2)
-// on q and k at positions start + t; q to q_out ([T, heads * head_dim], bf16), K and V into
+// on q and k at positions start + t (start read from *start_p, as in the attention kernels,
+// so that a captured prefill graph serves any position); q to q_out ([T, heads * head_dim], bf16), K and V into
 // the layer's cache at (kv head, position): element d of a row at
 // kvh * head_stride + pos * pos_stride + d, the decode path's own layout.
 // The angle is rope.cuh's (formed in double). Grid: T x `parts` blocks, a token's pairs
 // spread over its `parts` blocks (one block per token left most SMs idle on short chunks).
 extern "C" __global__ void pf_rope_kv(const float* qkv, pf_bf16* q_out, pf_bf16* k_cache, pf_bf16* v_cache,
-                                      const float* inv_freq, int start, int n_heads, int n_kv, int head_dim,
+                                      const float* inv_freq, const int* start_p, int n_heads, int n_kv, int head_dim,
                                       long long pos_stride, long long head_stride, int parts) {
-    const int t = blockIdx.x / parts, part = blockIdx.x - t * parts, pos = start + t, half = head_dim >> 1;
+    const int t = blockIdx.x / parts, part = blockIdx.x - t * parts, pos = *start_p + t, half = head_dim >> 1;
     const int width = (n_heads + 2 * n_kv) * head_dim;
     const float* row = qkv + (size_t)t * width;
     for (int idx = part * blockDim.x + threadIdx.x; idx < (n_heads + 2 * n_kv) * half; idx += parts * blockDim.x) {
@@ -416,12 +417,12 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
 // registers, no spills); head_dim 128: 4 warps (178 registers; 8 warps would spill).
 extern "C" __global__ void __launch_bounds__(256, 2)
     pf_attention_64(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache, pf_bf16* out, int T,
-                    int start, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {
-    pf_attention<64, 8>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, pos_stride, head_stride, scale_log2);
+                    const int* start_p, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {
+    pf_attention<64, 8>(q, k_cache, v_cache, out, T, *start_p, n_heads, n_kv, pos_stride, head_stride, scale_log2);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
     pf_attention_128(const pf_bf16* q, const pf_bf16* k_cache, const pf_bf16* v_cache, pf_bf16* out, int T,
-                     int start, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {
-    pf_attention<128, 4>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, pos_stride, head_stride, scale_log2);
+                     const int* start_p, int n_heads, int n_kv, long long pos_stride, long long head_stride, float scale_log2) {
+    pf_attention<128, 4>(q, k_cache, v_cache, out, T, *start_p, n_heads, n_kv, pos_stride, head_stride, scale_log2);
 }

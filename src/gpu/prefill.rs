@@ -5,6 +5,8 @@
 //! over the chunk and the cache of earlier chunks (kernels/prefill/prefill.cu), RoPE and the
 //! K/V rows written into the decode path's own cache layout. The last token's hidden state
 //! goes through the final norm and the LM head; decoding then continues on the path unchanged.
+//! Prompts of up to [`GRAPH_MAX_TOKENS`] run as a CUDA graph captured once per length bucket
+//! (docs/prefill.md): at those lengths launching kernels one by one costs more than running them.
 //!
 //! cuBLAS, not our own kernels, does the products: these are large plain GEMMs, where cuBLAS
 //! is close to the tensor cores' peak on every shape, and the engine's own work is in what
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::sys as cb;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaModule, CudaSlice};
+use cudarc::driver::{sys, CudaGraph, CudaModule, CudaSlice};
 use cudarc::nvrtc::Ptx;
 
 use super::compile::compile_cubin;
@@ -46,6 +48,14 @@ const SILU_THREADS: u32 = 256;
 const SILU_COLUMNS_PER_BLOCK: usize = 4 * SILU_THREADS as usize;
 /// Rows of the LM head computed at once when every position's logits are wanted.
 const LOGIT_ROWS: usize = 256;
+/// Prompts of at most this many tokens (one chunk, last logits only) run as a CUDA graph
+/// captured once per length bucket: a short prompt is hundreds of small launches, and
+/// launching them one by one takes the host longer than the GPU takes to run them.
+pub const GRAPH_MAX_TOKENS: usize = 128;
+/// Graph buckets are this many tokens apart: a prompt runs padded to the next multiple.
+const GRAPH_BUCKET: usize = 16;
+/// Captured graphs kept at most (buckets times the caches they write to).
+const MAX_GRAPHS: usize = 32;
 /// Matrices one dequantising launch takes (Q_SET_MAX in kernels/quant/quant.cu).
 const DEQUANT_SET_MAX: usize = 4;
 const DEQUANT_THREADS: u32 = 256;
@@ -140,6 +150,9 @@ struct Kernels {
 struct Buffers {
     cap: usize,
     tokens: CudaSlice<u32>,
+    /// The chunk's first position, read by the kernels from here (not passed by value) so
+    /// that a captured graph serves a prompt at any position.
+    start: CudaSlice<i32>,
     x: CudaSlice<f32>,
     xn: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
@@ -156,6 +169,7 @@ impl Buffers {
         Ok(Self {
             cap,
             tokens: gpu.alloc_zeros(cap, &what("token ids"))?,
+            start: gpu.alloc_zeros(1, "prefill start position")?,
             x: gpu.alloc_zeros(cap * c.hidden_size, &what("hidden states"))?,
             xn: gpu.alloc_zeros(
                 cap.max(LOGIT_ROWS) * c.hidden_size,
@@ -171,8 +185,9 @@ impl Buffers {
     }
 }
 
-/// What computes the products: `cublasGemmEx`, or cuBLASLt with a plan cached per shape
-/// (`MEGAINFER_PREFILL_GEMM=lt`, src/gpu/lt_gemm.rs).
+/// What computes the products: cuBLASLt with a plan cached per shape (src/gpu/lt_gemm.rs),
+/// or `cublasGemmEx` (`MEGAINFER_PREFILL_GEMM=gemm-ex`), which repeats its setup on the
+/// host at every call.
 enum Products {
     GemmEx(CudaBlas),
     Lt(std::cell::RefCell<LtGemm>),
@@ -181,11 +196,17 @@ enum Products {
 /// The prefill engine of one sequence: cuBLAS handle, kernels and chunk buffers (allocated on
 /// first use, for the chunk size asked for).
 pub struct Prefill {
+    /// Short prompts' graphs, dropped before the module and buffers they name.
+    graphs: Vec<(GraphKey, CudaGraph)>,
     products: Products,
     k: Kernels,
     _module: Arc<CudaModule>,
     attn: AttentionKernel,
     bufs: Option<Buffers>,
+    /// The graphs' buffers, GRAPH_MAX_TOKENS wide, never reallocated (the graphs name them).
+    graph_bufs: Option<Buffers>,
+    /// Whether short prompts run as graphs (`MEGAINFER_PREFILL_GRAPH=0` turns them off).
+    use_graphs: bool,
     /// A layer's quantised matrices (or the LM head) decoded to bf16 just before their products
     /// (prefill is compute-bound, so decoding a layer's weights once per chunk costs little);
     /// sized for the largest such set, absent for bf16 models.
@@ -194,6 +215,27 @@ pub struct Prefill {
     last_timing: Option<PrefillTiming>,
     /// When the last chunk's logits began their copy to the host (set by `logits`).
     copy_started: std::cell::Cell<Option<Instant>>,
+}
+
+/// What a captured prefill graph is valid for: its padded length and every address it names
+/// that is not fixed for the engine's life (the cache written, the bf16 weight buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GraphKey {
+    tokens: usize,
+    k: u64,
+    v: u64,
+    max_seq: usize,
+    layer_stride: usize,
+    head_stride: usize,
+    pos_stride: usize,
+    wide: u64,
+}
+
+/// How a graph prefill failed: in its capture (nothing ran; the prompt can go kernel by
+/// kernel) or after (the error is the prompt's).
+enum GraphError {
+    Capture(anyhow::Error),
+    Run(anyhow::Error),
 }
 
 /// The host's view of one prefill: `enqueued` is the time until every kernel of it was
@@ -224,8 +266,8 @@ impl Prefill {
             );
         }
         let products = match std::env::var("MEGAINFER_PREFILL_GEMM").as_deref() {
-            Ok("lt") => Products::Lt(std::cell::RefCell::new(LtGemm::new(gpu)?)),
-            Ok("gemm-ex") | Err(_) => Products::GemmEx(
+            Ok("lt") | Err(_) => Products::Lt(std::cell::RefCell::new(LtGemm::new(gpu)?)),
+            Ok("gemm-ex") => Products::GemmEx(
                 CudaBlas::new(gpu.stream.clone())
                     .map_err(|e| anyhow!("creating a cuBLAS handle failed: {e:?}"))?,
             ),
@@ -239,7 +281,13 @@ impl Prefill {
         let attn = AttentionKernel::choose(c.head_dim, &gpu.arch())?;
         let attention = Kernel::load(&module, attn.name)?;
         attention.allow_smem(attn.smem as usize)?;
+        let use_graphs = match std::env::var("MEGAINFER_PREFILL_GRAPH").as_deref() {
+            Ok("1") | Err(_) => true,
+            Ok("0") => false,
+            Ok(other) => bail!("MEGAINFER_PREFILL_GRAPH must be 0 or 1, not {other:?}"),
+        };
         Ok(Self {
+            graphs: Vec::new(),
             products,
             k: Kernels {
                 embed: Kernel::load(&module, "pf_embed")?,
@@ -254,6 +302,8 @@ impl Prefill {
             _module: module,
             attn,
             bufs: None,
+            graph_bufs: None,
+            use_graphs,
             wide: None,
             last_timing: None,
             copy_started: std::cell::Cell::new(None),
@@ -308,8 +358,33 @@ impl Prefill {
         if let Some(n) = widest {
             if self.wide.as_ref().is_none_or(|w| w.len() < n) {
                 self.wide = None;
+                self.graphs.clear(); // they name the old buffer
                 self.wide =
                     Some(gpu.alloc_zeros(n, "prefill's bf16 copy of one quantised weight matrix")?);
+            }
+        }
+        if which == Logits::Last && self.use_graphs && tokens.len() <= chunk.min(GRAPH_MAX_TOKENS) {
+            let padded = tokens.len().next_multiple_of(GRAPH_BUCKET);
+            // The padding rows write K/V past the prompt: harmless (every later step writes
+            // its position before reading it) but only inside the cache.
+            if start + padded <= kv.max_seq {
+                match self.run_graph(gpu, model, kv, tokens, start, padded) {
+                    Ok(out) => {
+                        let total = t0.elapsed();
+                        self.last_timing = Some(PrefillTiming {
+                            enqueued: self.copy_started.get().map_or(total, |t| t - t0),
+                            total,
+                        });
+                        return Ok(out);
+                    }
+                    // Nothing ran (the capture failed before its graph was launched): the
+                    // prompt goes kernel by kernel, as every later one will.
+                    Err(GraphError::Capture(e)) => {
+                        eprintln!("megainfer: prefill graphs unavailable ({e:#}); launching kernel by kernel");
+                        self.use_graphs = false;
+                    }
+                    Err(GraphError::Run(e)) => return Err(e),
+                }
             }
         }
         let cap = chunk.min(tokens.len());
@@ -329,17 +404,19 @@ impl Prefill {
             let b = self.bufs.as_mut().expect("allocated above");
             gpu.stream
                 .memcpy_htod(part, &mut b.tokens.slice_mut(0..part.len()))?;
-            self.chunk(gpu, model, kv, maps.as_ref(), part.len(), pos)?;
+            gpu.stream.memcpy_htod(&[pos as i32], &mut b.start)?;
+            let b = self.bufs.as_ref().expect("allocated above");
+            self.chunk(gpu, model, kv, maps.as_ref(), b, part.len())?;
             pos += part.len();
             match which {
                 Logits::All => {
                     for r0 in (0..part.len()).step_by(LOGIT_ROWS) {
                         let n = LOGIT_ROWS.min(part.len() - r0);
-                        out.extend(self.logits(gpu, model, r0, n)?);
+                        out.extend(self.logits(gpu, model, b, r0, n)?);
                     }
                 }
                 Logits::Last if pos == start + tokens.len() => {
-                    out = self.logits(gpu, model, part.len() - 1, 1)?;
+                    out = self.logits(gpu, model, b, part.len() - 1, 1)?;
                 }
                 Logits::Last => {}
             }
@@ -350,6 +427,98 @@ impl Prefill {
             total,
         });
         Ok(out)
+    }
+
+    /// A one-chunk prompt of `tokens.len() <= padded` tokens as the graph captured for
+    /// `padded` tokens (captured now if this is the first such prompt): the rows past the
+    /// prompt compute on stale token ids and are ignored. Returns the last token's logits.
+    fn run_graph(
+        &mut self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        kv: &KvTarget,
+        tokens: &[u32],
+        start: usize,
+        padded: usize,
+    ) -> std::result::Result<Vec<f32>, GraphError> {
+        let c = &model.config;
+        if self.graph_bufs.is_none() {
+            self.graph_bufs =
+                Some(Buffers::new(gpu, c, GRAPH_MAX_TOKENS).map_err(GraphError::Run)?);
+        }
+        let key = GraphKey {
+            tokens: padded,
+            k: kv.k,
+            v: kv.v,
+            max_seq: kv.max_seq,
+            layer_stride: kv.layer_stride,
+            head_stride: kv.head_stride,
+            pos_stride: kv.pos_stride,
+            wide: self.wide.as_ref().map_or(0, |w| ptr(w, &gpu.stream)),
+        };
+        let s = &gpu.stream;
+        {
+            let b = self.graph_bufs.as_mut().expect("allocated above");
+            let upload = |b: &mut Buffers| -> Result<()> {
+                s.memcpy_htod(tokens, &mut b.tokens.slice_mut(0..tokens.len()))?;
+                s.memcpy_htod(&[start as i32], &mut b.start)?;
+                Ok(())
+            };
+            upload(b).map_err(GraphError::Run)?;
+        }
+        if !self.graphs.iter().any(|(k, _)| *k == key) {
+            let graph = self
+                .capture(gpu, model, kv, padded)
+                .map_err(GraphError::Capture)?;
+            if self.graphs.len() >= MAX_GRAPHS {
+                self.graphs.clear();
+            }
+            self.graphs.push((key, graph));
+        }
+        let (_, graph) = self
+            .graphs
+            .iter()
+            .find(|(k, _)| *k == key)
+            .expect("captured above");
+        graph.launch().map_err(|e| {
+            GraphError::Run(anyhow!(
+                "launching the prefill graph of {padded} tokens: {e}"
+            ))
+        })?;
+        let b = self.graph_bufs.as_ref().expect("allocated above");
+        self.logits(gpu, model, b, tokens.len() - 1, 1)
+            .map_err(GraphError::Run)
+    }
+
+    /// Captures one chunk of `padded` tokens through every layer from the graph buffers.
+    fn capture(
+        &self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        kv: &KvTarget,
+        padded: usize,
+    ) -> Result<CudaGraph> {
+        let maps = if self.attn.tma {
+            Some(CacheMaps::new(kv, &model.config, model.layers.len())?)
+        } else {
+            None
+        };
+        let b = self.graph_bufs.as_ref().expect("allocated by run_graph");
+        let s = &gpu.stream;
+        // Relaxed: cuBLAS may load a kernel's module on its first use, inside the capture.
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| anyhow!("starting the capture of a prefill graph: {e}"))?;
+        let enqueued = self.chunk(gpu, model, kv, maps.as_ref(), b, padded);
+        // The capture ends whatever happened, so the stream is usable again.
+        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        enqueued.context("capturing the prefill graph")?;
+        let graph = graph
+            .map_err(|e| anyhow!("instantiating the prefill graph of {padded} tokens: {e}"))?
+            .context("the prefill graph's capture was empty")?;
+        graph
+            .upload()
+            .map_err(|e| anyhow!("uploading the prefill graph: {e}"))?;
+        Ok(graph)
     }
 
     /// The matrices `ms` as bf16 operands: a bf16 matrix as it is, the quantised ones decoded
@@ -490,12 +659,11 @@ impl Prefill {
         model: &DeviceModel,
         kv: &KvTarget,
         maps: Option<&CacheMaps>,
+        b: &Buffers,
         t: usize,
-        start: usize,
     ) -> Result<()> {
         let c = &model.config;
         let s = &gpu.stream;
-        let b = self.bufs.as_ref().expect("buffers allocated by run");
         let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let (tokens_p, x, xn, qkv, q, attn, gu, act) = (
             ptr(&b.tokens, s),
@@ -540,7 +708,7 @@ impl Prefill {
         }
         let inv_freq = ptr(&model.inv_freq, s);
         let (nh, nkv, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
-        let (start_i, t_i) = (start as i32, t as i32);
+        let (start_p, t_i) = (ptr(&b.start, s), t as i32);
         let (pos_stride, head_stride) = (kv.pos_stride as i64, kv.head_stride as i64);
         let scale_log2 = std::f32::consts::LOG2_E / (c.head_dim as f32).sqrt();
         let rope_parts = ROPE_PARTS as i32;
@@ -570,7 +738,7 @@ impl Prefill {
                         &kc,
                         &vc,
                         &inv_freq,
-                        &start_i,
+                        &start_p,
                         &nh,
                         &nkv,
                         &hd,
@@ -592,7 +760,7 @@ impl Prefill {
                     &pos_dim,
                     &attn,
                     &t_i,
-                    &start_i,
+                    &start_p,
                     &nh,
                     &nkv,
                     &scale_log2
@@ -604,7 +772,7 @@ impl Prefill {
                     &vc,
                     &attn,
                     &t_i,
-                    &start_i,
+                    &start_p,
                     &nh,
                     &nkv,
                     &pos_stride,
@@ -647,10 +815,16 @@ impl Prefill {
     }
 
     /// Logits after rows `first..first + n` of the last chunk (final norm, then the LM head).
-    fn logits(&self, gpu: &Gpu, model: &DeviceModel, first: usize, n: usize) -> Result<Vec<f32>> {
+    fn logits(
+        &self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        b: &Buffers,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<f32>> {
         let c = &model.config;
         let s = &gpu.stream;
-        let b = self.bufs.as_ref().expect("buffers allocated by run");
         let (x, xn) = (ptr(&b.x, s), ptr(&b.xn, s));
         self.rmsnorm(
             gpu,
