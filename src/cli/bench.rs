@@ -234,6 +234,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             path.set_wait_timeout_ms(ms)?;
         }
         path.set_prefill_chunk(args.prefill_chunk)?;
+        path.prepare_prefill()?;
         if let Some(mk) = path.as_megakernel() {
             eprintln!(
                 "bench: megakernel context buckets (up to, split-KV parts): {:?}",

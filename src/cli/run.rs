@@ -265,6 +265,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if let Some(ms) = args.wait_timeout_ms {
             backend.set_wait_timeout_ms(ms)?;
         }
+        backend.prepare_prefill()?;
         let place = RunPlace {
             device: gpu.describe(),
             path: path.name(),

@@ -125,6 +125,15 @@ impl<'g> GpuPath<'g> {
         )?)))
     }
 
+    /// Makes the batched-prefill engine and captures its short-prompt graphs now (at load),
+    /// so that the first prompt's time to first token is the prompt's own.
+    pub fn prepare_prefill(&mut self) -> Result<()> {
+        match self {
+            Self::Megakernel(p) => super::stepping::prepare_prefill(p.as_mut()),
+            Self::Baseline(p) => super::stepping::prepare_prefill(p.as_mut()),
+        }
+    }
+
     pub fn as_megakernel(&mut self) -> Option<&mut MegakernelPath<'g>> {
         match self {
             Self::Megakernel(p) => Some(p),

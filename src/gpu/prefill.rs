@@ -348,21 +348,7 @@ impl Prefill {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
         }
-        let widest = model
-            .layers
-            .iter()
-            .map(|l| wide_elements(&[&l.w_qkv, &l.wo, &l.w_gu, &l.w_down]))
-            .chain([wide_elements(&[model.lm_head()])])
-            .max()
-            .filter(|&n| n > 0);
-        if let Some(n) = widest {
-            if self.wide.as_ref().is_none_or(|w| w.len() < n) {
-                self.wide = None;
-                self.graphs.clear(); // they name the old buffer
-                self.wide =
-                    Some(gpu.alloc_zeros(n, "prefill's bf16 copy of one quantised weight matrix")?);
-            }
-        }
+        self.ensure_wide(gpu, model)?;
         if which == Logits::Last && self.use_graphs && tokens.len() <= chunk.min(GRAPH_MAX_TOKENS) {
             let padded = tokens.len().next_multiple_of(GRAPH_BUCKET);
             // The padding rows write K/V past the prompt: harmless (every later step writes
@@ -429,6 +415,84 @@ impl Prefill {
         Ok(out)
     }
 
+    /// The bf16 scratch for a layer's quantised matrices, sized for the largest such set.
+    fn ensure_wide(&mut self, gpu: &Gpu, model: &DeviceModel) -> Result<()> {
+        let widest = model
+            .layers
+            .iter()
+            .map(|l| wide_elements(&[&l.w_qkv, &l.wo, &l.w_gu, &l.w_down]))
+            .chain([wide_elements(&[model.lm_head()])])
+            .max()
+            .filter(|&n| n > 0);
+        if let Some(n) = widest {
+            if self.wide.as_ref().is_none_or(|w| w.len() < n) {
+                self.wide = None;
+                self.graphs.clear(); // they name the old buffer
+                self.wide =
+                    Some(gpu.alloc_zeros(n, "prefill's bf16 copy of one quantised weight matrix")?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures the graph of every length bucket that prompts on `kv` can use (chunks of
+    /// `chunk` tokens), so that no prompt pays for a capture. A failed capture turns graphs
+    /// off, as in `run`.
+    pub fn prepare(
+        &mut self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        kv: &KvTarget,
+        chunk: usize,
+    ) -> Result<()> {
+        if !self.use_graphs {
+            return Ok(());
+        }
+        self.ensure_wide(gpu, model)?;
+        if self.graph_bufs.is_none() {
+            self.graph_bufs = Some(Buffers::new(gpu, &model.config, GRAPH_MAX_TOKENS)?);
+        }
+        let limit = chunk.min(GRAPH_MAX_TOKENS).min(kv.max_seq);
+        for padded in (GRAPH_BUCKET..=limit.next_multiple_of(GRAPH_BUCKET))
+            .step_by(GRAPH_BUCKET)
+            .filter(|&p| p <= kv.max_seq && p <= GRAPH_MAX_TOKENS)
+        {
+            let key = self.graph_key(gpu, kv, padded);
+            if self.graphs.iter().any(|(k, _)| *k == key) {
+                continue;
+            }
+            match self.capture(gpu, model, kv, padded) {
+                Ok(graph) => {
+                    if self.graphs.len() >= MAX_GRAPHS {
+                        self.graphs.clear();
+                    }
+                    self.graphs.push((key, graph));
+                }
+                Err(e) => {
+                    eprintln!(
+                        "megainfer: prefill graphs unavailable ({e:#}); launching kernel by kernel"
+                    );
+                    self.use_graphs = false;
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn graph_key(&self, gpu: &Gpu, kv: &KvTarget, padded: usize) -> GraphKey {
+        GraphKey {
+            tokens: padded,
+            k: kv.k,
+            v: kv.v,
+            max_seq: kv.max_seq,
+            layer_stride: kv.layer_stride,
+            head_stride: kv.head_stride,
+            pos_stride: kv.pos_stride,
+            wide: self.wide.as_ref().map_or(0, |w| ptr(w, &gpu.stream)),
+        }
+    }
+
     /// A one-chunk prompt of `tokens.len() <= padded` tokens as the graph captured for
     /// `padded` tokens (captured now if this is the first such prompt): the rows past the
     /// prompt compute on stale token ids and are ignored. Returns the last token's logits.
@@ -446,16 +510,7 @@ impl Prefill {
             self.graph_bufs =
                 Some(Buffers::new(gpu, c, GRAPH_MAX_TOKENS).map_err(GraphError::Run)?);
         }
-        let key = GraphKey {
-            tokens: padded,
-            k: kv.k,
-            v: kv.v,
-            max_seq: kv.max_seq,
-            layer_stride: kv.layer_stride,
-            head_stride: kv.head_stride,
-            pos_stride: kv.pos_stride,
-            wide: self.wide.as_ref().map_or(0, |w| ptr(w, &gpu.stream)),
-        };
+        let key = self.graph_key(gpu, kv, padded);
         let s = &gpu.stream;
         {
             let b = self.graph_bufs.as_mut().expect("allocated above");

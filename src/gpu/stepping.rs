@@ -120,22 +120,45 @@ pub fn check_tokens(tokens: &[u32], vocab: u32) -> Result<()> {
 /// Feeds `tokens`, as batched prefill when there are at least `prefill_min` of them, else one
 /// step each; the f32 logits after the last.
 pub fn feed<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
-    if tokens.len() >= s.seq().prefill_min && s.seq().prefill.is_none() {
-        // The batched prefill needs cuBLAS and a head_dim its attention kernel has; without
-        // them the prompt still runs, one decode step per token, and the user is told why.
-        match Prefill::new(s.gpu(), &s.model().config) {
-            Ok(engine) => s.seq().prefill = Some(engine),
-            Err(e) => {
-                eprintln!("megainfer: batched prefill unavailable ({e:#}); feeding prompts one token per step");
-                s.seq().prefill_min = usize::MAX;
-            }
-        }
+    if tokens.len() >= s.seq().prefill_min {
+        make_prefill_engine(s);
     }
     if tokens.len() >= s.seq().prefill_min {
         prefill(s, tokens, Logits::Last)
     } else {
         feed_steps(s, tokens)
     }
+}
+
+/// Makes the batched-prefill engine if there is none. It needs cuBLAS and a head_dim its
+/// attention kernel has; without them prompts still run, one decode step per token, and the
+/// user is told why.
+fn make_prefill_engine<S: Steps>(s: &mut S) {
+    if s.seq().prefill.is_some() || s.seq().prefill_min == usize::MAX {
+        return;
+    }
+    match Prefill::new(s.gpu(), &s.model().config) {
+        Ok(engine) => s.seq().prefill = Some(engine),
+        Err(e) => {
+            eprintln!("megainfer: batched prefill unavailable ({e:#}); feeding prompts one token per step");
+            s.seq().prefill_min = usize::MAX;
+        }
+    }
+}
+
+/// Makes the batched-prefill engine and captures its short-prompt graphs now, at load, rather
+/// than in the first prompt's time to first token (a capture writes nothing: no position of
+/// the cache changes).
+pub fn prepare_prefill<S: Steps>(s: &mut S) -> Result<()> {
+    make_prefill_engine(s);
+    let Some(mut engine) = s.seq().prefill.take() else {
+        return Ok(());
+    };
+    let kv = s.kv_target();
+    let chunk = s.seq().prefill_chunk;
+    let r = engine.prepare(s.gpu(), s.model(), &kv, chunk);
+    s.seq().prefill = Some(engine);
+    r
 }
 
 /// Feeds `tokens` through batched prefill at the next positions, in chunks of
