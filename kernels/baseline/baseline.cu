@@ -433,6 +433,8 @@ extern "C" __global__ void bl_rope_kv(float* qkv, bf16_t* k_cache, bf16_t* v_cac
 // to issue before griddepcontrol.wait: rows before the current position do not depend on the
 // QKV kernel it waits for, and the L2 is where that kernel's new row lands, so nothing stale
 // can be read (the attention reads K and V through L2, ld.global.cg).
+// Short caches only (bl_attention): the split-KV parts of a long one run faster without it
+// (BENCHMARKS.md, 2026-11-25: their prefetch competes with the QKV product's weight stream).
 __device__ __forceinline__ void prefetch_kv(const bf16_t* k_head, const bf16_t* v_head, int kv_stride, int head_dim,
                                             int begin, int end) {
     const int lines = head_dim >> 6;  // 128-byte lines per row (64 bf16 each)
@@ -493,7 +495,6 @@ extern "C" __global__ void bl_attention_part(const float* q, const bf16_t* k_cac
     // meta changes only at the end of a step (the argmax), so it may be read before the wait.
     const int len = meta->pos + 1, span = (len + parts - 1) / parts;
     const int p_begin = min(len, p * span), p_end = min(len, p_begin + span);
-    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, p_begin, min(p_end, len - 1));
     pdl_wait();
     float* qs = st + nwarps * (2 + head_dim);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];

@@ -57,6 +57,11 @@ const ATT_THREADS: u32 = 128;
 const SPLIT_KV_FROM: usize = 2048;
 /// Split-KV parts per head at most.
 const MAX_ATT_PARTS: usize = 64;
+/// Positions per split-KV part at the expected length, at most (H100, Llama-1B shape at 8K,
+/// graph + PDL, ms a token: 9 parts of ~900 positions 1.79 with the parts' L2 prefetch, 1.81
+/// without; without it 16 parts 1.59, 33 parts 1.58–1.62, 48 parts 1.74; BENCHMARKS.md,
+/// 2026-11-25).
+const ATT_PART_SPAN: usize = 256;
 
 /// Threads and rows per block of the quantised mat-vecs: 8 warps × QG_ROWS rows
 /// (kernels/quant/quant.cu).
@@ -220,15 +225,31 @@ impl<'g> BaselinePath<'g> {
                 Kernel::load(&module, "bl_gemv_q4_1")?,
             ],
         };
-        // Enough blocks to cover every SM twice, at most one part per 32 positions.
-        let att_parts = if expected_len.min(max_seq) > SPLIT_KV_FROM {
+        // Enough blocks to cover every SM twice, and parts of at most ATT_PART_SPAN positions
+        // at the expected length (within MAX_ATT_PARTS), at most one part per 32 positions.
+        let expected = expected_len.min(max_seq);
+        let mut att_parts = if expected > SPLIT_KV_FROM {
             (2 * gpu.sm_count)
                 .div_ceil(c.num_heads)
+                .max(expected.div_ceil(ATT_PART_SPAN))
                 .clamp(2, MAX_ATT_PARTS)
                 .min(max_seq.div_ceil(32))
         } else {
             1
         };
+        // For measuring other splits (1 to MAX_ATT_PARTS); split-KV paths only.
+        if let Ok(v) = std::env::var("MEGAINFER_BASELINE_ATT_PARTS") {
+            let n: usize = v
+                .parse()
+                .ok()
+                .filter(|n| (1..=MAX_ATT_PARTS).contains(n))
+                .with_context(|| {
+                    format!("MEGAINFER_BASELINE_ATT_PARTS: '{v}' is not 1 to {MAX_ATT_PARTS}")
+                })?;
+            if att_parts > 1 {
+                att_parts = n.max(2);
+            }
+        }
         let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
         for g in &k.gemv_q {
             g.allow_smem(quant_smem(max_cols) as usize)?;
@@ -1188,7 +1209,10 @@ impl MatVec {
 
 /// The baseline module for this GPU (the harness loads its kernels from it).
 pub fn load_module(gpu: &Gpu) -> Result<Arc<CudaModule>> {
-    let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &[])?;
+    // Extra NVRTC options (e.g. `-DBL_PREFETCH_KV=0`), for measuring variants.
+    let extra = std::env::var("MEGAINFER_BASELINE_DEFINES").unwrap_or_default();
+    let defines: Vec<String> = extra.split_whitespace().map(String::from).collect();
+    let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &defines)?;
     gpu.ctx
         .load_module(Ptx::from_binary(cubin))
         .context("loading the baseline CUBIN")
