@@ -365,10 +365,7 @@ impl Prefill {
                     }
                     // Nothing ran (the capture failed before its graph was launched): the
                     // prompt goes kernel by kernel, as every later one will.
-                    Err(GraphError::Capture(e)) => {
-                        eprintln!("megainfer: prefill graphs unavailable ({e:#}); launching kernel by kernel");
-                        self.use_graphs = false;
-                    }
+                    Err(GraphError::Capture(e)) => self.give_up_graphs(&e),
                     Err(GraphError::Run(e)) => return Err(e),
                 }
             }
@@ -457,27 +454,40 @@ impl Prefill {
             .step_by(GRAPH_BUCKET)
             .filter(|&p| p <= kv.max_seq && p <= GRAPH_MAX_TOKENS)
         {
-            let key = self.graph_key(gpu, kv, padded);
-            if self.graphs.iter().any(|(k, _)| *k == key) {
-                continue;
-            }
-            match self.capture(gpu, model, kv, padded) {
-                Ok(graph) => {
-                    if self.graphs.len() >= MAX_GRAPHS {
-                        self.graphs.clear();
-                    }
-                    self.graphs.push((key, graph));
-                }
-                Err(e) => {
-                    eprintln!(
-                        "megainfer: prefill graphs unavailable ({e:#}); launching kernel by kernel"
-                    );
-                    self.use_graphs = false;
-                    return Ok(());
-                }
+            if let Err(e) = self.graph_for(gpu, model, kv, padded) {
+                self.give_up_graphs(&e);
+                break;
             }
         }
         Ok(())
+    }
+
+    /// After a failed capture (nothing ran): every prompt goes kernel by kernel from now on.
+    fn give_up_graphs(&mut self, e: &anyhow::Error) {
+        eprintln!("megainfer: prefill graphs unavailable ({e:#}); launching kernel by kernel");
+        self.use_graphs = false;
+        self.graphs.clear();
+    }
+
+    /// The index in `graphs` of the graph for `padded` tokens on `kv`, captured now if there
+    /// is none.
+    fn graph_for(
+        &mut self,
+        gpu: &Gpu,
+        model: &DeviceModel,
+        kv: &KvTarget,
+        padded: usize,
+    ) -> Result<usize> {
+        let key = self.graph_key(gpu, kv, padded);
+        if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
+            return Ok(i);
+        }
+        let graph = self.capture(gpu, model, kv, padded)?;
+        if self.graphs.len() >= MAX_GRAPHS {
+            self.graphs.clear();
+        }
+        self.graphs.push((key, graph));
+        Ok(self.graphs.len() - 1)
     }
 
     fn graph_key(&self, gpu: &Gpu, kv: &KvTarget, padded: usize) -> GraphKey {
@@ -510,7 +520,6 @@ impl Prefill {
             self.graph_bufs =
                 Some(Buffers::new(gpu, c, GRAPH_MAX_TOKENS).map_err(GraphError::Run)?);
         }
-        let key = self.graph_key(gpu, kv, padded);
         let s = &gpu.stream;
         {
             let b = self.graph_bufs.as_mut().expect("allocated above");
@@ -521,21 +530,10 @@ impl Prefill {
             };
             upload(b).map_err(GraphError::Run)?;
         }
-        if !self.graphs.iter().any(|(k, _)| *k == key) {
-            let graph = self
-                .capture(gpu, model, kv, padded)
-                .map_err(GraphError::Capture)?;
-            if self.graphs.len() >= MAX_GRAPHS {
-                self.graphs.clear();
-            }
-            self.graphs.push((key, graph));
-        }
-        let (_, graph) = self
-            .graphs
-            .iter()
-            .find(|(k, _)| *k == key)
-            .expect("captured above");
-        graph.launch().map_err(|e| {
+        let i = self
+            .graph_for(gpu, model, kv, padded)
+            .map_err(GraphError::Capture)?;
+        self.graphs[i].1.launch().map_err(|e| {
             GraphError::Run(anyhow!(
                 "launching the prefill graph of {padded} tokens: {e}"
             ))
