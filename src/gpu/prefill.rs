@@ -231,6 +231,27 @@ struct GraphKey {
     wide: u64,
 }
 
+/// The padded length a prompt of `tokens` at position `start` runs as a graph with, if it
+/// runs as one: at most GRAPH_MAX_TOKENS in one chunk, and its padding (which writes K/V past
+/// the prompt, harmless since every later step writes its position before reading it)
+/// inside the cache of `max_seq` positions.
+fn graph_bucket(tokens: usize, start: usize, chunk: usize, max_seq: usize) -> Option<usize> {
+    if tokens == 0 || tokens > chunk.min(GRAPH_MAX_TOKENS) {
+        return None;
+    }
+    let padded = tokens.next_multiple_of(GRAPH_BUCKET);
+    (start + padded <= max_seq).then_some(padded)
+}
+
+/// Every padded length [`graph_bucket`] gives some prompt at the start of the cache, in order.
+fn graph_buckets(chunk: usize, max_seq: usize) -> Vec<usize> {
+    let mut out: Vec<usize> = (1..=chunk.min(GRAPH_MAX_TOKENS))
+        .filter_map(|t| graph_bucket(t, 0, chunk, max_seq))
+        .collect();
+    out.dedup();
+    out
+}
+
 /// How a graph prefill failed: in its capture (nothing ran; the prompt can go kernel by
 /// kernel) or after (the error is the prompt's).
 enum GraphError {
@@ -349,11 +370,8 @@ impl Prefill {
             bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
         }
         self.ensure_wide(gpu, model)?;
-        if which == Logits::Last && self.use_graphs && tokens.len() <= chunk.min(GRAPH_MAX_TOKENS) {
-            let padded = tokens.len().next_multiple_of(GRAPH_BUCKET);
-            // The padding rows write K/V past the prompt: harmless (every later step writes
-            // its position before reading it) but only inside the cache.
-            if start + padded <= kv.max_seq {
+        if which == Logits::Last && self.use_graphs {
+            if let Some(padded) = graph_bucket(tokens.len(), start, chunk, kv.max_seq) {
                 match self.run_graph(gpu, model, kv, tokens, start, padded) {
                     Ok(out) => {
                         let total = t0.elapsed();
@@ -449,15 +467,19 @@ impl Prefill {
         if self.graph_bufs.is_none() {
             self.graph_bufs = Some(Buffers::new(gpu, &model.config, GRAPH_MAX_TOKENS)?);
         }
-        let limit = chunk.min(GRAPH_MAX_TOKENS).min(kv.max_seq);
-        for padded in (GRAPH_BUCKET..=limit.next_multiple_of(GRAPH_BUCKET))
-            .step_by(GRAPH_BUCKET)
-            .filter(|&p| p <= kv.max_seq && p <= GRAPH_MAX_TOKENS)
-        {
+        for padded in graph_buckets(chunk, kv.max_seq) {
             if let Err(e) = self.graph_for(gpu, model, kv, padded) {
                 self.give_up_graphs(&e);
                 break;
             }
+        }
+        // What a graph prompt runs after its graph (final norm, the LM head on one row, the
+        // copy) is run once here, on the graph buffers' rows, so that the first prompt does not
+        // pay for its first use: the one-row product's cuBLASLt plan and the kernels' modules,
+        // which load on first launch.
+        if self.use_graphs {
+            let b = self.graph_bufs.as_ref().expect("allocated above");
+            self.logits(gpu, model, b, 0, 1)?;
         }
         Ok(())
     }
@@ -1068,7 +1090,34 @@ fn encode_map(
 
 #[cfg(test)]
 mod tests {
-    use super::{AttentionKernel, DequantSet};
+    use super::{graph_bucket, graph_buckets, AttentionKernel, DequantSet};
+
+    #[test]
+    fn short_prompts_pad_to_their_bucket_inside_the_cache() {
+        assert_eq!(graph_bucket(1, 0, 8192, 8192), Some(16));
+        assert_eq!(graph_bucket(37, 0, 8192, 8192), Some(48));
+        assert_eq!(graph_bucket(37, 500, 8192, 8192), Some(48));
+        assert_eq!(graph_bucket(128, 0, 8192, 8192), Some(128));
+        assert_eq!(
+            graph_bucket(129, 0, 8192, 8192),
+            None,
+            "over GRAPH_MAX_TOKENS"
+        );
+        assert_eq!(graph_bucket(37, 0, 20, 8192), None, "more than one chunk");
+        assert_eq!(graph_bucket(0, 0, 8192, 8192), None);
+        // The padding must stay inside the cache: 9 tokens at 75 pad to 16, up to 91.
+        assert_eq!(graph_bucket(9, 75, 8192, 90), None);
+        assert_eq!(graph_bucket(9, 75, 8192, 91), Some(16));
+    }
+
+    #[test]
+    fn every_bucket_a_prompt_can_use_is_listed() {
+        let all: Vec<usize> = (1..=8).map(|i| 16 * i).collect();
+        assert_eq!(graph_buckets(8192, 8192), all);
+        assert_eq!(graph_buckets(20, 8192), vec![16, 32]);
+        assert_eq!(graph_buckets(8192, 40), vec![16, 32]);
+        assert_eq!(graph_buckets(8192, 8), Vec::<usize>::new());
+    }
     use std::mem::{offset_of, size_of};
 
     /// The H100's shared memory per SM (228 KiB) less the 1 KiB each block reserves, and the
