@@ -88,6 +88,60 @@ fn reference_element(ty: GgmlType, bytes: &[u8], k: usize) -> f64 {
             );
             d * f64::from(nibble(b + 4, pos)) + m
         }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let (size, scales) = if ty == GgmlType::Q5_0 {
+                (22, 2)
+            } else {
+                (24, 4)
+            };
+            let b = block * size;
+            let d = half_bits_to_f64(u16_at(bytes, b));
+            let fifth = u32::from_le_bytes(bytes[b + scales..b + scales + 4].try_into().unwrap());
+            let q = f64::from(nibble(b + scales + 4, pos)) + 16.0 * f64::from((fifth >> pos) & 1);
+            if ty == GgmlType::Q5_0 {
+                d * (q - 16.0)
+            } else {
+                d * q + half_bits_to_f64(u16_at(bytes, b + 2))
+            }
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let size = if ty == GgmlType::Q4_K { 144 } else { 176 };
+            let (b, pos) = ((k / 256) * size, k % 256);
+            let sub = pos / 32;
+            let (d, dmin) = (
+                half_bits_to_f64(u16_at(bytes, b)),
+                half_bits_to_f64(u16_at(bytes, b + 2)),
+            );
+            // Twelve bytes of 6-bit scales and minimums: sub-blocks 0-3 in the low six bits of
+            // bytes 0-3 (scales) and 4-7 (minimums); sub-blocks 4-7 split four low bits in
+            // bytes 8-11 (scale below, minimum above) and two high bits in the top of bytes
+            // 0-3 (scales) and 4-7 (minimums).
+            let p = |i: usize| u32::from(bytes[b + 4 + i]);
+            let (scale, min) = if sub < 4 {
+                (p(sub) % 64, p(sub + 4) % 64)
+            } else {
+                (
+                    p(sub + 4) % 16 + 16 * (p(sub - 4) / 64),
+                    p(sub + 4) / 16 + 16 * (p(sub) / 64),
+                )
+            };
+            let byte = bytes[b + size - 128 + 32 * (pos / 64) + pos % 32];
+            let mut q = f64::from(if pos % 64 < 32 { byte % 16 } else { byte / 16 });
+            if ty == GgmlType::Q5_K {
+                q += 16.0 * f64::from((bytes[b + 16 + pos % 32] >> sub) & 1);
+            }
+            d * f64::from(scale) * q - dmin * f64::from(min)
+        }
+        GgmlType::Q6_K => {
+            let (b, pos) = ((k / 256) * 210, k % 256);
+            let (half, r) = (pos / 128, pos % 128);
+            let byte = bytes[b + 64 * half + r % 64];
+            let low = if r < 64 { byte % 16 } else { byte / 16 };
+            let top = (bytes[b + 128 + 32 * half + r % 32] >> (2 * (r / 32))) % 4;
+            let scale = bytes[b + 192 + 8 * half + r / 16] as i8;
+            let d = half_bits_to_f64(u16_at(bytes, b + 208));
+            d * f64::from(scale) * (f64::from(low) + 16.0 * f64::from(top) - 32.0)
+        }
         other => panic!("no reference decoder for {other}"),
     }
 }
@@ -269,6 +323,121 @@ fn bf16s(xs: &[f32]) -> Vec<bf16> {
     xs.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
+/// Pseudo-random bytes, with each block's f16 scales (`scales` at these offsets in blocks of
+/// `size`) set to moderate values of either sign.
+fn random_blocks(blocks: usize, size: usize, scales: &[usize], seed: u64) -> Vec<u8> {
+    let mut x = seed;
+    let mut next = move || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 33) as u32
+    };
+    let mut bytes: Vec<u8> = (0..blocks * size).map(|_| next() as u8).collect();
+    for block in 0..blocks {
+        for &at in scales {
+            // Exponent 5..=14 (2^-10 .. 2^-1), any mantissa, either sign.
+            let bits = ((next() % 2) << 15) | ((5 + next() % 10) << 10) | (next() % 1024);
+            bytes[block * size + at..][..2].copy_from_slice(&(bits as u16).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// `dequantize_f32` against the reference decoder (to 1e-6 of the tensor's largest value:
+/// the f32 arithmetic's rounding, far below one quant step), and `dequantize` its values
+/// rounded to bf16.
+fn assert_decodes_like_reference(ty: GgmlType, bytes: &[u8], n: usize) {
+    let want: Vec<f64> = (0..n).map(|k| reference_element(ty, bytes, k)).collect();
+    let largest = want.iter().fold(0f64, |m, w| m.max(w.abs()));
+    let got = dequantize_f32(ty, bytes, n).unwrap();
+    for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (f64::from(g) - w).abs() <= 1e-6 * largest,
+            "{ty}: element {k}: got {g}, reference {w}"
+        );
+    }
+    let widened = dequantize(ty, bytes, n).unwrap();
+    assert_eq!(widened, bf16s(&got), "{ty}: bf16 values");
+}
+
+#[test]
+fn five_bit_and_k_quant_blocks_decode_like_the_reference() {
+    for (ty, size, scales) in [
+        (GgmlType::Q5_0, 22, &[0][..]),
+        (GgmlType::Q5_1, 24, &[0, 2][..]),
+        (GgmlType::Q4_K, 144, &[0, 2][..]),
+        (GgmlType::Q5_K, 176, &[0, 2][..]),
+        (GgmlType::Q6_K, 210, &[208][..]),
+    ] {
+        let per_block = ty.block_size();
+        for seed in 0..4 {
+            let blocks = 3;
+            let bytes = random_blocks(blocks, size, scales, seed);
+            assert_eq!(ty.type_size(), size);
+            assert_decodes_like_reference(ty, &bytes, blocks * per_block);
+        }
+        // Not a whole number of blocks, or the wrong byte count: errors, not panics.
+        let bytes = random_blocks(2, size, scales, 9);
+        assert!(dequantize(ty, &bytes, 2 * per_block - 1).is_err());
+        assert!(dequantize(ty, &bytes[..size + 1], 2 * per_block).is_err());
+    }
+}
+
+/// A Q4_K block packed from chosen codes (the writer's side of the layout): every element's
+/// value is d * scale * q - dmin * min of its sub-block.
+#[test]
+fn hand_built_q4_k_block() {
+    let scales: [u8; 8] = [1, 2, 3, 63, 17, 40, 0, 33];
+    let mins: [u8; 8] = [0, 5, 63, 1, 48, 9, 21, 62];
+    let q: Vec<u8> = (0..256u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 20) as u8 % 16)
+        .collect();
+    let mut block = vec![0x00, 0x3c, 0x00, 0x38]; // d = 1, dmin = 0.5
+    let mut packed = [0u8; 12];
+    for j in 0..4 {
+        packed[j] = scales[j] | ((scales[j + 4] >> 4) << 6);
+        packed[j + 4] = mins[j] | ((mins[j + 4] >> 4) << 6);
+        packed[j + 8] = (scales[j + 4] & 15) | ((mins[j + 4] & 15) << 4);
+    }
+    block.extend(packed);
+    for g in 0..4 {
+        block.extend((0..32).map(|l| q[64 * g + l] | (q[64 * g + 32 + l] << 4)));
+    }
+    assert_eq!(block.len(), 144);
+    let want: Vec<f32> = (0..256)
+        .map(|i| f32::from(scales[i / 32]) * f32::from(q[i]) - 0.5 * f32::from(mins[i / 32]))
+        .collect();
+    assert_eq!(dequantize_f32(GgmlType::Q4_K, &block, 256).unwrap(), want);
+    assert_decodes_like_reference(GgmlType::Q4_K, &block, 256);
+}
+
+/// A Q6_K block packed from chosen codes: element i is d * scale[i / 16] * (q - 32).
+#[test]
+fn hand_built_q6_k_block() {
+    let q: Vec<u8> = (0..256u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 20) as u8 % 64)
+        .collect();
+    let scales: Vec<i8> = (0..16).map(|j| (j * 9 - 70) as i8).collect();
+    let (mut low, mut high) = (vec![0u8; 128], vec![0u8; 64]);
+    for (i, &v) in q.iter().enumerate() {
+        let (half, r) = (i / 128, i % 128);
+        let nib = v & 15;
+        low[64 * half + r % 64] |= if r < 64 { nib } else { nib << 4 };
+        high[32 * half + r % 32] |= (v >> 4) << (2 * (r / 32));
+    }
+    let mut block = low;
+    block.extend(high);
+    block.extend(scales.iter().map(|&s| s as u8));
+    block.extend([0x00, 0x34]); // d = 0.25
+    assert_eq!(block.len(), 210);
+    let want: Vec<f32> = (0..256)
+        .map(|i| 0.25 * f32::from(scales[i / 16]) * (f32::from(q[i]) - 32.0))
+        .collect();
+    assert_eq!(dequantize_f32(GgmlType::Q6_K, &block, 256).unwrap(), want);
+    assert_decodes_like_reference(GgmlType::Q6_K, &block, 256);
+}
+
 #[test]
 fn hand_built_q4_0_block() {
     // d = 0.5; low nibbles j, high nibbles 15 - j.
@@ -340,10 +509,10 @@ fn hand_built_f16_bf16_f32() {
 
 #[test]
 fn dequantize_rejects_unsupported_types_and_wrong_sizes() {
-    let e = dequantize(GgmlType::Q4_K, &[0; 144], 256)
+    let e = dequantize(GgmlType::Q2_K, &[0; 84], 256)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("Q4_K") && e.contains("not supported"), "{e}");
+    assert!(e.contains("Q2_K") && e.contains("not supported"), "{e}");
     let e = dequantize(GgmlType::Q8_0, &[0; 33], 32)
         .unwrap_err()
         .to_string();

@@ -58,6 +58,90 @@ fn tiny_model_loads() {
     assert!(m.tokenizer.is_none());
 }
 
+/// GGUF files quantised with llama.cpp's K-quants (Q4_K_M mixes Q4_K and Q6_K) load: those
+/// matrices are widened to bf16, each element the block format's value. The tiny model with
+/// an MLP of 256 (K-quant rows are whole 256-element super-blocks); layer 0's down projection
+/// as Q4_K and layer 1's as Q6_K, then a forward pass on the CPU.
+#[test]
+fn tiny_model_with_k_quant_matrices_loads_them_widened() {
+    use megainfer::model::gguf::{dequantize, GgmlType};
+    let ffn = 256u64;
+    let mut g = tiny_llama();
+    g.set("llama.feed_forward_length", Val::U32(ffn as u32));
+    let f32_bytes = |n: u64, seed: u64| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| {
+                ((((i * 7919 + seed * 31) % 1000) as f32 / 1000.0 - 0.5) * 0.2).to_le_bytes()
+            })
+            .collect()
+    };
+    // Blocks of pseudo-random bytes with their f16 scales set to 2^-6 (d) and 2^-8 (dmin).
+    let k_blocks = |ty: GgmlType, rows: u64, seed: u64| -> Vec<u8> {
+        let size = ty.type_size();
+        let mut x = seed;
+        let mut bytes: Vec<u8> = (0..rows as usize * size)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (x >> 40) as u8
+            })
+            .collect();
+        for block in bytes.chunks_exact_mut(size) {
+            let d_at = if ty == GgmlType::Q6_K { 208 } else { 0 };
+            block[d_at..d_at + 2].copy_from_slice(&0x2400u16.to_le_bytes());
+            if ty != GgmlType::Q6_K {
+                block[2..4].copy_from_slice(&0x1c00u16.to_le_bytes());
+            }
+        }
+        bytes
+    };
+    let mut downs = Vec::new();
+    for (l, ty) in [GgmlType::Q4_K, GgmlType::Q6_K].into_iter().enumerate() {
+        let l64 = l as u64;
+        g.remove_tensor(&format!("blk.{l}.ffn_gate.weight"))
+            .remove_tensor(&format!("blk.{l}.ffn_up.weight"))
+            .remove_tensor(&format!("blk.{l}.ffn_down.weight"));
+        g.add_tensor(
+            &format!("blk.{l}.ffn_gate.weight"),
+            &[TINY_HIDDEN, ffn],
+            0,
+            f32_bytes(TINY_HIDDEN * ffn, 1 + l64),
+        )
+        .add_tensor(
+            &format!("blk.{l}.ffn_up.weight"),
+            &[TINY_HIDDEN, ffn],
+            0,
+            f32_bytes(TINY_HIDDEN * ffn, 3 + l64),
+        );
+        let down = k_blocks(ty, TINY_HIDDEN, 5 + l64);
+        g.add_tensor(
+            &format!("blk.{l}.ffn_down.weight"),
+            &[ffn, TINY_HIDDEN],
+            ty.id(),
+            down.clone(),
+        );
+        downs.push((ty, down));
+    }
+    let (model, _dir) = load_bytes("tiny_k_quants.gguf", &g.to_bytes());
+    let m = model.unwrap();
+    assert_eq!(m.config.intermediate_size, 256);
+    for (l, (ty, bytes)) in downs.iter().enumerate() {
+        let w = &m.weights.layers[l].w_down;
+        let want = dequantize(*ty, bytes, (ffn * TINY_HIDDEN) as usize).unwrap();
+        assert_eq!(
+            w.as_bf16(),
+            Some(&want[..]),
+            "layer {l}: {ty} widened to bf16"
+        );
+        assert!(want.iter().any(|v| v.to_f32() != 0.0));
+    }
+    let mut cpu = megainfer::reference::CpuForward::new(&m.config, &m.weights, 16);
+    let logits = cpu.forward(&[1, 2, 3]).unwrap();
+    assert_eq!(logits.len(), 32);
+    assert!(logits.iter().all(|x| x.is_finite()), "{logits:?}");
+}
+
 #[test]
 fn tiny_model_with_output_rope_freqs_and_tokenizer_loads() {
     let mut g = tiny_llama();
@@ -515,14 +599,15 @@ fn misshaped_tensor() {
 fn unsupported_quant_type() {
     let mut g = tiny_llama();
     let t = g.tensor_mut("blk.0.ffn_gate.weight");
-    t.ty = 6; // Q5_0: 32 elements in 22 bytes
-    t.data = vec![0; (TINY_HIDDEN * TINY_FFN / 32 * 22) as usize];
-    let e = load_error("q5_0.gguf", &g.to_bytes());
+    t.ty = 20; // IQ4_NL: 32 elements in 18 bytes
+    t.data = vec![0; (TINY_HIDDEN * TINY_FFN / 32 * 18) as usize];
+    let e = load_error("iq4_nl.gguf", &g.to_bytes());
     assert_contains(
         &e,
         &[
             "tensor 'blk.0.ffn_gate.weight'",
-            "ggml type Q5_0 is not supported",
+            "ggml type IQ4_NL is not supported",
+            "Q4_K",
         ],
     );
 }

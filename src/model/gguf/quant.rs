@@ -45,14 +45,20 @@ pub enum GgmlType {
     MXFP4,
 }
 
-/// Types `dequantize` decodes.
-const SUPPORTED: [GgmlType; 6] = [
+/// Types `dequantize` decodes. Q8_0, Q4_0 and Q4_1 matrices are also kept as stored (every
+/// path reads their blocks); the others are widened to bf16 at load.
+const SUPPORTED: [GgmlType; 11] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
 ];
 
 const ALL: [GgmlType; 32] = {
@@ -257,6 +263,106 @@ fn decode_run<T>(ty: GgmlType, data: &[u8], out: &mut [T], convert: &impl Fn(f32
                 }
             }
         }
+        // Five-bit blocks: the fifth bits of the 32 quants in one little-endian word after
+        // the scale(s), bit j for quant j, then the low nibbles as in Q4_0 / Q4_1.
+        GgmlType::Q5_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(22)) {
+                let d = le_f16(b);
+                let fifth = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = convert(f32::from(i16::from(five_bit(&b[6..], fifth, j)) - 16) * d);
+                }
+            }
+        }
+        GgmlType::Q5_1 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(24)) {
+                let (d, m) = (le_f16(b), le_f16(&b[2..]));
+                let fifth = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = convert(f32::from(five_bit(&b[8..], fifth, j)) * d + m);
+                }
+            }
+        }
+        // K-quants: 256-element super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and
+        // (Q4_K, Q5_K) a 6-bit minimum under the super-block's f16 scales.
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let (bytes, fifth_at) = if ty == GgmlType::Q4_K {
+                (144, None)
+            } else {
+                (176, Some(16))
+            };
+            for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bytes)) {
+                let (d, dmin) = (le_f16(b), le_f16(&b[2..]));
+                let packed = &b[4..16];
+                let nibbles = &b[bytes - 128..];
+                // Sub-blocks 2g and 2g + 1 share the 32 bytes nibbles[32g..]: low nibbles, then
+                // high; Q5_K's fifth bits for sub-block s are bit s of each of its 32 bytes.
+                for (s, o) in o.chunks_exact_mut(32).enumerate() {
+                    let (scale, min) = k_scale_min(packed, s);
+                    let (step, offset) = (d * f32::from(scale), dmin * f32::from(min));
+                    let quads = &nibbles[32 * (s / 2)..32 * (s / 2) + 32];
+                    for (l, o) in o.iter_mut().enumerate() {
+                        let mut q = if s % 2 == 0 {
+                            quads[l] & 0x0f
+                        } else {
+                            quads[l] >> 4
+                        };
+                        if let Some(at) = fifth_at {
+                            q |= ((b[at + l] >> s) & 1) << 4;
+                        }
+                        *o = convert(step * f32::from(q) - offset);
+                    }
+                }
+            }
+        }
+        // Q6_K: 16 sub-blocks of 16 with signed 8-bit scales, quants of 6 bits (low four in
+        // `low`, top two in `high`) less 32, under one f16 scale at the end of the block.
+        GgmlType::Q6_K => {
+            for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(210)) {
+                let (low, high, scales) = (&b[..128], &b[128..192], &b[192..208]);
+                let d = le_f16(&b[208..]);
+                // Each half of 128 elements takes 64 `low` bytes and 32 `high` bytes: element
+                // r = 32k + l of the half has its low nibble in low[l + 32 (k % 2)] (the low
+                // nibble for k < 2, the high one after) and its top bits at 2k in high[l].
+                for (half, o) in o.chunks_exact_mut(128).enumerate() {
+                    let (low, high) = (&low[64 * half..][..64], &high[32 * half..][..32]);
+                    for (r, o) in o.iter_mut().enumerate() {
+                        let (k, l) = (r / 32, r % 32);
+                        let byte = low[l + 32 * (k % 2)];
+                        let nib = if k < 2 { byte & 0x0f } else { byte >> 4 };
+                        let q = i16::from(nib | (((high[l] >> (2 * k)) & 3) << 4)) - 32;
+                        let scale = f32::from(scales[8 * half + r / 16] as i8);
+                        *o = convert(d * scale * f32::from(q));
+                    }
+                }
+            }
+        }
         _ => unreachable!("dequantize_with rejects {ty} before decoding"),
+    }
+}
+
+/// Quant `j` of a five-bit block: its nibble (low nibbles are quants 0-15, high ones 16-31)
+/// with bit j of `fifth` on top.
+fn five_bit(nibbles: &[u8], fifth: u32, j: usize) -> u8 {
+    let nib = if j < 16 {
+        nibbles[j] & 0x0f
+    } else {
+        nibbles[j - 16] >> 4
+    };
+    nib | ((((fifth >> j) & 1) as u8) << 4)
+}
+
+/// Sub-block `s`'s 6-bit scale and minimum in a K-quant's 12 packed bytes: sub-blocks 0-3
+/// have theirs in the low 6 bits of bytes s and s + 4; sub-blocks 4-7 have their low 4 bits
+/// in byte s + 4 (scale below, minimum above) and their top 2 bits in the spare top bits of
+/// bytes s - 4 (scale) and s (minimum).
+fn k_scale_min(packed: &[u8], s: usize) -> (u8, u8) {
+    if s < 4 {
+        (packed[s] & 63, packed[s + 4] & 63)
+    } else {
+        (
+            (packed[s + 4] & 0x0f) | ((packed[s - 4] >> 6) << 4),
+            (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4),
+        )
     }
 }

@@ -218,6 +218,7 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         None => None,
     };
     progress.finish_and_clear();
+    note_widened(file);
     Ok((
         Weights {
             embed,
@@ -227,6 +228,33 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         },
         rope_freqs,
     ))
+}
+
+/// Says on stderr which quantised matrices were widened to bf16 (block formats the engine
+/// decodes at load but does not compute from: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), since they take
+/// 3-4x the memory of their blocks.
+fn note_widened(file: &GgufFile) {
+    let mut types = std::collections::BTreeSet::new();
+    let (mut n, mut bytes) = (0usize, 0usize);
+    for t in file.tensors() {
+        let is_matrix = t.dims.iter().filter(|&&d| d > 1).count() >= 2;
+        if is_matrix && t.ty.block_size() > 1 && native(t.ty).is_none() {
+            types.insert(t.ty.name());
+            n += 1;
+            bytes += 2 * t.n_elements;
+        }
+    }
+    if n > 0 {
+        let names: Vec<&str> = types.into_iter().collect();
+        eprintln!(
+            "megainfer: {}: {n} matrices stored as {} widened to bf16 ({:.1} MiB): the engine \
+             computes from Q8_0, Q4_0 and Q4_1 blocks as stored, not these (`--dtype q8_0` or \
+             `q4_0` requantises them instead)",
+            file.source(),
+            names.join("/"),
+            bytes as f64 / (1u64 << 20) as f64
+        );
+    }
 }
 
 /// The block format a GGUF type is kept in, for the types every path computes from directly.
