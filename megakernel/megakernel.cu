@@ -22,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     const u32* begin = p.instrs + (size_t)p.sm_offsets[blockIdx.x] * MK_WORDS;
     const u32* end = p.instrs + (size_t)p.sm_offsets[blockIdx.x + 1] * MK_WORDS;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < p.pages; i++) { mbar_init(&sm.full[i], 1); mbar_init(&sm.empty[i], 2); }
+        for (int i = 0; i < p.pages; i++) { mbar_init(&sm.full[i], 1); mbar_init(&sm.empty[i], MK_EMPTY_ARRIVALS); }
         mbar_fence_init();
         set_failed(0);
     }

@@ -17,6 +17,44 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
 }
 
+__device__ __forceinline__ void mbar_arrive_n(u64* bar, u32 n) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)), "r"(n)
+                 : "memory");
+}
+
+// A page goes back to the loader when its two consumer warps are done with it. Normally one
+// lane of each arrives on its "empty" barrier after a __syncwarp (MK_EMPTY_ARRIVALS = 2).
+// MK_LANE_ARRIVALS=1, for compute-sanitizer's racecheck only, has every lane arrive for its
+// own reads (64 arrivals): racecheck does not carry the warp barrier's ordering over to the
+// loader's copy into the page, and reports each earlier read of it as a hazard.
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+#define MK_EMPTY_ARRIVALS 64
+#else
+#define MK_EMPTY_ARRIVALS 2
+#endif
+
+// One consumer warp done with the page `empty` guards (every lane calls it).
+__device__ __forceinline__ void release_page(u64* empty, int lane) {
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+    (void)lane;
+    mbar_arrive(empty);
+#else
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty);
+#endif
+}
+
+// Both consumer warps done with the page `empty` guards, ordered by a barrier of theirs before
+// the one thread that calls this.
+__device__ __forceinline__ void release_page_for_both(u64* empty) {
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+    mbar_arrive_n(empty, MK_EMPTY_ARRIVALS);
+#else
+    mbar_arrive(empty);
+    mbar_arrive(empty);
+#endif
+}
+
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
                  ::"r"(smem_addr(bar)), "r"(bytes) : "memory");

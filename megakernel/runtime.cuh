@@ -683,8 +683,7 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
             r += 2;
         }
         if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);
+        release_page(&empty[slot], lane);
     }
     return true;
 }

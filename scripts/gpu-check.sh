@@ -63,8 +63,9 @@ if [ "${SANITIZE:-0}" = 1 ]; then
       log="$OUT/sanitize-$tool-$path.log"
       start=$(date +%s)
       # The tools slow the megakernel far past its 2 s stall limit; racecheck gets mk_instr as
-      # atomics (MK_INSTR_ATOMIC, runtime.cuh) and line numbers in its reports.
-      defines=""; [ "$tool" = racecheck ] && defines="-lineinfo -DMK_INSTR_ATOMIC=1"
+      # atomics (MK_INSTR_ATOMIC, runtime.cuh), every lane's own page release (MK_LANE_ARRIVALS,
+      # pipeline.cuh) and line numbers in its reports.
+      defines=""; [ "$tool" = racecheck ] && defines="-lineinfo -DMK_INSTR_ATOMIC=1 -DMK_LANE_ARRIVALS=1"
       MEGAINFER_WAIT_TIMEOUT_MS=${SANITIZE_WAIT_MS:-600000} MEGAINFER_MK_DEFINES="$defines" \
       timeout "${SANITIZE_TIMEOUT:-500}" "$CS" --tool "$tool" --error-exitcode 99 \
         "$MEGAINFER_BIN" run --device cuda --path "$path" -n "${SANITIZE_TOKENS:-4}" \

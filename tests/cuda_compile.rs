@@ -68,6 +68,25 @@ fn megakernel_compiles_for_sm90a() {
     }
 }
 
+/// The megakernel as compute-sanitizer's racecheck runs it (scripts/gpu-check.sh, SANITIZE=1):
+/// the current-instruction word as atomics, every lane's own page release, line numbers.
+#[test]
+fn megakernel_compiles_for_racecheck() {
+    require_nvrtc();
+    for (hd, group, by_warps) in [(64, 3, 1), (64, 3, 0), (128, 2, 1)] {
+        let mut cfg = presets::by_name("smollm2-135m").unwrap();
+        cfg.head_dim = hd;
+        cfg.num_kv_heads = 1;
+        cfg.num_heads = group;
+        let mut defines = sources::megakernel_defines(&cfg);
+        defines.push(format!("-DMK_ATT_BY_WARPS={by_warps}"));
+        defines
+            .extend(["-lineinfo", "-DMK_INSTR_ATOMIC=1", "-DMK_LANE_ARRIVALS=1"].map(String::from));
+        let what = format!(" (racecheck build, head_dim {hd}, MK_ATT_BY_WARPS={by_warps})");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
 /// The megakernel for quantised matrices: each format everywhere, and the default model's mix
 /// (Q4_1 layers, a Q8_0 embedding tied to the LM head), for both hidden sizes that keep x in
 /// registers and a down projection whose rows are read with x from shared memory.

@@ -375,8 +375,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
             if (rows > b * ATT_BROWS)
                 attn_warp_block(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
                                 min(rows - b * ATT_BROWS, ATT_BROWS), q, m, l, acc, scale);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);
+        release_page(&empty[slot], lane);
     }
     // The warp's output: its four octets' sums.
 #pragma unroll
@@ -507,12 +506,9 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         attn_values(r, S, vn, partial);
         consumers_sync();
         if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
-        // The round's pages go back to the loader (each "empty" barrier counts two arrivals).
-        if (ct < t1 - t0) {
-            u64* bar = &empty[(seq + t0 + ct) % p.pages];
-            mbar_arrive(bar);
-            mbar_arrive(bar);
-        }
+        // The round's pages go back to the loader, every consumer past the barrier above: one
+        // thread a page.
+        if (ct < t1 - t0) release_page_for_both(&empty[(seq + t0 + ct) % p.pages]);
         // The running output takes this round's values; after the last round it is divided by
         // the sum and stored.
         const bool last = t1 >= ntiles;
