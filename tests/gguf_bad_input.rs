@@ -136,10 +136,26 @@ fn tiny_model_with_k_quant_matrices_loads_them_widened() {
         );
         assert!(want.iter().any(|v| v.to_f32() != 0.0));
     }
-    let mut cpu = megainfer::reference::CpuForward::new(&m.config, &m.weights, 16);
-    let logits = cpu.forward(&[1, 2, 3]).unwrap();
+    let logits = megainfer::reference::CpuForward::new(&m.config, &m.weights, 16)
+        .forward(&[1, 2, 3])
+        .unwrap();
     assert_eq!(logits.len(), 32);
     assert!(logits.iter().all(|x| x.is_finite()), "{logits:?}");
+    // `--dtype q8_0`, which the load's message suggests, stores them as Q8_0 instead.
+    let mut m = m;
+    m.weights
+        .convert_to(megainfer::model::WeightType::Q8_0)
+        .unwrap();
+    assert_eq!(
+        m.weights.layers[0].w_down.ty(),
+        megainfer::model::WeightType::Q8_0
+    );
+    let q8 = megainfer::reference::CpuForward::new(&m.config, &m.weights, 16)
+        .forward(&[1, 2, 3])
+        .unwrap();
+    let e = megainfer::reference::rel_l2(&q8, &logits);
+    println!("Q8_0 against bf16: rel L2 {e:.2e}");
+    assert!(e < 2e-2, "Q8_0 against bf16: rel L2 {e:.2e}");
 }
 
 #[test]

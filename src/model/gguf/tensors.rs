@@ -248,8 +248,8 @@ fn note_widened(file: &GgufFile) {
         let names: Vec<&str> = types.into_iter().collect();
         eprintln!(
             "megainfer: {}: {n} matrices stored as {} widened to bf16 ({:.1} MiB): the engine \
-             computes from Q8_0, Q4_0 and Q4_1 blocks as stored, not these (`--dtype q8_0` or \
-             `q4_0` requantises them instead)",
+             computes from Q8_0, Q4_0 and Q4_1 blocks as stored, not these (`--dtype q8_0` \
+             stores them as Q8_0 instead, about half that memory)",
             file.source(),
             names.join("/"),
             bytes as f64 / (1u64 << 20) as f64
