@@ -384,6 +384,46 @@ fn five_bit_and_k_quant_blocks_decode_like_the_reference() {
     }
 }
 
+/// Q4_K as Q4_1 (what the loader keeps): the same quants under each sub-block's step and
+/// minimum rounded to f16, every element within 2^-10 of its sub-block's largest magnitude of
+/// the exact value; a step past f16's range refuses. Q5_0 as Q8_0: exactly the same values.
+#[test]
+fn k_and_five_bit_blocks_rewritten_as_native_blocks() {
+    use megainfer::model::gguf::{q4_k_as_q4_1, q5_0_as_q8_0};
+    use megainfer::model::quant::{dequantize_row, QuantType};
+    for seed in 0..4 {
+        let bytes = random_blocks(4, 144, &[0, 2], seed);
+        let exact = dequantize_f32(GgmlType::Q4_K, &bytes, 4 * 256).unwrap();
+        let q4_1 = q4_k_as_q4_1(&bytes).expect("moderate scales rewrite");
+        assert_eq!(q4_1.len(), 4 * 8 * 20);
+        let mut kept = vec![0f32; 4 * 256];
+        dequantize_row(QuantType::Q4_1, &q4_1, &mut kept);
+        for (s, (e, k)) in exact.chunks(32).zip(kept.chunks(32)).enumerate() {
+            let largest = e.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (j, (e, k)) in e.iter().zip(k).enumerate() {
+                assert!(
+                    (e - k).abs() <= largest / 1024.0,
+                    "seed {seed} sub-block {s} element {j}: {k} kept for {e}"
+                );
+            }
+        }
+    }
+    let mut huge = random_blocks(1, 144, &[0, 2], 7);
+    huge[..2].copy_from_slice(&0x7bffu16.to_le_bytes()); // d = 65504: d * scale overflows f16
+    huge[4] |= 63; // sub-block 0's scale: 63 (its top bits are sub-block 4's)
+    assert!(q4_k_as_q4_1(&huge).is_none());
+    assert!(q4_k_as_q4_1(&huge[..143]).is_none());
+
+    let bytes = random_blocks(5, 22, &[0], 3);
+    let q8 = q5_0_as_q8_0(&bytes).unwrap();
+    let mut kept = vec![0f32; 5 * 32];
+    dequantize_row(QuantType::Q8_0, &q8, &mut kept);
+    assert_eq!(
+        kept,
+        dequantize_f32(GgmlType::Q5_0, &bytes, 5 * 32).unwrap()
+    );
+}
+
 /// A Q4_K block packed from chosen codes (the writer's side of the layout): every element's
 /// value is d * scale * q - dmin * min of its sub-block.
 #[test]

@@ -341,6 +341,67 @@ fn decode_run<T>(ty: GgmlType, data: &[u8], out: &mut [T], convert: &impl Fn(f32
     }
 }
 
+/// Q4_K super-blocks rewritten as Q4_1 blocks, one per 32-element sub-block: the same 4-bit
+/// quants under the sub-block's own step f16(d * scale) and minimum f16(-dmin * min), so an
+/// element moves only by those two roundings (2^-11 each, where widening to bf16 rounds every
+/// element by up to 2^-9). None if any element of a sub-block would move by more than 2^-10
+/// of the sub-block's largest magnitude (a step or minimum outside f16's normal range), or if
+/// `data` is not whole super-blocks.
+pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
+    if data.is_empty() || !data.len().is_multiple_of(144) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(data.len() / 144 * 8 * 20);
+    for b in data.chunks_exact(144) {
+        let (d, dmin) = (le_f16(b), le_f16(&b[2..]));
+        let nibbles = &b[16..];
+        for s in 0..8 {
+            let (scale, min) = k_scale_min(&b[4..16], s);
+            let (step, offset) = (d * f32::from(scale), dmin * f32::from(min));
+            let (step16, min16) = (f16::from_f32(step), f16::from_f32(-offset));
+            let quads = &nibbles[32 * (s / 2)..32 * (s / 2) + 32];
+            let q = |l: usize| {
+                if s % 2 == 0 {
+                    quads[l] & 0x0f
+                } else {
+                    quads[l] >> 4
+                }
+            };
+            let (mut largest, mut moved) = (0f32, 0f32);
+            for l in 0..32 {
+                let exact = step * f32::from(q(l)) - offset;
+                let kept = f32::from(q(l)) * step16.to_f32() + min16.to_f32();
+                largest = largest.max(exact.abs());
+                moved = moved.max((kept - exact).abs());
+            }
+            // NaN (a NaN or infinite scale) refuses too.
+            match moved.partial_cmp(&(largest / 1024.0)) {
+                Some(std::cmp::Ordering::Greater) | None => return None,
+                _ => {}
+            }
+            out.extend(step16.to_le_bytes());
+            out.extend(min16.to_le_bytes());
+            // Q4_1 keeps elements j and j + 16 in byte j's low and high nibbles.
+            out.extend((0..16).map(|j| q(j) | (q(j + 16) << 4)));
+        }
+    }
+    Some(out)
+}
+
+/// Q5_0 blocks rewritten as Q8_0, exactly: the same scale, quants q - 16 as i8.
+pub fn q5_0_as_q8_0(data: &[u8]) -> Option<Vec<u8>> {
+    if data.is_empty() || !data.len().is_multiple_of(22) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(data.len() / 22 * 34);
+    for b in data.chunks_exact(22) {
+        let fifth = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        out.extend(&b[..2]);
+        out.extend((0..32).map(|j| (i16::from(five_bit(&b[6..], fifth, j)) - 16) as i8 as u8));
+    }
+    Some(out)
+}
+
 /// Quant `j` of a five-bit block: its nibble (low nibbles are quants 0-15, high ones 16-31)
 /// with bit j of `fifth` on top.
 fn five_bit(nibbles: &[u8], fifth: u32, j: usize) -> u8 {

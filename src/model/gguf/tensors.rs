@@ -8,7 +8,9 @@ use anyhow::{anyhow, bail, Result};
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::quant::{dequantize, dequantize_f32, ensure_supported, GgmlType};
+use super::quant::{
+    dequantize, dequantize_f32, ensure_supported, q4_k_as_q4_1, q5_0_as_q8_0, GgmlType,
+};
 use super::reader::GgufFile;
 use crate::model::quant::QuantType;
 use crate::model::{Config, LayerWeights, Matrix, QkvBias, Weights};
@@ -141,20 +143,32 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         let (t, data) = raw(name)?;
         dequantize(t.ty, data, t.n_elements).map_err(|e| anyhow!("{src}: tensor '{name}': {e}"))
     };
+    // What became of the matrices in block formats the engine does not compute from.
+    let rewritten = std::cell::RefCell::new(Rewritten::default());
     // `check` held every matrix to its expected shape, so its row length is the dims' first.
     let matrix = |name: &str| -> Result<Matrix> {
         let (t, data) = raw(name)?;
         let cols = t.dims.first().copied().unwrap_or(1).max(1);
         let err = |e: anyhow::Error| anyhow!("{src}: tensor '{name}': {e}");
-        match native(t.ty) {
-            Some(q) => {
-                Matrix::from_blocks(q, t.n_elements / cols, cols, data.to_vec()).map_err(err)
-            }
-            None => Ok(Matrix::from_bf16(
-                dequantize(t.ty, data, t.n_elements).map_err(err)?,
-                cols,
-            )),
+        if let Some(q) = native(t.ty) {
+            return Matrix::from_blocks(q, t.n_elements / cols, cols, data.to_vec()).map_err(err);
         }
+        let as_blocks = match t.ty {
+            GgmlType::Q4_K => q4_k_as_q4_1(data).map(|b| (QuantType::Q4_1, b)),
+            GgmlType::Q5_0 => q5_0_as_q8_0(data).map(|b| (QuantType::Q8_0, b)),
+            _ => None,
+        };
+        if let Some((q, blocks)) = as_blocks {
+            rewritten.borrow_mut().note(t.ty, Some(q), blocks.len());
+            return Matrix::from_blocks(q, t.n_elements / cols, cols, blocks).map_err(err);
+        }
+        if t.ty.block_size() > 1 {
+            rewritten.borrow_mut().note(t.ty, None, 2 * t.n_elements);
+        }
+        Ok(Matrix::from_bf16(
+            dequantize(t.ty, data, t.n_elements).map_err(err)?,
+            cols,
+        ))
     };
     let hd = cfg.head_dim;
     // llama.cpp's converter permutes Q/K rows only for the `llama` architecture, whose RoPE
@@ -218,7 +232,7 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         None => None,
     };
     progress.finish_and_clear();
-    note_widened(file);
+    rewritten.into_inner().report(src);
     Ok((
         Weights {
             embed,
@@ -230,29 +244,50 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
     ))
 }
 
-/// Says on stderr which quantised matrices were widened to bf16 (block formats the engine
-/// decodes at load but does not compute from: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), since they take
-/// 3-4x the memory of their blocks.
-fn note_widened(file: &GgufFile) {
-    let mut types = std::collections::BTreeSet::new();
-    let (mut n, mut bytes) = (0usize, 0usize);
-    for t in file.tensors() {
-        let is_matrix = t.dims.iter().filter(|&&d| d > 1).count() >= 2;
-        if is_matrix && t.ty.block_size() > 1 && native(t.ty).is_none() {
-            types.insert(t.ty.name());
-            n += 1;
-            bytes += 2 * t.n_elements;
-        }
+/// Matrices stored in block formats the engine does not compute from, and what they became:
+/// Q4_K as Q4_1 blocks (`q4_k_as_q4_1`), Q5_0 as Q8_0 (exactly), the rest (and any Q4_K
+/// sub-block the rewrite would move too far) widened to bf16, at 3-4x their blocks' memory.
+#[derive(Default)]
+struct Rewritten {
+    /// (stored as, kept as or None for bf16) -> (matrices, bytes in memory).
+    counts: std::collections::BTreeMap<(&'static str, Option<&'static str>), (usize, usize)>,
+}
+
+impl Rewritten {
+    fn note(&mut self, from: GgmlType, to: Option<QuantType>, bytes: usize) {
+        let c = self
+            .counts
+            .entry((from.name(), to.map(|q| q.name())))
+            .or_default();
+        c.0 += 1;
+        c.1 += bytes;
     }
-    if n > 0 {
-        let names: Vec<&str> = types.into_iter().collect();
+
+    /// One line on stderr when any matrix was rewritten.
+    fn report(&self, src: &str) {
+        if self.counts.is_empty() {
+            return;
+        }
+        let parts: Vec<String> = self
+            .counts
+            .iter()
+            .map(|((from, to), (n, bytes))| {
+                format!(
+                    "{n} {from} as {} ({:.1} MiB)",
+                    to.unwrap_or("bf16"),
+                    *bytes as f64 / (1u64 << 20) as f64
+                )
+            })
+            .collect();
+        let widened = self.counts.keys().any(|(_, to)| to.is_none());
         eprintln!(
-            "megainfer: {}: {n} matrices stored as {} widened to bf16 ({:.1} MiB): the engine \
-             computes from Q8_0, Q4_0 and Q4_1 blocks as stored, not these (`--dtype q8_0` \
-             stores them as Q8_0 instead, about half that memory)",
-            file.source(),
-            names.join("/"),
-            bytes as f64 / (1u64 << 20) as f64
+            "megainfer: {src}: matrices the engine does not compute from as stored: {}{}",
+            parts.join(", "),
+            if widened {
+                " (`--dtype q8_0` stores every matrix as Q8_0 instead: half the memory of bf16)"
+            } else {
+                ""
+            }
         );
     }
 }
