@@ -385,12 +385,13 @@ fn five_bit_and_k_quant_blocks_decode_like_the_reference() {
 }
 
 /// Q4_K as Q4_1 (what the loader keeps): the same quants under each sub-block's step and
-/// minimum rounded to f16, every element within 2^-10 of its sub-block's largest magnitude of
+/// minimum rounded to f16, every element within 2^-9 of its sub-block's largest magnitude of
 /// the exact value; a step past f16's range refuses. Q5_0 as Q8_0: exactly the same values.
 #[test]
 fn k_and_five_bit_blocks_rewritten_as_native_blocks() {
     use megainfer::model::gguf::{q4_k_as_q4_1, q5_0_as_q8_0};
     use megainfer::model::quant::{dequantize_row, QuantType};
+    let mut worst = 0f32;
     for seed in 0..4 {
         let bytes = random_blocks(4, 144, &[0, 2], seed);
         let exact = dequantize_f32(GgmlType::Q4_K, &bytes, 4 * 256).unwrap();
@@ -401,13 +402,15 @@ fn k_and_five_bit_blocks_rewritten_as_native_blocks() {
         for (s, (e, k)) in exact.chunks(32).zip(kept.chunks(32)).enumerate() {
             let largest = e.iter().fold(0f32, |m, x| m.max(x.abs()));
             for (j, (e, k)) in e.iter().zip(k).enumerate() {
+                worst = worst.max((e - k).abs() / largest);
                 assert!(
-                    (e - k).abs() <= largest / 1024.0,
+                    (e - k).abs() <= largest / 512.0,
                     "seed {seed} sub-block {s} element {j}: {k} kept for {e}"
                 );
             }
         }
     }
+    println!("Q4_K as Q4_1: worst move {worst:.2e} of a sub-block's largest value");
     let mut huge = random_blocks(1, 144, &[0, 2], 7);
     huge[..2].copy_from_slice(&0x7bffu16.to_le_bytes()); // d = 65504: d * scale overflows f16
     huge[4] |= 63; // sub-block 0's scale: 63 (its top bits are sub-block 4's)

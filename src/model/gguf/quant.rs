@@ -343,10 +343,11 @@ fn decode_run<T>(ty: GgmlType, data: &[u8], out: &mut [T], convert: &impl Fn(f32
 
 /// Q4_K super-blocks rewritten as Q4_1 blocks, one per 32-element sub-block: the same 4-bit
 /// quants under the sub-block's own step f16(d * scale) and minimum f16(-dmin * min), so an
-/// element moves only by those two roundings (2^-11 each, where widening to bf16 rounds every
-/// element by up to 2^-9). None if any element of a sub-block would move by more than 2^-10
-/// of the sub-block's largest magnitude (a step or minimum outside f16's normal range), or if
-/// `data` is not whole super-blocks.
+/// element moves only by those two roundings (2^-11 of the step and of the minimum: at most
+/// 1.5 x 2^-10 of the sub-block's largest magnitude when the quantiser spanned the sub-block's
+/// range). None if any element would move by more than 2^-9 of its sub-block's largest
+/// magnitude, the most that widening to bf16 moves an element (a step or minimum outside f16's
+/// normal range), or if `data` is not whole super-blocks.
 pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
     if data.is_empty() || !data.len().is_multiple_of(144) {
         return None;
@@ -375,7 +376,7 @@ pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
                 moved = moved.max((kept - exact).abs());
             }
             // NaN (a NaN or infinite scale) refuses too.
-            match moved.partial_cmp(&(largest / 1024.0)) {
+            match moved.partial_cmp(&(largest / 512.0)) {
                 Some(std::cmp::Ordering::Greater) | None => return None,
                 _ => {}
             }
