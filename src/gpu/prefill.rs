@@ -193,8 +193,9 @@ enum Products {
     Lt(std::cell::RefCell<LtGemm>),
 }
 
-/// The prefill engine of one sequence: cuBLAS handle, kernels and chunk buffers (allocated on
-/// first use, for the chunk size asked for).
+/// The prefill engine of one sequence: the products' cuBLASLt (or cuBLAS) handle, kernels,
+/// chunk buffers (allocated on first use, for the chunk size asked for) and the short prompts'
+/// graphs.
 pub struct Prefill {
     /// Short prompts' graphs, dropped before the module and buffers they name.
     graphs: Vec<(GraphKey, CudaGraph)>,
