@@ -233,7 +233,8 @@ fn gguf_seed(tokenizer: bool, tied: bool, storage: Storage) -> Vec<u8> {
 }
 
 /// Seeds 0-2: F32. 3-5: every matrix Q8_0, Q4_0, Q4_1. 6: the types mixed, with Q/K/V and
-/// gate/up each mixed too (the loader widens such a group to bf16).
+/// gate/up each mixed too (the loader widens such a group to bf16). 7: Q5_0 and Q4_K, which
+/// the loader rewrites as Q8_0 and Q4_1.
 fn gguf_seeds() -> Vec<Vec<u8>> {
     use QuantType::{Q4_0, Q4_1, Q8_0};
     vec![
@@ -248,7 +249,72 @@ fn gguf_seeds() -> Vec<Vec<u8>> {
             "blk.0.attn_k" | "blk.0.ffn_down" => Some(Q4_0),
             _ => Some(Q4_1),
         }),
+        gguf_rewritten_seed(),
     ]
+}
+
+/// Seed 7: formats the loader rewrites, a Q5_0 embedding (kept as Q8_0) and a Q4_K down
+/// projection (kept as Q4_1; K-quant rows are whole 256-element super-blocks, so the MLP is
+/// 256 wide); the other matrices Q8_0, tied embeddings (~40 KB).
+fn gguf_rewritten_seed() -> Vec<u8> {
+    let (h, f, kv, v) = (32u64, 256u64, 16u64, 32u64);
+    let mut g = Gguf::default();
+    g.set("general.architecture", Val::Str("llama".into()))
+        .set("general.alignment", Val::U32(32))
+        .set("llama.block_count", Val::U32(1))
+        .set("llama.context_length", Val::U32(64))
+        .set("llama.embedding_length", Val::U32(h as u32))
+        .set("llama.feed_forward_length", Val::U32(f as u32))
+        .set("llama.attention.head_count", Val::U32(2))
+        .set("llama.attention.head_count_kv", Val::U32(1))
+        .set("llama.rope.freq_base", Val::F32(10000.0))
+        .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
+        .set("llama.vocab_size", Val::U32(v as u32));
+    let values = |n: u64| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01 * (1 + i % 3) as f32)
+            .collect()
+    };
+    // Blocks of varied bytes with a moderate f16 scale (2^-6) and minimum (2^-8) where the
+    // format has them at the block's start.
+    let blocks = |n_blocks: u64, size: usize, scales: &[(usize, u16)], salt: u64| -> Vec<u8> {
+        let mut out: Vec<u8> = (0..n_blocks * size as u64)
+            .map(|i| ((i * 2654435761 + salt) >> 7) as u8)
+            .collect();
+        for b in out.chunks_exact_mut(size) {
+            for &(at, bits) in scales {
+                b[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        out
+    };
+    g.add_tensor(
+        "token_embd.weight",
+        &[h, v],
+        6,
+        blocks(h * v / 32, 22, &[(0, 0x2400)], 1),
+    );
+    let q8 = |g: &mut Gguf, name: &str, dims: &[u64]| {
+        let n = dims.iter().product();
+        g.add_tensor(name, dims, 8, quantize_row(QuantType::Q8_0, &values(n)));
+    };
+    let f32s = |n: u64| -> Vec<u8> { values(n).iter().flat_map(|x| x.to_le_bytes()).collect() };
+    g.add_tensor("blk.0.attn_norm.weight", &[h], 0, f32s(h));
+    q8(&mut g, "blk.0.attn_q.weight", &[h, h]);
+    q8(&mut g, "blk.0.attn_k.weight", &[h, kv]);
+    q8(&mut g, "blk.0.attn_v.weight", &[h, kv]);
+    q8(&mut g, "blk.0.attn_output.weight", &[h, h]);
+    g.add_tensor("blk.0.ffn_norm.weight", &[h], 0, f32s(h));
+    q8(&mut g, "blk.0.ffn_gate.weight", &[h, f]);
+    q8(&mut g, "blk.0.ffn_up.weight", &[h, f]);
+    g.add_tensor(
+        "blk.0.ffn_down.weight",
+        &[f, h],
+        12,
+        blocks(h, 144, &[(0, 0x2400), (2, 0x1c00)], 2),
+    );
+    g.add_tensor("output_norm.weight", &[h], 0, f32s(h));
+    g.to_bytes()
 }
 
 /// What each GGUF seed's matrices load as: (embedding, wq, wk, w_gate, w_up, lm_head).
@@ -262,6 +328,7 @@ fn gguf_seed_types() -> Vec<[WeightType; 6]> {
         [Q4_0; 6],
         [Q4_1; 6],
         [Q8_0, Bf16, Bf16, Bf16, Bf16, Q4_1],
+        [Q8_0; 6],
     ]
 }
 
@@ -380,6 +447,13 @@ fn seeds_load() {
         let (w, l) = (&m.weights, &m.weights.layers[0]);
         let got = [&w.embed, &l.wq, &l.wk, &l.w_gate, &l.w_up, w.lm_head()].map(|m| m.ty());
         assert_eq!(got, types, "gguf seed {i}");
+        if i == 7 {
+            assert_eq!(
+                l.w_down.ty(),
+                WeightType::Q4_1,
+                "seed 7's Q4_K down projection"
+            );
+        }
         // What the harness does next: every block decoded.
         assert_eq!(m.weights.is_quantized(), i >= 3);
         m.weights.widen_to_bf16();
