@@ -155,6 +155,23 @@ fn small_config() -> Config {
 /// block format kept as stored by the loader.
 type Storage = fn(&str) -> Option<QuantType>;
 
+/// The seeds' llama metadata: one layer, 2 heads, 1 KV head, context 64.
+fn seed_metadata(h: u64, f: u64, v: u64) -> Gguf {
+    let mut g = Gguf::default();
+    g.set("general.architecture", Val::Str("llama".into()))
+        .set("general.alignment", Val::U32(32))
+        .set("llama.block_count", Val::U32(1))
+        .set("llama.context_length", Val::U32(64))
+        .set("llama.embedding_length", Val::U32(h as u32))
+        .set("llama.feed_forward_length", Val::U32(f as u32))
+        .set("llama.attention.head_count", Val::U32(2))
+        .set("llama.attention.head_count_kv", Val::U32(1))
+        .set("llama.rope.freq_base", Val::F32(10000.0))
+        .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
+        .set("llama.vocab_size", Val::U32(v as u32));
+    g
+}
+
 /// The GGUF type id of a block format.
 fn ggml_type(q: QuantType) -> u32 {
     match q {
@@ -173,18 +190,7 @@ fn gguf_seed(tokenizer: bool, tied: bool, storage: Storage) -> Vec<u8> {
         .any(|n| storage(n).is_some());
     let h: u64 = if quantised { 32 } else { 16 };
     let (f, kv, v) = (2 * h, h / 2, 32u64);
-    let mut g = Gguf::default();
-    g.set("general.architecture", Val::Str("llama".into()))
-        .set("general.alignment", Val::U32(32))
-        .set("llama.block_count", Val::U32(1))
-        .set("llama.context_length", Val::U32(64))
-        .set("llama.embedding_length", Val::U32(h as u32))
-        .set("llama.feed_forward_length", Val::U32(f as u32))
-        .set("llama.attention.head_count", Val::U32(2))
-        .set("llama.attention.head_count_kv", Val::U32(1))
-        .set("llama.rope.freq_base", Val::F32(10000.0))
-        .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
-        .set("llama.vocab_size", Val::U32(v as u32));
+    let mut g = seed_metadata(h, f, v);
     let mut add = |name: &str, dims: &[u64]| {
         let n = dims.iter().product::<u64>();
         let stem = name.strip_suffix(".weight").unwrap_or(name);
@@ -258,18 +264,7 @@ fn gguf_seeds() -> Vec<Vec<u8>> {
 /// 256 wide); the other matrices Q8_0, tied embeddings (~40 KB).
 fn gguf_rewritten_seed() -> Vec<u8> {
     let (h, f, kv, v) = (32u64, 256u64, 16u64, 32u64);
-    let mut g = Gguf::default();
-    g.set("general.architecture", Val::Str("llama".into()))
-        .set("general.alignment", Val::U32(32))
-        .set("llama.block_count", Val::U32(1))
-        .set("llama.context_length", Val::U32(64))
-        .set("llama.embedding_length", Val::U32(h as u32))
-        .set("llama.feed_forward_length", Val::U32(f as u32))
-        .set("llama.attention.head_count", Val::U32(2))
-        .set("llama.attention.head_count_kv", Val::U32(1))
-        .set("llama.rope.freq_base", Val::F32(10000.0))
-        .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
-        .set("llama.vocab_size", Val::U32(v as u32));
+    let mut g = seed_metadata(h, f, v);
     let values = |n: u64| -> Vec<f32> {
         (0..n)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01 * (1 + i % 3) as f32)

@@ -218,8 +218,8 @@ pub struct Prefill {
     copy_started: std::cell::Cell<Option<Instant>>,
 }
 
-/// What a captured prefill graph is valid for: its padded length and every address it names
-/// that is not fixed for the engine's life (the cache written, the bf16 weight buffer).
+/// What a captured prefill graph is valid for: its padded length and the cache it writes (the
+/// other buffers it names are the engine's own and fixed; a new `wide` drops every graph).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct GraphKey {
     tokens: usize,
@@ -229,7 +229,6 @@ struct GraphKey {
     layer_stride: usize,
     head_stride: usize,
     pos_stride: usize,
-    wide: u64,
 }
 
 /// The padded length a prompt of `tokens` at position `start` runs as a graph with, if it
@@ -375,11 +374,7 @@ impl Prefill {
             if let Some(padded) = graph_bucket(tokens.len(), start, chunk, kv.max_seq) {
                 match self.run_graph(gpu, model, kv, tokens, start, padded) {
                     Ok(out) => {
-                        let total = t0.elapsed();
-                        self.last_timing = Some(PrefillTiming {
-                            enqueued: self.copy_started.get().map_or(total, |t| t - t0),
-                            total,
-                        });
+                        self.record_timing(t0);
                         return Ok(out);
                     }
                     // Nothing ran (the capture failed before its graph was launched): the
@@ -423,12 +418,17 @@ impl Prefill {
                 Logits::Last => {}
             }
         }
+        self.record_timing(t0);
+        Ok(out)
+    }
+
+    /// The host's timing of the prefill call that began at `t0` (see [`PrefillTiming`]).
+    fn record_timing(&mut self, t0: Instant) {
         let total = t0.elapsed();
         self.last_timing = Some(PrefillTiming {
             enqueued: self.copy_started.get().map_or(total, |t| t - t0),
             total,
         });
-        Ok(out)
     }
 
     /// The bf16 scratch for a layer's quantised matrices, sized for the largest such set.
@@ -465,9 +465,7 @@ impl Prefill {
             return Ok(());
         }
         self.ensure_wide(gpu, model)?;
-        if self.graph_bufs.is_none() {
-            self.graph_bufs = Some(Buffers::new(gpu, &model.config, GRAPH_MAX_TOKENS)?);
-        }
+        self.ensure_graph_bufs(gpu, &model.config)?;
         for padded in graph_buckets(chunk, kv.max_seq) {
             if let Err(e) = self.graph_for(gpu, model, kv, padded) {
                 self.give_up_graphs(&e);
@@ -501,7 +499,7 @@ impl Prefill {
         kv: &KvTarget,
         padded: usize,
     ) -> Result<usize> {
-        let key = self.graph_key(gpu, kv, padded);
+        let key = Self::graph_key(kv, padded);
         if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
             return Ok(i);
         }
@@ -513,7 +511,15 @@ impl Prefill {
         Ok(self.graphs.len() - 1)
     }
 
-    fn graph_key(&self, gpu: &Gpu, kv: &KvTarget, padded: usize) -> GraphKey {
+    /// The graphs' buffers, made once.
+    fn ensure_graph_bufs(&mut self, gpu: &Gpu, c: &Config) -> Result<()> {
+        if self.graph_bufs.is_none() {
+            self.graph_bufs = Some(Buffers::new(gpu, c, GRAPH_MAX_TOKENS)?);
+        }
+        Ok(())
+    }
+
+    fn graph_key(kv: &KvTarget, padded: usize) -> GraphKey {
         GraphKey {
             tokens: padded,
             k: kv.k,
@@ -522,7 +528,6 @@ impl Prefill {
             layer_stride: kv.layer_stride,
             head_stride: kv.head_stride,
             pos_stride: kv.pos_stride,
-            wide: self.wide.as_ref().map_or(0, |w| ptr(w, &gpu.stream)),
         }
     }
 
@@ -538,21 +543,15 @@ impl Prefill {
         start: usize,
         padded: usize,
     ) -> std::result::Result<Vec<f32>, GraphError> {
-        let c = &model.config;
-        if self.graph_bufs.is_none() {
-            self.graph_bufs =
-                Some(Buffers::new(gpu, c, GRAPH_MAX_TOKENS).map_err(GraphError::Run)?);
-        }
-        let s = &gpu.stream;
-        {
-            let b = self.graph_bufs.as_mut().expect("allocated above");
-            let upload = |b: &mut Buffers| -> Result<()> {
-                s.memcpy_htod(tokens, &mut b.tokens.slice_mut(0..tokens.len()))?;
-                s.memcpy_htod(&[start as i32], &mut b.start)?;
-                Ok(())
-            };
-            upload(b).map_err(GraphError::Run)?;
-        }
+        let upload = |p: &mut Self| -> Result<()> {
+            p.ensure_graph_bufs(gpu, &model.config)?;
+            let b = p.graph_bufs.as_mut().expect("allocated above");
+            gpu.stream
+                .memcpy_htod(tokens, &mut b.tokens.slice_mut(0..tokens.len()))?;
+            gpu.stream.memcpy_htod(&[start as i32], &mut b.start)?;
+            Ok(())
+        };
+        upload(self).map_err(GraphError::Run)?;
         let i = self
             .graph_for(gpu, model, kv, padded)
             .map_err(GraphError::Capture)?;

@@ -286,30 +286,11 @@ fn decode_run<T>(ty: GgmlType, data: &[u8], out: &mut [T], convert: &impl Fn(f32
         // K-quants: 256-element super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and
         // (Q4_K, Q5_K) a 6-bit minimum under the super-block's f16 scales.
         GgmlType::Q4_K | GgmlType::Q5_K => {
-            let (bytes, fifth_at) = if ty == GgmlType::Q4_K {
-                (144, None)
-            } else {
-                (176, Some(16))
-            };
+            let bytes = if ty == GgmlType::Q4_K { 144 } else { 176 };
             for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bytes)) {
-                let (d, dmin) = (le_f16(b), le_f16(&b[2..]));
-                let packed = &b[4..16];
-                let nibbles = &b[bytes - 128..];
-                // Sub-blocks 2g and 2g + 1 share the 32 bytes nibbles[32g..]: low nibbles, then
-                // high; Q5_K's fifth bits for sub-block s are bit s of each of its 32 bytes.
                 for (s, o) in o.chunks_exact_mut(32).enumerate() {
-                    let (scale, min) = k_scale_min(packed, s);
-                    let (step, offset) = (d * f32::from(scale), dmin * f32::from(min));
-                    let quads = &nibbles[32 * (s / 2)..32 * (s / 2) + 32];
-                    for (l, o) in o.iter_mut().enumerate() {
-                        let mut q = if s % 2 == 0 {
-                            quads[l] & 0x0f
-                        } else {
-                            quads[l] >> 4
-                        };
-                        if let Some(at) = fifth_at {
-                            q |= ((b[at + l] >> s) & 1) << 4;
-                        }
+                    let (step, offset, q) = k_sub_block(b, s);
+                    for (o, &q) in o.iter_mut().zip(&q) {
                         *o = convert(step * f32::from(q) - offset);
                     }
                 }
@@ -354,24 +335,13 @@ pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
     }
     let mut out = Vec::with_capacity(data.len() / 144 * 8 * 20);
     for b in data.chunks_exact(144) {
-        let (d, dmin) = (le_f16(b), le_f16(&b[2..]));
-        let nibbles = &b[16..];
         for s in 0..8 {
-            let (scale, min) = k_scale_min(&b[4..16], s);
-            let (step, offset) = (d * f32::from(scale), dmin * f32::from(min));
+            let (step, offset, q) = k_sub_block(b, s);
             let (step16, min16) = (f16::from_f32(step), f16::from_f32(-offset));
-            let quads = &nibbles[32 * (s / 2)..32 * (s / 2) + 32];
-            let q = |l: usize| {
-                if s % 2 == 0 {
-                    quads[l] & 0x0f
-                } else {
-                    quads[l] >> 4
-                }
-            };
             let (mut largest, mut moved) = (0f32, 0f32);
-            for l in 0..32 {
-                let exact = step * f32::from(q(l)) - offset;
-                let kept = f32::from(q(l)) * step16.to_f32() + min16.to_f32();
+            for &q in &q {
+                let exact = step * f32::from(q) - offset;
+                let kept = f32::from(q) * step16.to_f32() + min16.to_f32();
                 largest = largest.max(exact.abs());
                 moved = moved.max((kept - exact).abs());
             }
@@ -383,7 +353,7 @@ pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
             out.extend(step16.to_le_bytes());
             out.extend(min16.to_le_bytes());
             // Q4_1 keeps elements j and j + 16 in byte j's low and high nibbles.
-            out.extend((0..16).map(|j| q(j) | (q(j + 16) << 4)));
+            out.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
         }
     }
     Some(out)
@@ -412,6 +382,31 @@ fn five_bit(nibbles: &[u8], fifth: u32, j: usize) -> u8 {
         nibbles[j - 16] >> 4
     };
     nib | ((((fifth >> j) & 1) as u8) << 4)
+}
+
+/// Sub-block `s` (elements 32s..32s + 32) of a Q4_K (144-byte) or Q5_K (176-byte) super-block
+/// `b`: its step d * scale, its offset dmin * min, and its quants. Sub-blocks 2g and 2g + 1
+/// share the 32 bytes of nibbles at 32g (low nibbles, then high; the nibbles are the block's
+/// last 128 bytes); Q5_K's fifth bits for sub-block s are bit s of each of the 32 bytes at 16.
+fn k_sub_block(b: &[u8], s: usize) -> (f32, f32, [u8; 32]) {
+    let (scale, min) = k_scale_min(&b[4..16], s);
+    let (step, offset) = (
+        le_f16(b) * f32::from(scale),
+        le_f16(&b[2..]) * f32::from(min),
+    );
+    let quads = &b[b.len() - 128..][32 * (s / 2)..][..32];
+    let mut q = [0u8; 32];
+    for (l, q) in q.iter_mut().enumerate() {
+        *q = if s.is_multiple_of(2) {
+            quads[l] & 0x0f
+        } else {
+            quads[l] >> 4
+        };
+        if b.len() == 176 {
+            *q |= ((b[16 + l] >> s) & 1) << 4;
+        }
+    }
+    (step, offset, q)
 }
 
 /// Sub-block `s`'s 6-bit scale and minimum in a K-quant's 12 packed bytes: sub-blocks 0-3
