@@ -478,66 +478,18 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
     merge_warp_states(st, nwarps, head_dim, out + h * head_dim);
 }
 
-// Split-KV attention (flash-decoding), for long contexts: block (head h, part p) of
-// gridDim.x = n_heads * parts covers positions [p * span, min(len, (p + 1) * span)) with
-// span = ceil(len / parts) (len = pos + 1 read on the device, so one captured graph serves
-// every position) and writes its unnormalised state (m, l, acc[head_dim]) to
-// part_st[(h * parts + p) * (2 + head_dim)]; bl_attention_merge combines the parts.
-// Shared memory as bl_attention's.
-extern "C" __global__ void bl_attention_part(const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
-                                             float* part_st, const TokenMeta* meta, int n_heads, int n_kv,
-                                             int head_dim, int parts) {
-    extern __shared__ float st[];
+// Split-KV attention by KV head (gqa_part in attention.cuh): gridDim.x = n_kv * parts blocks of
+// GQ_THREADS, GQ_SMEM(head_dim, n_heads / n_kv) bytes of dynamic shared memory; done holds n_kv
+// arrival counters, 0 between launches.
+extern "C" __global__ void __launch_bounds__(GQ_THREADS)
+    bl_attention_kv(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* part_st, u32* done,
+                    float* out, const TokenMeta* meta, int n_heads, int n_kv, int head_dim, int parts) {
     pdl_launch_next();
-    const int h = blockIdx.x / parts, p = blockIdx.x - h * parts;
-    const int kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
     // meta changes only at the end of a step (the argmax), so it may be read before the wait.
-    const int len = meta->pos + 1, span = (len + parts - 1) / parts;
-    const int p_begin = min(len, p * span), p_end = min(len, p_begin + span);
+    const int len = meta->pos + 1;
     pdl_wait();
-    float* qs = st + nwarps * (2 + head_dim);
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
-    __syncthreads();
-    float acc[ATT_MAX_D];
-    for (int j = 0; j < D; j++) acc[j] = 0.f;
-    float m = NEG_INF, l = 0.f;
-    if (head_dim == 64)
-        attend_warp<2>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(64.f), p_begin, p_end,
-                       warp, nwarps, m, l, acc);
-    else
-        attend_warp<4>(qs, k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, rsqrtf(128.f), p_begin, p_end,
-                       warp, nwarps, m, l, acc);
-    float* mine = st + warp * (2 + head_dim);
-    if (lane == 0) { mine[0] = m; mine[1] = l; }
-    for (int j = 0; j < D; j++) mine[2 + lane * D + j] = acc[j];
-    __syncthreads();
-    // The block's warps into one unnormalised state (an empty part: m = -inf, l = 0).
-    float* out = part_st + (size_t)blockIdx.x * (2 + head_dim);
-    float mb = NEG_INF;
-    for (int w = 0; w < nwarps; w++)
-        if (st[w * (2 + head_dim) + 1] != 0.f) mb = fmaxf(mb, st[w * (2 + head_dim)]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float lb = 0.f, a = 0.f;
-        for (int w = 0; w < nwarps; w++) {
-            const float* s = st + w * (2 + head_dim);
-            if (s[1] == 0.f) continue;  // a warp that saw no position
-            const float c = __expf(s[0] - mb);
-            lb += s[1] * c;
-            a += s[2 + d] * c;
-        }
-        out[2 + d] = a;
-        if (d == 0) { out[0] = mb; out[1] = lb; }
-    }
-}
-
-// One block per head: the parts' states into the normalised output (merge_warp_states skips
-// the empty ones).
-extern "C" __global__ void bl_attention_merge(const float* part_st, float* out, int head_dim, int parts) {
-    pdl_launch_next();
-    pdl_wait();
-    const int h = blockIdx.x;
-    merge_warp_states(part_st + (size_t)h * parts * (2 + head_dim), parts, head_dim, out + h * head_dim);
+    if (head_dim == 64) gqa_part<64>(q, k_cache, v_cache, part_st, done, out, len, n_heads, n_kv, parts);
+    else gqa_part<128>(q, k_cache, v_cache, part_st, done, out, len, n_heads, n_kv, parts);
 }
 
 // One block: greedy next token into meta->next and meta->token, position advanced, so the

@@ -176,18 +176,6 @@ __device__ __forceinline__ void pf_ldmatrix_x4_trans(pf_u32* r, const void* p) {
                  : "r"(pf_smem_addr(p)));
 }
 
-// 16 bytes global -> shared, asynchronously; `valid` false writes zeros (src is not read).
-__device__ __forceinline__ void pf_cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(pf_smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void pf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void pf_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Helpers of both attention kernels (this file's and attention_wgmma.cuh's), whose
 // accumulators share mma.sync's C layout: thread (g, tq) of a warp holds rows g and g + 8 of
 // the warp's 16, columns 8n + 2tq and 8n + 2tq + 1 of each n8 block.
@@ -317,10 +305,10 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
             const int r = idx / C8, c = (idx - r * C8) * 8, pos = kt * PF_BK + r;
             const bool ok = pos < kv_end;
             const long long off = (long long)(ok ? pos : 0) * pos_stride + c;
-            pf_cp_async16(kd + r * S + c, kbase + off, ok);
-            pf_cp_async16(vd + r * S + c, vbase + off, ok);
+            cp_async16(kd + r * S + c, kbase + off, ok);
+            cp_async16(vd + r * S + c, vbase + off, ok);
         }
-        pf_cp_async_commit();
+        cp_async_commit();
     };
     load_tile(0, 0);
 
@@ -344,9 +332,9 @@ __device__ __forceinline__ void pf_attention(const pf_bf16* q, const pf_bf16* k_
         const int buf = kt & 1, k0 = kt * PF_BK;
         if (kt + 1 < n_kt) {
             load_tile(kt + 1, buf ^ 1);
-            pf_cp_async_wait<1>();
+            cp_async_wait<1>();
         } else {
-            pf_cp_async_wait<0>();
+            cp_async_wait<0>();
         }
         __syncthreads();  // tile kt has landed for every thread
         const pf_bf16* kt_s = ks + buf * TILE;

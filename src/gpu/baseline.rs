@@ -42,8 +42,7 @@ struct Kernels {
     mv: MatVec,
     rope_kv: Kernel,
     attention: Kernel,
-    attention_part: Kernel,
-    attention_merge: Kernel,
+    attention_kv: Kernel,
     qkv_extras: Kernel,
     argmax: Kernel,
     embed_q: Kernel,
@@ -52,15 +51,28 @@ struct Kernels {
 }
 
 const ATT_THREADS: u32 = 128;
-/// Caches longer than this get split-KV attention; shorter ones one block per head (the split
-/// costs a merge kernel per layer, which short contexts do not earn back).
+/// Caches longer than this get split-KV attention (`bl_attention_kv`); shorter ones a block per
+/// query head (`bl_attention`, whose blocks prefetch their rows to L2 before they wait).
 const SPLIT_KV_FROM: usize = 2048;
 /// Split-KV parts per head at most.
-const MAX_ATT_PARTS: usize = 64;
-/// Positions per split-KV part at the expected length, at most (H100, Llama-1B shape at 8K,
-/// graph + PDL, ms a token: 9 parts of ~900 positions 1.79 with the parts' L2 prefetch, 1.81
-/// without; without it 16 parts 1.59, 33 parts 1.58–1.62, 48 parts 1.74; BENCHMARKS.md,
-/// 2026-11-25).
+const MAX_ATT_PARTS: usize = 128;
+/// Threads of `bl_attention_kv` (GQ_THREADS in kernels/baseline/attention.cuh), and (head, dim)
+/// outputs a thread holds at most (GQ_MAX_O).
+const GQ_THREADS: u32 = 256;
+const GQ_MAX_O: usize = 4;
+
+/// Dynamic shared memory of `bl_attention_kv` (GQ_SMEM in kernels/baseline/attention.cuh: 3
+/// stages of 64-position K and V tiles, rows padded by 8 elements, then the group's queries,
+/// scores and softmax state).
+fn gqa_smem(head_dim: usize, group: usize) -> usize {
+    const TILE: usize = 64;
+    const STAGES: usize = 3;
+    2 * STAGES * TILE * (head_dim + 8) * 2 + (group * head_dim + group * TILE + 3 * group) * 4
+}
+
+/// Positions per split-KV part at the expected length, at most (with at least two blocks per
+/// SM: on the H100, Llama-1B shape at 8K, graph + PDL, 33 parts a KV head beat 17 and 66;
+/// BENCHMARKS.md, 2026-11-25).
 const ATT_PART_SPAN: usize = 256;
 
 /// Threads and rows per block of the quantised mat-vecs: 8 warps × QG_ROWS rows
@@ -147,6 +159,8 @@ pub struct BaselinePath<'g> {
     /// Split-KV attention's per-part states, [heads][parts][2 + head_dim].
     att_parts_st: CudaSlice<f32>,
     att_parts: usize,
+    /// `bl_attention_kv`'s arrival counter per KV head, 0 between launches.
+    att_kv_done: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     /// The fused LM-head argmax's per-CTA partials and arrival counter.
     argmax_part: CudaSlice<u32>,
@@ -214,8 +228,7 @@ impl<'g> BaselinePath<'g> {
             mv: MatVec::load(&module, gpu)?,
             rope_kv: Kernel::load(&module, "bl_rope_kv")?,
             attention: Kernel::load(&module, "bl_attention")?,
-            attention_part: Kernel::load(&module, "bl_attention_part")?,
-            attention_merge: Kernel::load(&module, "bl_attention_merge")?,
+            attention_kv: Kernel::load(&module, "bl_attention_kv")?,
             qkv_extras: Kernel::load(&module, "qkv_extras")?,
             argmax: Kernel::load(&module, "bl_argmax")?,
             embed_q: Kernel::load(&module, "bl_embed_q")?,
@@ -227,17 +240,27 @@ impl<'g> BaselinePath<'g> {
         };
         // Enough blocks to cover every SM twice, and parts of at most ATT_PART_SPAN positions
         // at the expected length (within MAX_ATT_PARTS), at most one part per 32 positions.
+        let group = c.num_heads / c.num_kv_heads;
+        if group * c.head_dim > GQ_THREADS as usize * GQ_MAX_O {
+            bail!(
+                "split-KV attention holds {} (query head, dim) outputs per KV head at most; this \
+                 model has {group} query heads of {} dims per KV head",
+                GQ_THREADS as usize * GQ_MAX_O,
+                c.head_dim
+            );
+        }
         let expected = expected_len.min(max_seq);
         let mut att_parts = if expected > SPLIT_KV_FROM {
             (2 * gpu.sm_count)
-                .div_ceil(c.num_heads)
+                .div_ceil(c.num_kv_heads)
                 .max(expected.div_ceil(ATT_PART_SPAN))
                 .clamp(2, MAX_ATT_PARTS)
                 .min(max_seq.div_ceil(32))
         } else {
             1
         };
-        // For measuring other splits (1 to MAX_ATT_PARTS); split-KV paths only.
+        // For measuring other splits at any length: 1 runs bl_attention (a block per query
+        // head), 2 to MAX_ATT_PARTS split-KV with that many parts.
         if let Ok(v) = std::env::var("MEGAINFER_BASELINE_ATT_PARTS") {
             let n: usize = v
                 .parse()
@@ -246,10 +269,9 @@ impl<'g> BaselinePath<'g> {
                 .with_context(|| {
                     format!("MEGAINFER_BASELINE_ATT_PARTS: '{v}' is not 1 to {MAX_ATT_PARTS}")
                 })?;
-            if att_parts > 1 {
-                att_parts = n.max(2);
-            }
+            att_parts = n;
         }
+        k.attention_kv.allow_smem(gqa_smem(c.head_dim, group))?;
         let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
         for g in &k.gemv_q {
             g.allow_smem(quant_smem(max_cols) as usize)?;
@@ -270,6 +292,7 @@ impl<'g> BaselinePath<'g> {
                 "split-KV attention states",
             )?,
             att_parts,
+            att_kv_done: gpu.alloc_zeros(c.num_kv_heads, "split-KV arrival counters")?,
             logits: gpu.alloc_zeros(c.vocab_size, "logits")?,
             argmax_part: gpu
                 .alloc_zeros(MatVec::argmax_part_words(gpu.sm_count), "argmax partials")?,
@@ -496,28 +519,24 @@ impl<'g> BaselinePath<'g> {
             let att_smem = ((ATT_THREADS / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
             if self.att_parts > 1 {
                 let (st, parts) = (ptr(&self.att_parts_st, s), self.att_parts as i32);
-                // SAFETY: the arguments are the values bl_attention_part and bl_attention_merge
-                // declare, in order (see kernels/baseline/baseline.cu), each a live local; the
-                // pointers are device buffers of this path that outlive the launches, `st`
-                // sized heads * parts * (2 + head_dim).
+                let done = ptr(&self.att_kv_done, s);
+                let smem = gqa_smem(c.head_dim, c.num_heads / c.num_kv_heads) as u32;
+                // SAFETY: the arguments are the values bl_attention_kv declares, in order (see
+                // kernels/baseline/baseline.cu), each a live local; the pointers are device
+                // buffers of this path that outlive the launch, `st` sized heads * parts *
+                // (2 + head_dim), `done` n_kv counters left at 0 by every launch.
                 unsafe {
-                    self.k.attention_part.launch(
+                    self.k.attention_kv.launch(
                         s,
-                        (c.num_heads * self.att_parts) as u32,
-                        ATT_THREADS,
-                        att_smem,
+                        (c.num_kv_heads * self.att_parts) as u32,
+                        GQ_THREADS,
+                        smem,
                         pdl,
-                        &mut kargs![&qkv, &kc, &vc, &st, &meta, &nh, &nkv, &hd, &parts],
-                    )?;
-                    self.k.attention_merge.launch(
-                        s,
-                        c.num_heads as u32,
-                        c.head_dim as u32,
-                        0,
-                        pdl,
-                        &mut kargs![&st, &attn, &hd, &parts],
-                    )?;
-                }
+                        &mut kargs![
+                            &qkv, &kc, &vc, &st, &done, &attn, &meta, &nh, &nkv, &hd, &parts
+                        ],
+                    )
+                }?;
             } else {
                 // SAFETY: the arguments are the values bl_attention declares, in order (see
                 // kernels/baseline/baseline.cu), each a live local; the pointers are device

@@ -7,6 +7,8 @@ const COMMON: &str = include_str!("../../megakernel/common.cuh");
 pub const ROPE: &str = include_str!("../../kernels/rope.cuh");
 /// Qwen's q/k/v bias and q/k norm, shared by the graph baseline and prefill.
 const QKV_EXTRAS: &str = include_str!("../../kernels/qkv_extras.cuh");
+/// cp.async helpers, shared by prefill attention and the baseline's split-KV attention.
+const CP_ASYNC: &str = include_str!("../../kernels/cp_async.cuh");
 const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const PREFILL_WGMMA: &str = include_str!("../../kernels/prefill/attention_wgmma.cuh");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
@@ -39,6 +41,7 @@ pub fn baseline() -> String {
         COMMON,
         ROPE,
         QKV_EXTRAS,
+        CP_ASYNC,
         BASELINE_ATTENTION,
         BASELINE,
         &quant(),
@@ -54,7 +57,7 @@ pub fn quant() -> String {
 
 /// Batched prefill's kernels (src/gpu/prefill.rs).
 pub fn prefill() -> String {
-    [ROPE, QKV_EXTRAS, PREFILL, PREFILL_WGMMA, &quant()].join("\n")
+    [ROPE, QKV_EXTRAS, CP_ASYNC, PREFILL, PREFILL_WGMMA, &quant()].join("\n")
 }
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
