@@ -51,9 +51,11 @@ struct Kernels {
 }
 
 const ATT_THREADS: u32 = 128;
-/// Caches longer than this get split-KV attention (`bl_attention_kv`); shorter ones a block per
-/// query head (`bl_attention`, whose blocks prefetch their rows to L2 before they wait).
-const SPLIT_KV_FROM: usize = 2048;
+/// Sequences expected to grow past this get split-KV attention (`bl_attention_kv`); shorter ones
+/// a block per query head (`bl_attention`, whose blocks prefetch their rows to L2 before they
+/// wait). On the H100, Llama-1B shape, graph + PDL: at 160 positions `bl_attention` 1.120 ms,
+/// split-KV 1.140–1.150; at 256 positions 1.159 against 1.138 (BENCHMARKS.md, 2026-11-25).
+const SPLIT_KV_FROM: usize = 192;
 /// Split-KV parts per head at most.
 const MAX_ATT_PARTS: usize = 128;
 /// Threads of `bl_attention_kv` (GQ_THREADS in kernels/baseline/attention.cuh), and (head, dim)
@@ -70,9 +72,12 @@ fn gqa_smem(head_dim: usize, group: usize) -> usize {
     2 * STAGES * TILE * (head_dim + 8) * 2 + (group * head_dim + group * TILE + 3 * group) * 4
 }
 
-/// Positions per split-KV part at the expected length, at most (with at least two blocks per
-/// SM: on the H100, Llama-1B shape at 8K, graph + PDL, 33 parts a KV head beat 17 and 66;
-/// BENCHMARKS.md, 2026-11-25).
+/// Split-KV parts: one per ATT_PART_MIN positions at the expected length (shorter parts leave
+/// the blocks little to stream), but no more blocks than two per SM unless that makes parts
+/// longer than ATT_PART_SPAN. Measured on the H100, graph + PDL (BENCHMARKS.md, 2026-11-25):
+/// Llama-1B best at 8 parts a KV head for 256-384 positions, 16–33 for 640, 33 for 1,128 to
+/// 8K (66 slower at 8K), 128 at 32K; SmolLM2 (3 KV heads) 33 at 640 and 2,128, 88 at 8K.
+const ATT_PART_MIN: usize = 32;
 const ATT_PART_SPAN: usize = 256;
 
 /// Threads and rows per block of the quantised mat-vecs: 8 warps × QG_ROWS rows
@@ -185,9 +190,8 @@ impl<'g> BaselinePath<'g> {
     }
 
     /// As [`Self::new`], the attention chosen for sequences expected to reach `expected_len`
-    /// positions: split-KV only when that is over SPLIT_KV_FROM, since at short lengths the
-    /// merge kernel costs more than the split gains. Longer sequences still run, on one block
-    /// per head.
+    /// positions: split-KV only when that is over SPLIT_KV_FROM, since at short lengths a block
+    /// per query head is faster. Longer sequences still run, on one block per query head.
     pub fn new_for(
         gpu: &'g Gpu,
         model: &'g DeviceModel,
@@ -238,8 +242,7 @@ impl<'g> BaselinePath<'g> {
                 Kernel::load(&module, "bl_gemv_q4_1")?,
             ],
         };
-        // Enough blocks to cover every SM twice, and parts of at most ATT_PART_SPAN positions
-        // at the expected length (within MAX_ATT_PARTS), at most one part per 32 positions.
+        // See ATT_PART_MIN.
         let group = c.num_heads / c.num_kv_heads;
         if group * c.head_dim > GQ_THREADS as usize * GQ_MAX_O {
             bail!(
@@ -251,11 +254,11 @@ impl<'g> BaselinePath<'g> {
         }
         let expected = expected_len.min(max_seq);
         let mut att_parts = if expected > SPLIT_KV_FROM {
-            (2 * gpu.sm_count)
-                .div_ceil(c.num_kv_heads)
+            expected
+                .div_ceil(ATT_PART_MIN)
+                .min((2 * gpu.sm_count).div_ceil(c.num_kv_heads))
                 .max(expected.div_ceil(ATT_PART_SPAN))
                 .clamp(2, MAX_ATT_PARTS)
-                .min(max_seq.div_ceil(32))
         } else {
             1
         };

@@ -93,8 +93,8 @@ pub enum GpuPath<'g> {
 
 impl<'g> GpuPath<'g> {
     /// `max_seq` sizes the KV cache; `expected_len` is the length the sequence is expected to
-    /// reach, which the graph paths choose their attention for: splitting attention for a
-    /// 4096-token cache costs a 40-token answer a reduction stage per layer for nothing. The
+    /// reach, which the graph paths choose their attention for (split-KV and its parts, sized
+    /// for that length: a 40-token answer runs faster on a block per query head). The
     /// megakernel needs no guess: it keeps a schedule per context bucket up to `max_seq` and
     /// switches as the sequence grows.
     pub fn new(
