@@ -106,40 +106,61 @@ fn baseline_modes_agree_on_greedy_tokens() {
     assert_eq!(runs[0], runs[2], "eager vs graph-pdl");
 }
 
-/// Split-KV attention (caches longer than 2048 positions): a 3000-token prompt through batched
-/// prefill, then decode steps at positions 3000.. on every baseline mode, against the CPU
-/// reference; the same tolerance as batched prefill's own test (tests/gpu_prefill.rs: the
-/// prefilled K/V are rounded as prefill computes them), and the same greedy tokens.
+/// Split-KV attention against the CPU reference: the same tolerance as batched prefill's own
+/// test (tests/gpu_prefill.rs: the prefilled K/V are rounded as prefill computes them), and the
+/// same greedy tokens.
 const TOL_SPLIT_KV: f64 = 1e-2;
 
-#[test]
-#[ignore = "needs a GPU"]
-fn split_kv_attention_matches_reference_at_long_positions() {
+/// Teacher-forces `prompt` (batched prefill) then `steps` on every baseline mode with a cache of
+/// `max_seq` positions, for a KV group of 3 at head_dim 64 and one of 2 at head_dim 128, and
+/// checks every position against the CPU reference within TOL_SPLIT_KV.
+fn check_split_kv(what: &str, seed: u64, prompt: &[u32], steps: &[u32], max_seq: usize) {
     let gpu = gpu();
-    const LEN: usize = 3000;
-    const MAX_SEQ: usize = 4096;
     for (label, cfg) in [
         ("hd64-gqa3", tiny(192, 3, 1, 64, 520)),
         ("hd128-gqa2", tiny(256, 4, 2, 128, 520)),
     ] {
-        let w = random_weights(&cfg, 31);
+        let w = random_weights(&cfg, seed);
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-        let prompt: Vec<u32> = (0..LEN as u32).map(|k| (k * 37 + 11) % 1000).collect();
-        let steps: Vec<u32> = vec![7, 300, 999, 42];
-        let mut cpu = CpuForward::new(&cfg, &w, MAX_SEQ);
-        let want = prompt_then_steps(&mut cpu, &prompt, &steps);
+        let mut cpu = CpuForward::new(&cfg, &w, max_seq);
+        let want = prompt_then_steps(&mut cpu, prompt, steps);
+        let first = prompt.len() - 1;
         for mode in MODES {
-            let mut path = BaselinePath::new(&gpu, &dm, mode, MAX_SEQ).unwrap();
-            let got = prompt_then_steps(&mut path, &prompt, &steps);
+            let mut path = BaselinePath::new(&gpu, &dm, mode, max_seq).unwrap();
+            let got = prompt_then_steps(&mut path, prompt, steps);
             let label = format!("{label} {}", mode.name());
-            let worst = check_positions(&label, &got, &want, LEN - 1, TOL_SPLIT_KV);
+            let worst = check_positions(&label, &got, &want, first, TOL_SPLIT_KV);
             println!(
-                "{label} split-KV, positions {}..{}: worst rel L2 {worst:.2e} (tolerance {TOL_SPLIT_KV:.0e})",
-                LEN - 1,
-                LEN - 1 + steps.len()
+                "{label} {what}, positions {first}..{}: worst rel L2 {worst:.2e} (tolerance \
+                 {TOL_SPLIT_KV:.0e})",
+                first + steps.len()
             );
         }
     }
+}
+
+/// A 3000-token prompt, then decode steps at positions 3000.. (128 parts for one KV head).
+#[test]
+#[ignore = "needs a GPU"]
+fn split_kv_attention_matches_reference_at_long_positions() {
+    let prompt: Vec<u32> = (0..3000u32).map(|k| (k * 37 + 11) % 1000).collect();
+    check_split_kv("split-KV", 31, &prompt, &[7, 300, 999, 42], 4096);
+}
+
+/// Split-KV with most parts empty: a cache sized for 4096 positions splits attention into as
+/// many parts as it will need then (128 for one KV head), while the sequence is still a few
+/// positions long, so most parts see no position and must leave the merge their empty state.
+#[test]
+#[ignore = "needs a GPU"]
+fn split_kv_attention_with_empty_parts_matches_reference() {
+    let steps: Vec<u32> = (0..40u32).map(|k| (k * 53 + 7) % 1000).collect();
+    check_split_kv(
+        "split-KV with empty parts",
+        37,
+        &[5, 900, 33, 12],
+        &steps,
+        4096,
+    );
 }
 
 fn qwen_cases() -> [(&'static str, Config); 3] {

@@ -155,6 +155,9 @@ __device__ __forceinline__ void gqa_part(const float* q, const bf16_t* k_cache, 
         ml[3 * g] = NEG_INF;
         ml[3 * g + 1] = 0.f;
     }
+    // A part with no positions (ntiles = 0) goes straight to its state, which other threads
+    // read from ml: the loop's barriers cannot be what orders that.
+    __syncthreads();
     float acc[GQ_MAX_O];
 #pragma unroll
     for (int i = 0; i < GQ_MAX_O; i++) acc[i] = 0.f;
