@@ -1,6 +1,6 @@
 //! The GPU decode paths behind one type, for `run` and `bench`.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use super::baseline::{BaselinePath, Mode};
 use super::device::Gpu;
@@ -107,9 +107,16 @@ impl<'g> GpuPath<'g> {
         let mode = match kind {
             PathKind::Megakernel => {
                 // One set of streams per context bucket up to max_seq: the split-KV parts
-                // follow the sequence as it grows.
+                // follow the sequence as it grows. MEGAINFER_MK_ATTN_PARTS (for measuring
+                // other splits) sets the parts per KV head instead, in one bucket.
+                let attn_parts = match std::env::var("MEGAINFER_MK_ATTN_PARTS") {
+                    Err(_) => None,
+                    Ok(v) => Some(v.parse::<usize>().ok().filter(|&n| n >= 1).with_context(
+                        || format!("MEGAINFER_MK_ATTN_PARTS: '{v}' is not a positive count"),
+                    )?),
+                };
                 return Ok(Self::Megakernel(Box::new(MegakernelPath::bucketed(
-                    gpu, model, max_seq, None,
+                    gpu, model, max_seq, attn_parts,
                 )?)));
             }
             PathKind::GraphPdl => Mode::GraphPdl,
