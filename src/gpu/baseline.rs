@@ -91,6 +91,19 @@ fn quant_smem(cols: usize) -> u32 {
     (cols.div_ceil(256) * 256 * 4) as u32
 }
 
+/// Split-KV parts per KV head for sequences expected to reach `expected` positions on `sms`
+/// SMs: 1 (no split: `bl_attention`) up to SPLIT_KV_FROM, then as ATT_PART_MIN says.
+fn attention_parts(expected: usize, kv_heads: usize, sms: usize) -> usize {
+    if expected <= SPLIT_KV_FROM {
+        return 1;
+    }
+    expected
+        .div_ceil(ATT_PART_MIN)
+        .min((2 * sms).div_ceil(kv_heads.max(1)))
+        .max(expected.div_ceil(ATT_PART_SPAN))
+        .clamp(2, MAX_ATT_PARTS)
+}
+
 /// Which steps the projections (`bl_mv`) fold in instead of running them as kernels of their
 /// own: the RMS norm into the input of QKV, gate/up and the LM head (each CTA computes rms(x)
 /// itself: with a grid of one or two CTAs per SM that is a few KiB of L2 reads per CTA, while
@@ -242,7 +255,6 @@ impl<'g> BaselinePath<'g> {
                 Kernel::load(&module, "bl_gemv_q4_1")?,
             ],
         };
-        // See ATT_PART_MIN.
         let group = c.num_heads / c.num_kv_heads;
         if group * c.head_dim > GQ_THREADS as usize * GQ_MAX_O {
             bail!(
@@ -252,16 +264,8 @@ impl<'g> BaselinePath<'g> {
                 c.head_dim
             );
         }
-        let expected = expected_len.min(max_seq);
-        let mut att_parts = if expected > SPLIT_KV_FROM {
-            expected
-                .div_ceil(ATT_PART_MIN)
-                .min((2 * gpu.sm_count).div_ceil(c.num_kv_heads))
-                .max(expected.div_ceil(ATT_PART_SPAN))
-                .clamp(2, MAX_ATT_PARTS)
-        } else {
-            1
-        };
+        let mut att_parts =
+            attention_parts(expected_len.min(max_seq), c.num_kv_heads, gpu.sm_count);
         // For measuring other splits at any length: 1 runs bl_attention (a block per query
         // head), 2 to MAX_ATT_PARTS split-KV with that many parts.
         if let Ok(v) = std::env::var("MEGAINFER_BASELINE_ATT_PARTS") {
@@ -1284,6 +1288,27 @@ impl OldGemv {
 mod tests {
     use super::*;
     use crate::model::presets;
+
+    /// The split rule at the lengths it was chosen from (BENCHMARKS.md, 2026-11-25, 132 SMs):
+    /// 8 KV heads (Llama-1B) and 3 (SmolLM2).
+    #[test]
+    fn attention_parts_follow_the_measured_rule() {
+        // No split up to SPLIT_KV_FROM (a 32-token prompt + 128 new: bl_attention measured
+        // faster), then one part per 32 positions.
+        assert_eq!(attention_parts(160, 8, 132), 1);
+        assert_eq!(attention_parts(SPLIT_KV_FROM, 8, 132), 1);
+        assert_eq!(attention_parts(256, 8, 132), 8);
+        assert_eq!(attention_parts(640, 8, 132), 20);
+        // At most two blocks per SM: 33 parts for 8 KV heads, 88 for 3.
+        assert_eq!(attention_parts(1128, 8, 132), 33);
+        assert_eq!(attention_parts(8191, 8, 132), 33);
+        assert_eq!(attention_parts(8191, 3, 132), 88);
+        // Unless parts would pass ATT_PART_SPAN positions: 128 at 32K, the most there are.
+        assert_eq!(attention_parts(32767, 8, 132), 128);
+        assert_eq!(attention_parts(131072, 8, 132), MAX_ATT_PARTS);
+        // Never fewer than two once split, whatever the GPU.
+        assert_eq!(attention_parts(SPLIT_KV_FROM + 1, 64, 1), 2);
+    }
 
     #[test]
     fn every_projection_gets_a_valid_geometry() {
