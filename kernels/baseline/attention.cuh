@@ -95,16 +95,17 @@ __device__ __forceinline__ void merge_warp_states(const float* st, int nwarps, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split-KV attention by KV head (flash-decoding over grouped queries), for long caches: block
-// (kv head kvh, part p) streams its part's K and V rows once, for all G = n_heads / n_kv query
-// heads that share them, instead of once per query head. Rows arrive by cp.async in tiles of
-// GQ_T positions, GQ_STAGES tiles in flight, so a block keeps tens of KiB of loads outstanding
-// whatever its compute does. Per tile: thread (g, j) scores position j for head g against K in
-// shared memory; warp g turns head g's scores into weights (online softmax: running max m,
-// sum l, and the factor corr that rescales the accumulators); thread (g, d) accumulates
-// output dim d of head g over the tile's V rows. The part's unnormalised state (m, l, acc)
-// goes to part_st ([head][part][2 + head_dim]: m, l, acc), and the last block of the KV head to finish
-// (an arrival counter, which it resets) merges the parts of its G heads into `out`: no merge
+// Split-KV attention by KV head (flash-decoding over grouped queries), for all but the
+// shortest caches (SPLIT_KV_FROM in src/gpu/baseline.rs): block (kv head kvh, part p) streams
+// its part's K and V rows once, for all G = n_heads / n_kv query heads that share them,
+// instead of once per query head. Rows arrive by cp.async in tiles of GQ_T positions,
+// GQ_STAGES tiles in flight, so a block keeps tens of KiB of loads outstanding whatever its
+// compute does. Per tile: thread (g, j) scores position j for head g against K in shared
+// memory; warp g turns head g's scores into weights (online softmax: running max m, sum l,
+// and the factor corr that rescales the accumulators); thread (g, d) accumulates output dim d
+// of head g over the tile's V rows. The part's unnormalised state goes to part_st
+// ([head][part][2 + head_dim]: m, l, acc), and the last block of the KV head to finish (an
+// arrival counter, which it resets) merges the parts of its G heads into `out`: no merge
 // kernel, so no extra kernel boundary per layer. Called after griddepcontrol.wait: the rows
 // (the newest among them) and q are the previous kernel's output.
 #define GQ_THREADS 256
