@@ -157,19 +157,7 @@ type Storage = fn(&str) -> Option<QuantType>;
 
 /// The seeds' llama metadata: one layer, 2 heads, 1 KV head, context 64.
 fn seed_metadata(h: u64, f: u64, v: u64) -> Gguf {
-    let mut g = Gguf::default();
-    g.set("general.architecture", Val::Str("llama".into()))
-        .set("general.alignment", Val::U32(32))
-        .set("llama.block_count", Val::U32(1))
-        .set("llama.context_length", Val::U32(64))
-        .set("llama.embedding_length", Val::U32(h as u32))
-        .set("llama.feed_forward_length", Val::U32(f as u32))
-        .set("llama.attention.head_count", Val::U32(2))
-        .set("llama.attention.head_count_kv", Val::U32(1))
-        .set("llama.rope.freq_base", Val::F32(10000.0))
-        .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
-        .set("llama.vocab_size", Val::U32(v as u32));
-    g
+    gguf_writer::llama_metadata(1, 64, h, f, 2, 1, v)
 }
 
 /// The GGUF type id of a block format.

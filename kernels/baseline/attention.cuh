@@ -113,14 +113,11 @@ __device__ __forceinline__ void merge_warp_states(const float* st, int nwarps, i
 #define GQ_STAGES 3   // tiles in shared memory
 #define GQ_MAX_O 4    // (head, dim) outputs per thread: G * head_dim <= GQ_THREADS * GQ_MAX_O
 
-// Shared memory of gqa_part for head_dim hd and g query heads per KV head, in bytes (the host's
-// copy of this formula is gqa_smem in src/gpu/baseline.rs).
-#define GQ_SMEM(hd, g) (2 * GQ_STAGES * GQ_T * ((hd) + 8) * 2 + ((g) * (hd) + (g) * GQ_T + 3 * (g)) * 4)
-
 template <int HD>
 __device__ __forceinline__ void gqa_part(const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
                                          float* part_st, u32* done, float* out, int len, int n_heads, int n_kv,
                                          int parts) {
+    // Dynamic shared memory as laid out below, sized by the host (gqa_smem, src/gpu/baseline.rs).
     extern __shared__ __align__(16) unsigned char gq_smem[];
     __shared__ int is_last;
     constexpr int RS = HD + 8;  // bf16 a row: 16 bytes of padding put 8 rows' chunks in distinct banks

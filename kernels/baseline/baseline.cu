@@ -479,8 +479,8 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
 }
 
 // Split-KV attention by KV head (gqa_part in attention.cuh): gridDim.x = n_kv * parts blocks of
-// GQ_THREADS, GQ_SMEM(head_dim, n_heads / n_kv) bytes of dynamic shared memory; done holds n_kv
-// arrival counters, 0 between launches.
+// GQ_THREADS, gqa_smem(head_dim, n_heads / n_kv) bytes of dynamic shared memory (host side);
+// done holds n_kv arrival counters, 0 between launches.
 extern "C" __global__ void __launch_bounds__(GQ_THREADS)
     bl_attention_kv(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* part_st, u32* done,
                     float* out, const TokenMeta* meta, int n_heads, int n_kv, int head_dim, int parts) {

@@ -63,9 +63,9 @@ const MAX_ATT_PARTS: usize = 128;
 const GQ_THREADS: u32 = 256;
 const GQ_MAX_O: usize = 4;
 
-/// Dynamic shared memory of `bl_attention_kv` (GQ_SMEM in kernels/baseline/attention.cuh: 3
-/// stages of 64-position K and V tiles, rows padded by 8 elements, then the group's queries,
-/// scores and softmax state).
+/// Dynamic shared memory of `bl_attention_kv` (the layout at the top of `gqa_part` in
+/// kernels/baseline/attention.cuh: GQ_STAGES = 3 stages of GQ_T = 64-position K and V tiles,
+/// rows padded by 8 elements, then the group's queries, scores and softmax state).
 fn gqa_smem(head_dim: usize, group: usize) -> usize {
     const TILE: usize = 64;
     const STAGES: usize = 3;

@@ -151,21 +151,37 @@ pub const TINY_FFN: u64 = 128;
 pub const TINY_KV_DIM: u64 = 32;
 pub const TINY_VOCAB: u64 = 32;
 
-/// A complete 2-layer llama model with F32 weights: 4 heads of 16, 2 kv heads, no tokenizer.
-pub fn tiny_llama() -> Gguf {
-    let (h, f, kv, v) = (TINY_HIDDEN, TINY_FFN, TINY_KV_DIM, TINY_VOCAB);
+/// A llama model's metadata and no tensors: `layers` blocks, context `context`, hidden `h`,
+/// feed-forward `f`, `heads` attention heads of which `kv_heads` for K/V, vocabulary `v`.
+/// Keys in a fixed order, so a file written from it is the same byte for byte every time.
+pub fn llama_metadata(
+    layers: u32,
+    context: u32,
+    h: u64,
+    f: u64,
+    heads: u32,
+    kv_heads: u32,
+    v: u64,
+) -> Gguf {
     let mut g = Gguf::default();
     g.set("general.architecture", Val::Str("llama".into()))
         .set("general.alignment", Val::U32(ALIGNMENT as u32))
-        .set("llama.block_count", Val::U32(2))
-        .set("llama.context_length", Val::U32(256))
+        .set("llama.block_count", Val::U32(layers))
+        .set("llama.context_length", Val::U32(context))
         .set("llama.embedding_length", Val::U32(h as u32))
         .set("llama.feed_forward_length", Val::U32(f as u32))
-        .set("llama.attention.head_count", Val::U32(4))
-        .set("llama.attention.head_count_kv", Val::U32(2))
+        .set("llama.attention.head_count", Val::U32(heads))
+        .set("llama.attention.head_count_kv", Val::U32(kv_heads))
         .set("llama.rope.freq_base", Val::F32(10000.0))
         .set("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5))
         .set("llama.vocab_size", Val::U32(v as u32));
+    g
+}
+
+/// A complete 2-layer llama model with F32 weights: 4 heads of 16, 2 kv heads, no tokenizer.
+pub fn tiny_llama() -> Gguf {
+    let (h, f, kv, v) = (TINY_HIDDEN, TINY_FFN, TINY_KV_DIM, TINY_VOCAB);
+    let mut g = llama_metadata(2, 256, h, f, 4, 2, v);
     let mut add = |name: String, dims: &[u64]| {
         let seed = g.tensors.len() as u64;
         g.add_tensor(&name, dims, 0, f32_data(dims.iter().product(), seed));
