@@ -96,6 +96,8 @@ fi
 # (LONG_128K=1) 128K on the Llama-3.2-1B shape and to 8K on SmolLM2, megakernel (profiled) and
 # graph, with the (weights + KV) floor; LONG_LENS overrides the Llama lengths.
 # BENCH=qwen (not in BENCH=1): the Qwen3-0.6B and Qwen2.5-0.5B shapes on every path.
+# BENCH=parts (not in BENCH=1): the megakernel's split-KV parts, OLD_BIN against this build on
+# PARTS_CASES, and forced part counts (PARTS_SWEEP); see the section below.
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
@@ -146,6 +148,29 @@ if [ "${BENCH:-0}" != 0 ]; then
         --paths "${LONG_PATHS:-megakernel,graph}" --profile > "$log" 2>&1
       echo "$preset context $len: $(grep -E '^device' "$log" | grep -oE 'floor [0-9.]+ ms/token')"
       grep -E "^\| (megakernel|graph|graph-pdl|eager) " "$log"
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",parts,"* ]]; then
+    # The megakernel's split-KV parts: OLD_BIN (if given) and this build alternating on each
+    # PRESET:PROMPT of PARTS_CASES (64 new tokens), then this build with the parts forced by
+    # MEGAINFER_MK_ATTN_PARTS for each PRESET:PROMPT:PARTS of PARTS_SWEEP.
+    for round in 1 2; do
+      for spec in ${PARTS_CASES:-smollm2-135m:8127 llama-3.2-1b:8127}; do
+        preset=${spec%%:*}; len=${spec##*:}
+        for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+          log="$OUT/bench-parts-$preset-$len-$(basename "$bin")-$round.log"
+          "$bin" bench --preset "$preset" --prompt-len "$len" --gen 64 --reps 2 \
+            --paths megakernel > "$log" 2>&1
+          echo "parts $preset $len $(basename "$bin") round $round: $(row "$log" megakernel)"
+        done
+      done
+    done
+    for spec in ${PARTS_SWEEP:-}; do
+      IFS=: read -r preset len parts <<< "$spec"
+      log="$OUT/bench-parts-sweep-$preset-$len-$parts.log"
+      MEGAINFER_MK_ATTN_PARTS=$parts "$MEGAINFER_BIN" bench --preset "$preset" \
+        --prompt-len "$len" --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
+      echo "parts $preset $len forced $parts: $(row "$log" megakernel)"
     done
   fi
   if [[ ",${BENCH:-}," == *",qwen,"* ]]; then

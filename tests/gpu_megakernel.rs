@@ -160,8 +160,8 @@ fn megakernel_attention_longer_than_the_page_ring() {
     }
 }
 
-/// Split-KV with many parts, merged by AttnReduce in batches: 44 parts (SmolLM2's count at 8K:
-/// one part per SM for 3 KV heads), 128 (the most the reduction takes) and 17 (not a multiple
+/// Split-KV with many parts, merged by AttnReduce in batches: 44 parts (one part per SM for 3
+/// KV heads), 128 (the most the reduction takes) and 17 (not a multiple
 /// of its batch of 16). Every position is a megakernel step from position 0, so early steps
 /// have more parts than positions (empty parts: max -inf, sum 0). Logits are compared with the
 /// CPU reference at several positions, the last past the page ring.

@@ -21,6 +21,13 @@ const ROW_GRANULE: usize = 4;
 /// keeps two floats per (query head, part) of a KV head in its attention scratch, which holds
 /// 128 parts.
 pub const MAX_ATTN_PARTS: usize = 128;
+/// What each split-KV part adds to its KV head's reduction, µs: `AttnReduce` reads every
+/// part's output, max and sum, 16 parts per round trip to L2. Fitted to the megakernel's
+/// times per token over the part counts measured on an H100 (SmolLM2 at 2K and 8K,
+/// Qwen2.5-0.5B, Llama-1B, Llama-3.2-3B and Qwen3-0.6B at 8K, Llama-1B at 32K), together with
+/// the 2 µs per instruction of [`CostModel::megakernel`]; without it the model filled every
+/// SM with parts, and few-KV-head shapes lost 6-16% to the extra reduction (BENCHMARKS.md).
+pub const REDUCE_PART_US: f64 = 0.15;
 
 /// Machine and workload figures the granularity and the time estimate are computed from.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -95,6 +102,11 @@ impl CostModel {
     pub fn fixed_cost_bytes(&self, gpu: &GpuShape) -> u64 {
         (self.latency_us * self.sm_bytes_per_us(gpu)).round() as u64
     }
+
+    /// [`REDUCE_PART_US`] as bytes one SM could have streamed meanwhile.
+    pub fn reduce_part_bytes(&self, gpu: &GpuShape) -> u64 {
+        (REDUCE_PART_US * self.sm_bytes_per_us(gpu)).round() as u64
+    }
 }
 
 /// How finely each stage is cut into instructions.
@@ -140,7 +152,13 @@ impl Options {
             upgate_rows: pick(down_chunks, chunk_len, 2 * 2 * h as u64, ROW_GRANULE),
             down_rows: pick(down_chunks, h, 2 * chunk_len as u64, ROW_GRANULE),
             down_chunks,
-            attn_parts: attn_parts(model, sms, fixed, cost.context.max(1)),
+            attn_parts: attn_parts(
+                model,
+                sms,
+                fixed,
+                cost.reduce_part_bytes(gpu),
+                cost.context.max(1),
+            ),
             lmhead_rows: pick(1, model.vocab, 2 * h as u64, ROW_GRANULE),
             fixed_cost_bytes: fixed,
             context: cost.context.max(1),
@@ -247,16 +265,16 @@ fn best_rows(
 }
 
 /// Split-KV partitions per KV head minimising the attention stage plus the reduction it then
-/// needs: `rounds × (part bytes + fixed) + reduction`, `rounds = ceil(kv_heads × parts / SMs)`.
-/// Every count up to [`MAX_ATTN_PARTS`] is a candidate, not only powers of two, so that a model
-/// with few KV heads still spreads its K/V over every SM (SmolLM2's 3 heads take 44 parts on
-/// 132 SMs: each SM streams 1/132 of the cache, as it does of the weights); ties go to fewer
-/// parts (one reduction input less). The reduction of each KV head is one instruction that
-/// reads its parts' outputs from L2 in a few batches, costed as one fixed cost.
-pub fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, context: usize) -> usize {
+/// needs: `rounds × (part bytes + fixed) + reduction`, `rounds = ceil(kv_heads × parts / SMs)`,
+/// the reduction a fixed cost plus `part` per part ([`REDUCE_PART_US`]). Every count up to
+/// [`MAX_ATTN_PARTS`] is a candidate, not only powers of two; the two terms meet where a part's
+/// share of the cache costs about what one more part costs the reduction (SmolLM2's 3 KV heads
+/// take 24 parts at 8K: 72 SMs stream the cache, rather than 132 SMs in 44 parts whose
+/// reduction costs more than the bytes saved). Ties go to fewer parts.
+pub fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, part: u64, context: usize) -> usize {
     let mut best = (u64::MAX, 1);
     for parts in 1..=MAX_ATTN_PARTS.min(context.max(1)) {
-        let cost = attn_stage_cost(model, sms, fixed, context, parts);
+        let cost = attn_stage_cost(model, sms, fixed, part, context, parts);
         if cost < best.0 {
             best = (cost, parts);
         }
@@ -265,11 +283,13 @@ pub fn attn_parts(model: &ModelShape, sms: usize, fixed: u64, context: usize) ->
 }
 
 /// The cost model's figure for the attention stage (and its reduction) with `parts` per KV
-/// head at `context` positions, in bytes-equivalent on the most loaded SM.
+/// head at `context` positions, in bytes-equivalent on the most loaded SM; `part` is what each
+/// part adds to the reduction.
 pub fn attn_stage_cost(
     model: &ModelShape,
     sms: usize,
     fixed: u64,
+    part: u64,
     context: usize,
     parts: usize,
 ) -> u64 {
@@ -279,7 +299,7 @@ pub fn attn_stage_cost(
     let attn =
         (kv * parts).div_ceil(sms.max(1)) as u64 * (head_bytes.div_ceil(parts as u64) + fixed);
     let reduce = if parts > 1 {
-        kv.div_ceil(sms.max(1)) as u64 * fixed
+        kv.div_ceil(sms.max(1)) as u64 * (fixed + parts as u64 * part)
     } else {
         0
     };
