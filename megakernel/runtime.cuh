@@ -310,8 +310,16 @@ struct TileGeom {
 #ifndef MK_INFLIGHT_STREAM
 #define MK_INFLIGHT_STREAM 4
 #endif
+// Attention's K/V tiles may take their own limits (for measuring; the defaults are the weights').
+#ifndef MK_INFLIGHT_ATT
+#define MK_INFLIGHT_ATT MK_INFLIGHT
+#endif
+#ifndef MK_INFLIGHT_ATT_STREAM
+#define MK_INFLIGHT_ATT_STREAM MK_INFLIGHT_STREAM
+#endif
+template <u32 AHEAD = MK_INFLIGHT, u32 STREAM = MK_INFLIGHT_STREAM>
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {
-    const u32 limit = current_instr() == instr ? MK_INFLIGHT_STREAM : MK_INFLIGHT;
+    const u32 limit = current_instr() == instr ? STREAM : AHEAD;
     if (limit >= (u32)p.pages || seq < limit) return true;
     const u32 s = seq - limit;
     return page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_LOADER, instr, s);

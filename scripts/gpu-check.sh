@@ -98,6 +98,8 @@ fi
 # BENCH=qwen (not in BENCH=1): the Qwen3-0.6B and Qwen2.5-0.5B shapes on every path.
 # BENCH=parts (not in BENCH=1): the megakernel's split-KV parts, OLD_BIN against this build on
 # PARTS_CASES, and forced part counts (PARTS_SWEEP); see the section below.
+# BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
+# MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
@@ -153,8 +155,9 @@ if [ "${BENCH:-0}" != 0 ]; then
   if [[ ",${BENCH:-}," == *",parts,"* ]]; then
     # The megakernel's split-KV parts: OLD_BIN (if given) and this build alternating on each
     # PRESET:PROMPT of PARTS_CASES (64 new tokens), then this build with the parts forced by
-    # MEGAINFER_MK_ATTN_PARTS for each PRESET:PROMPT:PARTS of PARTS_SWEEP.
-    for round in 1 2; do
+    # MEGAINFER_MK_ATTN_PARTS for each PRESET:PROMPT:PARTS of PARTS_SWEEP. PARTS_ROUNDS
+    # (default 2) sets the rounds.
+    for round in $(seq "${PARTS_ROUNDS:-2}"); do
       for spec in ${PARTS_CASES:-smollm2-135m:8127 llama-3.2-1b:8127}; do
         preset=${spec%%:*}; len=${spec##*:}
         for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
@@ -171,6 +174,23 @@ if [ "${BENCH:-0}" != 0 ]; then
       MEGAINFER_MK_ATTN_PARTS=$parts "$MEGAINFER_BIN" bench --preset "$preset" \
         --prompt-len "$len" --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
       echo "parts $preset $len forced $parts: $(row "$log" megakernel)"
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",defines,"* ]]; then
+    # Megakernel variants of this build: each entry of DEFINES (separated by ';', an empty
+    # entry is the default build) as MEGAINFER_MK_DEFINES on each PRESET:PROMPT of
+    # DEFINES_CASES (64 new tokens), two rounds.
+    IFS=';' read -r -a variants <<< "${DEFINES:-}"
+    for round in 1 2; do
+      for spec in ${DEFINES_CASES:-llama-3.2-1b:8127}; do
+        preset=${spec%%:*}; len=${spec##*:}
+        for v in "${variants[@]}"; do
+          log="$OUT/bench-defines-$preset-$len-$(echo "$v" | tr -c 'A-Za-z0-9_=\n' _)-$round.log"
+          MEGAINFER_MK_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len "$len" \
+            --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
+          echo "defines $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
+        done
+      done
     done
   fi
   if [[ ",${BENCH:-}," == *",qwen,"* ]]; then

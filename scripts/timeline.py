@@ -14,7 +14,7 @@ import statistics as st
 import sys
 from collections import defaultdict
 
-ORDER = ["RmsQkvRope", "Attention", "OProjResidual", "RmsUpGateSilu", "DownProjResidual"]
+ORDER = ["RmsQkvRope", "Attention", "AttnReduce", "OProjResidual", "RmsUpGateSilu", "DownProjPartial"]
 STAMPS = ("start", "prepared", "tiles", "stored", "extra1", "extra2")
 
 
@@ -38,7 +38,7 @@ def main(path):
             attention.append(t)
     chain = defaultdict(list)
     for (step, layer), kinds in by_layer.items():
-        prev = by_layer.get((step, layer - 1), {}).get("DownProjResidual")
+        prev = by_layer.get((step, layer - 1), {}).get("DownProjPartial")
         if not prev:
             continue
         t0 = max(x[3] for x in prev)

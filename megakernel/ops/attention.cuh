@@ -61,7 +61,7 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 ins
         if (lane == 0) note(p, 3, seq);
         const u32 bytes = (u32)min(ATT_TR, a.cached_end - r0) * ATT_HD * 2;
         if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
-        if (!inflight_wait(p, full, seq, instr)) return false;
+        if (!inflight_wait<MK_INFLIGHT_ATT, MK_INFLIGHT_ATT_STREAM>(p, full, seq, instr)) return false;
         if (lane == 0) mbar_expect_tx(&full[slot], 2 * bytes);
         __syncwarp();
         bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
@@ -437,6 +437,65 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     return ntiles;
 }
 
+// Qwen3's q/k norms (MK_QK_NORM, from the host: 0 unless the model has them). A head's RMS
+// norm spans all its rows, which QKV instructions may split, so RmsQkvRope leaves q and k raw
+// and attention, which reads whole heads, norms and rotates them here: warp g takes head g
+// (the last part also this token's K row, as head G), each lane the rotation pairs lane + 32k.
+// It writes the finished K row (bf16) into the cache at pos for later launches; nothing in
+// this launch reads that copy (this step's attention has it in kn).
+#if MK_QK_NORM
+constexpr int ATT_NORM_PAIRS = ATT_HD / 64;  // rotation pairs per lane
+struct QkRope {
+    float s[ATT_NORM_PAIRS], c[ATT_NORM_PAIRS];
+};
+
+__device__ __forceinline__ QkRope qk_rope_of(const MkParams& p, u32 pos) {
+    QkRope r;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < ATT_NORM_PAIRS; k++) rope_sincos(pos, p.inv_freq[lane + 32 * k], &r.s[k], &r.c[k]);
+    return r;
+}
+
+__device__ __forceinline__ void attn_qk_norm(const MkParams& p, const LayerW& L, const QkRope& r, int layer, int kvh, u32 pos,
+                             float* qs, float* kn, bool has_new) {
+    constexpr int hd = ATT_HD, G = ATT_G, half = hd / 2;
+    const int cw = (threadIdx.x - 32) >> 5, lane = threadIdx.x & 31;
+    for (int g = cw; g < G + (has_new ? 1 : 0); g += CONSUMER_WARPS) {
+        const bool is_k = g == G;
+        float* v = is_k ? kn : qs + g * hd;
+        const bf16_t* weight = is_k ? L.k_norm : L.q_norm;
+        float x[ATT_NORM_PAIRS], y[ATT_NORM_PAIRS], ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < ATT_NORM_PAIRS; k++) {
+            x[k] = v[lane + 32 * k];
+            y[k] = v[half + lane + 32 * k];
+            ss += x[k] * x[k] + y[k] * y[k];
+        }
+        const float inv_rms = rsqrtf(warp_sum(ss) / hd + p.eps);
+        bf16_t* cache = is_k ? (bf16_t*)kv_row(p, p.k_cache, layer, kvh, pos) : nullptr;
+#pragma unroll
+        for (int k = 0; k < ATT_NORM_PAIRS; k++) {
+            const int i = lane + 32 * k;
+            const float xn = x[k] * inv_rms * bf16_to_f32(weight[i]);
+            const float yn = y[k] * inv_rms * bf16_to_f32(weight[half + i]);
+            float a = xn * r.c[k] - yn * r.s[k], b = yn * r.c[k] + xn * r.s[k];
+            if (is_k) {
+                // The cache keeps bf16; this step uses the same rounded values.
+                const bf16_t ha = f32_to_bf16(a), hb = f32_to_bf16(b);
+                cache[i] = ha;
+                cache[half + i] = hb;
+                a = bf16_to_f32(ha);
+                b = bf16_to_f32(hb);
+            }
+            v[i] = a;
+            v[half + i] = b;
+        }
+    }
+}
+
+#endif
+
 // Returns how many of the ring's tiles (staged K/V) it consumed.
 __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m, u32 instr, u32 seq,
                             const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof) {
@@ -444,6 +503,9 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     const int ct = threadIdx.x - 32;
     const int layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, m.pos);
+#if MK_QK_NORM
+    const QkRope qk_rope = qk_rope_of(p, m.pos);
+#endif
     float* S = scratch;
     float* partial = scratch + ATT_OFF_PART;
     float* out = scratch + ATT_OFF_OUT;
@@ -478,6 +540,12 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         }
     }
     if (consumers_failed()) return ntiles;
+#if MK_QK_NORM
+    if (n > 0 || a.has_new) {
+        attn_qk_norm(p, p.layers[layer], qk_rope, layer, kvh, m.pos, qs, kn, a.has_new);
+        consumers_sync();
+    }
+#endif
     if (ct == 0 && prof) prof[PROF_PREPARED] = global_ns();
     if (n == 0 && !a.has_new) {
         // A part with no position (more parts than positions): an empty softmax.

@@ -59,6 +59,8 @@ pub enum Op {
     /// (`head < heads`: Q; `< heads + kv_heads`: K head `head - heads`; else V head
     /// `head - heads - kv_heads`). RoPE at `pos` (rotate_half: row `i` pairs with
     /// `i + head_dim/2`) for Q and K, none for V. Q goes to `q[l]`, K/V to the cache row `pos`.
+    /// With q/k norms ([`ModelShape::qk_norm`]) Q and K are stored raw, neither normed nor
+    /// rotated: `Attention` does both on whole heads.
     RmsQkvRope {
         layer: u32,
         head: u32,
@@ -70,7 +72,9 @@ pub enum Op {
     /// run time). With `parts == 1` it writes `attn_out`; otherwise it writes, per head, the
     /// normalised partial output to `attn_part` and (max score, Σ exp(score − max)) to
     /// `attn_stats`. An empty range writes max = −∞, sum = 0 and a zero output. Only the
-    /// last part reads row `pos` of the cache.
+    /// last part reads row `pos` of the cache. With q/k norms it first norms and rotates its
+    /// query heads, and the last part this token's K row, which it also stores in the bf16
+    /// cache for later tokens (no instruction of this token reads that copy).
     Attention {
         layer: u32,
         kv_head: u32,

@@ -143,11 +143,7 @@ impl Options {
             best_rows(segments, len, bytes_per_row, fixed, sms, granule)
         };
         Options {
-            qkv_pairs: if model.qk_norm {
-                hd / 2
-            } else {
-                pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2)
-            },
+            qkv_pairs: pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2),
             oproj_rows: pick(1, h, 2 * model.q_dim() as u64, ROW_GRANULE),
             upgate_rows: pick(down_chunks, chunk_len, 2 * 2 * h as u64, ROW_GRANULE),
             down_rows: pick(down_chunks, h, 2 * chunk_len as u64, ROW_GRANULE),
@@ -184,13 +180,6 @@ impl Options {
         if self.qkv_pairs > model.head_dim / 2 {
             return bad(format!(
                 "qkv_pairs = {} exceeds head_dim/2 = {}",
-                self.qkv_pairs,
-                model.head_dim / 2
-            ));
-        }
-        if model.qk_norm && self.qkv_pairs != model.head_dim / 2 {
-            return bad(format!(
-                "qkv_pairs = {}: a model with q/k norms needs whole heads, qkv_pairs = {}",
                 self.qkv_pairs,
                 model.head_dim / 2
             ));

@@ -16,8 +16,10 @@ pub struct ModelShape {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub vocab: usize,
-    /// An RMS norm over each q and k head before RoPE (Qwen3): its sum of squares spans the
-    /// head, so every `RmsQkvRope` must cover a whole head (`qkv_pairs = head_dim / 2`).
+    /// An RMS norm over each q and k head before RoPE (Qwen3). Its sum of squares spans the
+    /// head, so `RmsQkvRope` leaves q and k raw (neither normed nor rotated) and `Attention`,
+    /// which reads whole heads, applies the norm and RoPE; any cut of the heads into
+    /// instructions computes the same.
     #[serde(default)]
     pub qk_norm: bool,
 }

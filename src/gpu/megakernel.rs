@@ -124,8 +124,8 @@ impl<'g> MegakernelPath<'g> {
         max_seq: usize,
     ) -> Result<Self> {
         let c = &model.config;
-        // The schedule's shape carries the model's features the instructions depend on (a q/k
-        // norm needs whole heads per QKV instruction, which the scheduler checks).
+        // The schedule's shape carries the model's features the instructions depend on (with
+        // q/k norms, QKV leaves q and k raw and attention norms and rotates them).
         let shape = crate::reference::sliced::shape_of(c);
         if let Some((_, s)) = buckets.iter().find(|(_, s)| s.model != shape) {
             bail!(

@@ -48,6 +48,9 @@ pub struct SlicedMachine<'a> {
     q: Vec<Vec<f32>>,
     /// Per layer `[max_seq, kv_dim]`, the layout of `CpuForward`'s cache.
     k_cache: Vec<Vec<f32>>,
+    /// Per layer this token's K row as `RmsQkvRope` leaves it for a model with q/k norms
+    /// (raw; `Attention` norms, rotates and caches it), as the megakernel's `kv_new`.
+    k_new: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
     attn_part: Vec<Vec<f32>>,
     attn_stats: Vec<Vec<f32>>,
@@ -77,6 +80,13 @@ impl<'a> SlicedMachine<'a> {
                 shape_of(cfg)
             );
         }
+        if cfg.qk_norm
+            && w.layers
+                .iter()
+                .any(|lw| lw.q_norm.is_none() || lw.k_norm.is_none())
+        {
+            bail!("sliced executor: the config has q/k norms, a layer's weights lack them");
+        }
         let (l, h, q_dim) = (cfg.num_layers, cfg.hidden_size, cfg.q_dim());
         let chunks = schedule.options.down_chunks;
         let parts = schedule.options.attn_parts;
@@ -91,6 +101,7 @@ impl<'a> SlicedMachine<'a> {
             token_out: [POISON_TOKEN; 2],
             q: per_layer(q_dim),
             k_cache: per_layer(max_seq * cfg.kv_dim()),
+            k_new: per_layer(cfg.kv_dim()),
             v_cache: per_layer(max_seq * cfg.kv_dim()),
             attn_part: per_layer(if parts > 1 { q_dim * parts } else { 0 }),
             attn_stats: per_layer(if parts > 1 {
@@ -120,6 +131,7 @@ impl<'a> SlicedMachine<'a> {
         for l in 0..self.cfg.num_layers {
             nan(&mut self.q[l]);
             self.k_cache[l][pos * kv_dim..(pos + 1) * kv_dim].fill(f32::NAN);
+            nan(&mut self.k_new[l]);
             self.v_cache[l][pos * kv_dim..(pos + 1) * kv_dim].fill(f32::NAN);
             nan(&mut self.attn_part[l]);
             nan(&mut self.attn_stats[l]);
@@ -182,8 +194,8 @@ impl<'a> SlicedMachine<'a> {
         };
         let mut out = rows(lo);
         out.extend(rows(hi));
-        // Qwen's steps before RoPE on these rows: the biases, then (the schedule gives models
-        // with q/k norms whole heads, checked by the scheduler) the head's RMS norm.
+        // Qwen2's biases on these rows. Qwen3's q/k norms span the head: q and k stay raw
+        // here, and `attention` norms and rotates them.
         if let Some(b) = &lw.qkv_bias {
             let bias = if head < c.num_heads {
                 &b.q
@@ -201,15 +213,14 @@ impl<'a> SlicedMachine<'a> {
                 });
             }
         }
-        let norm = match (head < c.num_heads, rotate) {
-            (true, _) => lw.q_norm.as_ref(),
-            (false, true) => lw.k_norm.as_ref(),
-            _ => None,
-        };
-        if let Some(w) = norm {
-            out = rmsnorm(&out, w, c.rms_norm_eps);
+        let raw = rotate && c.qk_norm;
+        if raw && head >= c.num_heads {
+            let row = &mut self.k_new[layer][lo..hi + pair_count];
+            row[..pair_count].copy_from_slice(&out[..pair_count]);
+            row[half..].copy_from_slice(&out[pair_count..]);
+            return;
         }
-        if rotate {
+        if rotate && !raw {
             // A head of 2·pair_count elements pairs i with i + pair_count: exactly the pairs
             // pair_start + i of the full head, with their frequencies.
             rope(
@@ -241,13 +252,41 @@ impl<'a> SlicedMachine<'a> {
         }
     }
 
+    /// Qwen3's q or k head as the reference has it before attention: RMS-normed over the
+    /// head with `weight`, then rotated.
+    fn norm_rope(&self, raw: &[f32], weight: &[bf16]) -> Vec<f32> {
+        let mut x = rmsnorm(raw, weight, self.cfg.rms_norm_eps);
+        rope(&mut x, self.pos, &self.inv_freq);
+        x
+    }
+
     fn attention(&mut self, layer: usize, kv_head: usize, part: usize, parts: usize) {
         let c = self.cfg;
         let (hd, kv_dim, group) = (c.head_dim, c.kv_dim(), c.num_heads / c.num_kv_heads);
         let len = self.pos + 1;
+        let lw = &self.w.layers[layer];
+        let qk_norm = lw
+            .q_norm
+            .as_ref()
+            .zip(lw.k_norm.as_ref())
+            .filter(|_| c.qk_norm);
+        if let (Some((_, kw)), true) = (qk_norm, part + 1 == parts) {
+            // The part that reads this token's K row finishes it and caches it.
+            let cols = kv_head * hd..(kv_head + 1) * hd;
+            let k = self.norm_rope(&self.k_new[layer][cols.clone()], kw);
+            let at = self.pos * kv_dim;
+            for (d, x) in self.k_cache[layer][at + cols.start..at + cols.end]
+                .iter_mut()
+                .zip(k)
+            {
+                *d = round_bf16(x);
+            }
+        }
         let (k, v) = (&self.k_cache[layer], &self.v_cache[layer]);
         for head in kv_head * group..(kv_head + 1) * group {
-            let q = &self.q[layer][head * hd..(head + 1) * hd];
+            let raw = &self.q[layer][head * hd..(head + 1) * hd];
+            let normed = qk_norm.map(|(qw, _)| self.norm_rope(raw, qw));
+            let q = normed.as_deref().unwrap_or(raw);
             if parts == 1 {
                 let out = attend(q, k, v, kv_dim, kv_head * hd, len);
                 self.attn_out[layer][head * hd..(head + 1) * hd].copy_from_slice(&out);
