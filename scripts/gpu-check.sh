@@ -179,9 +179,9 @@ if [ "${BENCH:-0}" != 0 ]; then
   if [[ ",${BENCH:-}," == *",defines,"* ]]; then
     # Megakernel variants of this build: each entry of DEFINES (separated by ';', an empty
     # entry is the default build) as MEGAINFER_MK_DEFINES on each PRESET:PROMPT of
-    # DEFINES_CASES (64 new tokens), two rounds.
+    # DEFINES_CASES (64 new tokens), DEFINES_ROUNDS rounds (default 2).
     IFS=';' read -r -a variants <<< "${DEFINES:-}"
-    for round in 1 2; do
+    for round in $(seq "${DEFINES_ROUNDS:-2}"); do
       for spec in ${DEFINES_CASES:-llama-3.2-1b:8127}; do
         preset=${spec%%:*}; len=${spec##*:}
         for v in "${variants[@]}"; do
