@@ -100,6 +100,7 @@ fi
 # PARTS_CASES, and forced part counts (PARTS_SWEEP); see the section below.
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
+# BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
@@ -189,6 +190,21 @@ if [ "${BENCH:-0}" != 0 ]; then
           MEGAINFER_MK_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len "$len" \
             --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
           echo "defines $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
+        done
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",run,"* ]]; then
+    # `megainfer run` on the default model as a user runs it (tokens streamed to stdout, the
+    # stats line on stderr): OLD_BIN (if given) and this build alternating, RUN_ROUNDS rounds
+    # (default 3) on each path of RUN_PATHS, RUN_TOKENS new tokens (default 256).
+    for round in $(seq "${RUN_ROUNDS:-3}"); do
+      for path in ${RUN_PATHS:-megakernel}; do
+        for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+          log="$OUT/run-$path-$(basename "$bin")-$round.log"
+          "$bin" run --device cuda --path "$path" -n "${RUN_TOKENS:-256}" ${RUN_ARGS:-} \
+            -p "${RUN_PROMPT:-Write a long story about a lighthouse keeper.}" > "$log.out" 2> "$log"
+          echo "run $path $(basename "$bin") round $round: $(grep -E 'decode:' "$log" | tail -1)"
         done
       done
     done

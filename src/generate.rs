@@ -28,6 +28,45 @@ pub trait Backend {
     fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
         Ok(sampler.sample(&self.feed(&[token])?))
     }
+
+    /// Generates up to `max` tokens after `first`, which is fed first (`sampler`'s context
+    /// already ends with it), handing each to `on` as soon as it exists; `on` returns whether
+    /// to go on. Afterwards the last token handed over is not fed. GPU paths override this to
+    /// keep steps queued ahead of the host's work per token.
+    fn decode_stream(
+        &mut self,
+        first: u32,
+        max: usize,
+        sampler: &mut Sampler,
+        on: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        decode_one_by_one(self, first, max, sampler, on)
+    }
+}
+
+/// [`Backend::decode_stream`] one step at a time: each token is fed only once `on` has taken
+/// the one before.
+pub fn decode_one_by_one<B: Backend + ?Sized>(
+    backend: &mut B,
+    first: u32,
+    max: usize,
+    sampler: &mut Sampler,
+    on: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    let greedy = sampler.params().is_greedy();
+    let mut token = first;
+    for k in 0..max {
+        token = if greedy {
+            backend.feed_greedy(token)?
+        } else {
+            backend.feed_sampled(token, sampler)?
+        };
+        if !on(token)? || k + 1 == max {
+            break;
+        }
+        sampler.accept(&[token]);
+    }
+    Ok(())
 }
 
 impl Backend for CpuForward<'_> {
@@ -132,35 +171,34 @@ pub fn generate_after(
     if max_tokens == 0 {
         return Ok(stats);
     }
-    let greedy = sampler.params().is_greedy();
     let generating = crate::interrupt::Generating::begin();
     sampler.reset();
     sampler.accept(cached);
     sampler.accept(prompt);
     let logits = backend.feed(prompt)?;
-    let mut token = sampler.sample(&logits);
+    let first = sampler.sample(&logits);
     stats.time_to_first_token = start.elapsed();
     let decode_start = Instant::now();
-    loop {
+    // Takes each new token; false once the generation is over.
+    let mut take = |token: u32| -> Result<bool> {
         stats.generated += 1;
         on_token(token)?;
         if eos.contains(&token) {
             stats.stopped_on_eos = true;
-            break;
+            return Ok(false);
         }
         if stats.generated == max_tokens {
-            break;
+            return Ok(false);
         }
         if generating.stop_requested() {
             stats.interrupted = true;
-            break;
+            return Ok(false);
         }
-        sampler.accept(&[token]);
-        token = if greedy {
-            backend.feed_greedy(token)?
-        } else {
-            backend.feed_sampled(token, sampler)?
-        };
+        Ok(true)
+    };
+    if take(first)? {
+        sampler.accept(&[first]);
+        backend.decode_stream(first, max_tokens - 1, sampler, &mut take)?;
     }
     stats.decode_time = decode_start.elapsed();
     Ok(stats)

@@ -371,3 +371,80 @@ fn every_fusion_choice_matches_reference() {
         .to_string();
     assert!(err.contains("bogus"), "{err}");
 }
+
+/// A streamed generation (steps queued ahead of the host's work per token) gives the tokens
+/// that one step at a time gives, on every path, greedy and sampled on the device; stopped
+/// mid-way (with steps already queued past the stop), the sequence continues from the token
+/// where it stopped exactly as an uninterrupted run does.
+#[test]
+#[ignore = "needs a GPU"]
+fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
+    use megainfer::gpu::paths::{GpuPath, PathKind};
+    use megainfer::sampling::{Sampler, SamplingParams};
+    let gpu = gpu();
+    let cfg = tiny(192, 9, 3, 64, 520);
+    let w = random_weights(&cfg, 57);
+    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+    let prompt: Vec<u32> = (0..20u32).map(|k| (k * 37 + 5) % 1000).collect();
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        repeat_penalty: 1.1,
+        seed: 7,
+        ..SamplingParams::greedy()
+    };
+    const N: usize = 24;
+    const STOP: usize = 7;
+    for params in [SamplingParams::greedy(), sampled] {
+        for kind in PathKind::ALL {
+            let label = format!("{} T={}", kind.name(), params.temperature);
+            // One step at a time: the reference sequence of N tokens after the prompt.
+            let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+            let mut sampler = Sampler::new(params);
+            sampler.accept(&prompt);
+            let first = sampler.sample(&path.feed(&prompt).unwrap());
+            sampler.accept(&[first]);
+            let mut want = Vec::new();
+            let mut t = first;
+            for _ in 0..N {
+                t = if params.temperature == 0.0 {
+                    path.feed_greedy(t).unwrap()
+                } else {
+                    path.feed_sampled(t, &sampler).unwrap()
+                };
+                sampler.accept(&[t]);
+                want.push(t);
+            }
+            // Streamed, stopped after STOP tokens, then streamed again from where it stopped.
+            let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+            let mut sampler = Sampler::new(params);
+            sampler.accept(&prompt);
+            let first2 = sampler.sample(&path.feed(&prompt).unwrap());
+            assert_eq!(first2, first, "{label}: first token");
+            sampler.accept(&[first]);
+            let mut got = Vec::new();
+            path.decode_stream(first, N, &mut sampler, &mut |t| {
+                got.push(t);
+                Ok(got.len() < STOP)
+            })
+            .unwrap();
+            assert_eq!(
+                got,
+                want[..STOP],
+                "{label}: streamed tokens before the stop"
+            );
+            let last = *got.last().unwrap();
+            sampler.accept(&[last]);
+            path.decode_stream(last, N - STOP, &mut sampler, &mut |t| {
+                got.push(t);
+                Ok(true)
+            })
+            .unwrap();
+            println!(
+                "{label}: {} streamed tokens equal the stepwise run's",
+                got.len()
+            );
+            assert_eq!(got, want, "{label}: streamed tokens after resuming");
+        }
+    }
+}

@@ -9,6 +9,10 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZero
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// Reads single tokens back while `stream` runs the steps after them
+    /// (`stepping::decode_stream`); it only reads what a step recorded on `stream` has written,
+    /// after waiting for that step's event.
+    pub copy_stream: Arc<CudaStream>,
     pub name: String,
     pub sm_count: usize,
     pub compute_capability: (i32, i32),
@@ -22,11 +26,13 @@ impl Gpu {
         super::require()?;
         let ctx =
             CudaContext::new(ordinal).map_err(|e| anyhow!("cannot open GPU {ordinal}: {e}"))?;
-        // Buffers are ordered by our single stream; cudarc's per-buffer events would also be
-        // captured into graphs, which capture forbids.
-        // SAFETY: every launch and copy goes through `stream`, which orders them.
+        // Buffers are ordered by our streams' explicit order; cudarc's per-buffer events would
+        // also be captured into graphs, which capture forbids.
+        // SAFETY: every launch and write goes through `stream`, which orders them; the one
+        // use of `copy_stream`, a read, waits for an event recorded on `stream` after the write.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
+        let copy_stream = ctx.new_stream()?;
         let attr = |a| {
             ctx.attribute(a)
                 .map_err(|e| anyhow!("cuDeviceGetAttribute: {e}"))
@@ -48,6 +54,7 @@ impl Gpu {
             total_memory: total,
             ctx,
             stream,
+            copy_stream,
         })
     }
 

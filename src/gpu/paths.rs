@@ -233,4 +233,21 @@ impl Backend for GpuPath<'_> {
     fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
         Ok(self.decode_sampled(sampler, token, 1)?[0])
     }
+
+    fn decode_stream(
+        &mut self,
+        first: u32,
+        max: usize,
+        sampler: &mut Sampler,
+        on: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        match self {
+            Self::Megakernel(p) => {
+                super::stepping::decode_stream(p.as_mut(), first, max, sampler, on)
+            }
+            Self::Baseline(p) => {
+                super::stepping::decode_stream(p.as_mut(), first, max, sampler, on)
+            }
+        }
+    }
 }

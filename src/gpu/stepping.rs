@@ -262,28 +262,126 @@ pub fn decode_sampled<S: Steps>(
         return Ok(out);
     }
     s.seq().check_room(n)?;
-    if s.seq().meta_current != Some(token) || !s.seq().history_synced {
-        // The host fed these positions (the prompt): the penalty's window, the tokens before
-        // `start`, is not in the device history yet.
-        let p = sampler.params();
-        if p.penalises() {
-            let from = start.saturating_sub(p.repeat_last_n.saturating_sub(1));
-            let window = ctx[from..start].to_vec();
-            if !window.is_empty() {
-                let stream = s.gpu().stream.clone();
-                let hist = s.history_mut().expect("a device sampler keeps a history");
-                let mut view = hist.slice_mut(from..start);
-                stream.memcpy_htod(&window, &mut view)?;
-            }
-        }
-        s.write_meta(token, start)?;
-    }
+    start_sampled_chain(s, sampler, token)?;
     for _ in 0..n {
         s.launch_sampled_step()?;
     }
     let out = finish_chained(s, start, n, "sampler")?;
     s.seq().history_synced = true;
     Ok(out)
+}
+
+/// Makes the device ready for sampled steps chained from `token` at the sequence's position
+/// (after `prepare_sampling` returned true): the token meta, and the penalty's window in the
+/// device history when the host fed the positions before (the prompt).
+fn start_sampled_chain<S: Steps>(s: &mut S, sampler: &Sampler, token: u32) -> Result<()> {
+    let start = s.seq().pos;
+    if s.seq().meta_current == Some(token) && s.seq().history_synced {
+        return Ok(());
+    }
+    let p = sampler.params();
+    if p.penalises() {
+        let from = start.saturating_sub(p.repeat_last_n.saturating_sub(1));
+        let window = sampler.context()[from..start].to_vec();
+        if !window.is_empty() {
+            let stream = s.gpu().stream.clone();
+            let hist = s.history_mut().expect("a device sampler keeps a history");
+            let mut view = hist.slice_mut(from..start);
+            stream.memcpy_htod(&window, &mut view)?;
+        }
+    }
+    s.write_meta(token, start)
+}
+
+/// Steps a streamed generation keeps queued ahead of the token the host is handling: enough
+/// that the GPU never waits for the host's per-token work (reading the token, detokenising,
+/// printing, the next launches), few enough that little is computed past a stop.
+pub const STREAM_AHEAD: usize = 4;
+
+/// Generates up to `max` tokens after `first` (fed at the sequence's position; `sampler`'s
+/// context already ends with it), each handed to `on` as soon as the GPU has it; `on` returns
+/// whether to go on. Steps chain on the device (the greedy argmax or the device sampler feeds
+/// the next step) and up to [`STREAM_AHEAD`] are queued beyond the token being handled, so the
+/// host's work per token overlaps the GPU's instead of leaving it idle between steps. Each
+/// token is read on the GPU's copy stream once its step has finished (an event), while the
+/// compute stream runs on. Steps queued past a stop computed positions the sequence then drops
+/// (their K/V rows are overwritten before anything reads them). A generation that could pass
+/// the context, or a path that samples on the host, goes one step at a time.
+pub fn decode_stream<S: Steps>(
+    s: &mut S,
+    first: u32,
+    max: usize,
+    sampler: &mut Sampler,
+    on: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    check_tokens(&[first], s.vocab())?;
+    let greedy = sampler.params().is_greedy();
+    let start = s.seq().pos;
+    let chained = greedy || s.prepare_sampling(sampler.params())?;
+    if !chained || start + max > s.seq().max_seq {
+        return crate::generate::decode_one_by_one(s, first, max, sampler, on);
+    }
+    if greedy {
+        if s.seq().meta_current != Some(first) {
+            s.write_meta(first, start)?;
+        }
+    } else {
+        let ctx = sampler.context();
+        if ctx.last() != Some(&first) || ctx.len() != start + 1 {
+            bail!(
+                "sampler context ({} tokens) does not end with the token fed at position {start}",
+                ctx.len()
+            );
+        }
+        start_sampled_chain(s, sampler, first)?;
+    }
+    let copy = s.gpu().copy_stream.clone();
+    let vocab = s.vocab();
+    let mut done = std::collections::VecDeque::with_capacity(STREAM_AHEAD + 1);
+    let (mut launched, mut handled, mut last) = (0, 0, first);
+    let result = loop {
+        while launched < max && launched < handled + STREAM_AHEAD {
+            if greedy {
+                s.launch_step()?;
+            } else {
+                s.launch_sampled_step()?;
+            }
+            done.push_back(s.gpu().stream.record_event(None)?);
+            launched += 1;
+        }
+        let Some(step) = done.pop_front() else {
+            break Ok(());
+        };
+        // history[p + 1] is written once, by the step at p: once that step's event has fired,
+        // the copy stream may read it while the compute stream runs the steps after.
+        copy.wait(&step)?;
+        let at = start + handled + 1;
+        let t = copy.clone_dtoh(&s.history().slice(at..at + 1))?[0];
+        handled += 1;
+        if t >= vocab {
+            s.check()?;
+            break Err(anyhow::anyhow!(
+                "GPU {} produced token {t} outside the vocabulary (NaN logits?)",
+                if greedy { "argmax" } else { "sampler" }
+            ));
+        }
+        last = t;
+        match on(t) {
+            Ok(true) if handled < max => sampler.accept(&[t]),
+            Ok(_) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    let seq = s.seq();
+    seq.pos = start + handled;
+    // The device meta holds the last launched step's output: the next token to feed only if
+    // nothing was launched past the last one handled.
+    seq.meta_current = (launched == handled).then_some(last);
+    if !greedy {
+        seq.history_synced = true;
+    }
+    s.check()?;
+    result
 }
 
 impl<S: Steps> Backend for S {
@@ -301,6 +399,16 @@ impl<S: Steps> Backend for S {
 
     fn feed_sampled(&mut self, token: u32, sampler: &Sampler) -> Result<u32> {
         Ok(decode_sampled(self, sampler, token, 1)?[0])
+    }
+
+    fn decode_stream(
+        &mut self,
+        first: u32,
+        max: usize,
+        sampler: &mut Sampler,
+        on: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        decode_stream(self, first, max, sampler, on)
     }
 }
 
