@@ -72,7 +72,7 @@ struct MkParams {
     u64* resid_attn;     // [layers][hidden]
     u64* mlp_part;       // [layers][chunks][hidden]
     u64* q;              // [layers][heads*head_dim]
-    u64* kv_new;         // [layers][2][kv_heads][head_dim]: this token's K and V rows (bf16 values)
+    u64* kv_new;         // [layers][2][kv_heads][head_dim]: this token's K and V rows (bf16 values; K raw f32 with q/k norms)
     u64* attn_out;       // [layers][heads*head_dim]
     u64* attn_part;      // [layers][heads][parts_max][head_dim + 2]
     u64* act;            // [layers][inter]

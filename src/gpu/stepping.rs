@@ -243,12 +243,7 @@ pub fn decode_sampled<S: Steps>(
     check_tokens(&[token], s.vocab())?;
     let ctx = sampler.context();
     let start = s.seq().pos;
-    if ctx.last() != Some(&token) || ctx.len() != start + 1 {
-        bail!(
-            "sampler context ({} tokens) does not end with the token fed at position {start}",
-            ctx.len()
-        );
-    }
+    check_sampler_context(sampler, token, start)?;
     if !s.prepare_sampling(sampler.params())? {
         let mut host = Sampler::new(*sampler.params());
         host.accept(ctx);
@@ -269,6 +264,19 @@ pub fn decode_sampled<S: Steps>(
     let out = finish_chained(s, start, n, "sampler")?;
     s.seq().history_synced = true;
     Ok(out)
+}
+
+/// A sampled step at `start` feeds `token`, which must end the sampler's context (whose
+/// positions the draws are keyed by and whose tail the penalty reads).
+fn check_sampler_context(sampler: &Sampler, token: u32, start: usize) -> Result<()> {
+    let ctx = sampler.context();
+    if ctx.last() != Some(&token) || ctx.len() != start + 1 {
+        bail!(
+            "sampler context ({} tokens) does not end with the token fed at position {start}",
+            ctx.len()
+        );
+    }
+    Ok(())
 }
 
 /// Makes the device ready for sampled steps chained from `token` at the sequence's position
@@ -326,13 +334,7 @@ pub fn decode_stream<S: Steps>(
             s.write_meta(first, start)?;
         }
     } else {
-        let ctx = sampler.context();
-        if ctx.last() != Some(&first) || ctx.len() != start + 1 {
-            bail!(
-                "sampler context ({} tokens) does not end with the token fed at position {start}",
-                ctx.len()
-            );
-        }
+        check_sampler_context(sampler, first, start)?;
         start_sampled_chain(s, sampler, first)?;
     }
     let copy = s.gpu().copy_stream.clone();
