@@ -3,12 +3,23 @@
 // activations. Weights do not depend on them, so the next instructions' weights stream in while
 // the current instruction waits, computes and stores.
 
-__device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, bf16_t* pages, u64* full,
-                       u64* empty) {
+// After the generation stopped (or a wait failed): waits for the copies still in flight, so
+// none lands in shared memory after the CTA has exited. seq: the tiles issued.
+__device__ void loader_drain(const MkParams& p, u64* full, u32 seq) {
+    const u32 first = seq > (u32)p.pages ? seq - p.pages : 0;
+    for (u32 s = first; s < seq; s++) {
+        const u64 t0 = global_ns();
+        while (!mbar_try_wait(&full[s % p.pages], (s / p.pages) & 1))
+            if (global_ns() - t0 > p.timeout_ns) return;
+    }
+}
+
+// One step's loads; false when the generation stopped or a wait failed. pos0: the launch's
+// first position (rows before it were written by earlier launches); verified: the steps of
+// the launch whose K/V rows the loader has acquired (see rows_of_step_ready in runtime.cuh).
+__device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, u32 pos, u32 pos0,
+                          u32& verified, u64 policy, u32& seq, bf16_t* pages, u64* full, u64* empty) {
     const int lane = threadIdx.x & 31;
-    const u32 pos = p.meta[p.epoch & 1].pos;
-    const u64 policy = l2_evict_first();
-    u32 seq = 0;
     for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
         // The operands, read once into registers rather than once per weight row.
         u32 w[W_E + 1];
@@ -17,7 +28,7 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
         const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
         if (op_has_own_loader(w[W_OP])) {
             if (lane == 0) note(p, 2, instr);
-            if (!op_load(p, w, pos, instr, seq, pages, full, empty, policy)) return;
+            if (!op_load(p, w, pos, pos0, verified, instr, seq, pages, full, empty, policy)) return false;
             continue;
         }
         const TileGeom g = tile_geom(w, p, lw);
@@ -30,8 +41,8 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
             u32 slot = seq % p.pages, round = seq / p.pages;
             if (lane == 0) note(p, 3, seq);
             int rows = min(g.rpt, g.n - t * g.rpt);
-            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return;
-            if (!inflight_wait(p, full, seq, instr)) return;
+            if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
+            if (!inflight_wait(p, full, seq, instr)) return false;
             // The tile's bytes: whole rows, or the chunks' quants and each one's scales span
             // (see "weight formats" in runtime.cuh).
             u32 bytes = rows * (g.whole ? g.slot : g.qbytes);
@@ -64,4 +75,16 @@ __device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, co
         }
         if (lane == 0 && prof) prof[PROF_EXTRA2] = global_ns();
     }
+    return true;
+}
+
+__device__ void loader(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, u32 pos0, bf16_t* pages,
+                       u64* full, u64* empty) {
+    const u64 policy = l2_evict_first();
+    u32 seq = 0, verified = 0;
+    for (u32 step = 0; step < p.steps; step++)
+        if (!load_step(p, lw, begin, end, pos0 + step, pos0, verified, policy, seq, pages, full, empty)) {
+            loader_drain(p, full, seq);
+            return;
+        }
 }

@@ -91,10 +91,10 @@ __device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u
 __device__ __forceinline__ bool op_has_own_loader(u32 op) { return op == OP_ATTN; }
 
 // Their loader step; false when a page wait failed.
-__device__ __forceinline__ bool op_load(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
-                                        u64* full, u64* empty, u64 policy) {
+__device__ __forceinline__ bool op_load(const MkParams& p, const u32* w, u32 pos, u32 pos0, u32& verified, u32 instr,
+                                        u32& seq, bf16_t* pages, u64* full, u64* empty, u64 policy) {
     switch (w[W_OP]) {
-        case OP_ATTN: return load_attention(p, w, pos, instr, seq, pages, full, empty, policy);
+        case OP_ATTN: return load_attention(p, w, pos, pos0, verified, instr, seq, pages, full, empty, policy);
         default: return true;
     }
 }

@@ -53,6 +53,8 @@ struct LayerW {
 struct MkParams {
     const u32* instrs;
     const u32* sm_offsets;
+    const u32* kv_last;  // per SM: its last instruction writing K/V cache rows, or ~0u
+
     u32* error;          // [flag, sm, instruction, tile or arena element, expected, seen, kind]
     u32* progress;       // per SM: [consumer instruction, consumer stage, loader instruction, loader tile]
     // null, or per instruction (PROF_WORDS): globaltimer at start, inputs arrived and prepared,
@@ -83,6 +85,20 @@ struct MkParams {
     float eps;
     u32 epoch;
     u64 timeout_ns;
+    // A generation inside one launch (see megakernel.cu): the steps run at most, the last
+    // finished step's token (tagged; GEN_STOP set when the generation ends there) then each
+    // SM's last finished step (its tag, written after a release fence), the tokens for the
+    // host (null, or mapped host memory), the host's stop request (null, or mapped host
+    // memory, nonzero to stop) and the tokens the generation stops after.
+    u64* gen;            // [1 + SMs]
+    u32* gen_out;        // [steps]
+    const u32* gen_ctl;
+    const u32* stop_ids;  // [n_stop]
+    // null, or per step of the launch: when the argmax published its token, and the earliest
+    // start of an SM's first instruction (globaltimer, ns; the host measures the gap between
+    // tokens with them).
+    u64* gen_prof;        // [steps][2]
+    u32 steps, n_stop;
 };
 
 // Shared memory as the interpreter uses it; carved by MK_SMEM_* (from the host's plan, see
@@ -136,11 +152,25 @@ __device__ __forceinline__ void set_current_instr(u32 v) { *(volatile u32*)&mk_i
 __device__ __forceinline__ u32 current_instr() { return *(volatile u32*)&mk_instr; }
 #endif
 
-__device__ __forceinline__ u32 launch_tag(const MkParams& p) { return p.epoch + 1; }
+// The consumers' step: its tag (epoch + step + 1), set by consumer thread 0 between steps,
+// behind a barrier. The loader, which may run into the next step, keeps its own count.
+__shared__ u32 mk_tag;
+__device__ __forceinline__ u32 step_tag() { return mk_tag; }
+// Set by consumer thread 0 when the generation ends before the launch's last step: the loader
+// stops issuing copies, waits for those in flight and returns.
+__shared__ u32 mk_stop;
+__device__ __forceinline__ void set_stopping() { *(volatile u32*)&mk_stop = 1; }
+__device__ __forceinline__ bool stopping() { return *(volatile u32*)&mk_stop != 0; }
+// This SM's last instruction that writes K/V cache rows (~0u: none): SMs that have one publish
+// each step of a generation (next_step in megakernel.cu). Read by consumer thread 0 only.
+__shared__ u32 mk_kv_last;
+// The tagged token word's flag: the generation ends after this token.
+#define GEN_STOP 0x80000000u
 
-__device__ __forceinline__ void st_tagged(u64* a, float v, u32 tag) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(((u64)tag << 32) | __float_as_uint(v)) : "memory");
+__device__ __forceinline__ void st_tagged_bits(u64* a, u32 v, u32 tag) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(((u64)tag << 32) | v) : "memory");
 }
+__device__ __forceinline__ void st_tagged(u64* a, float v, u32 tag) { st_tagged_bits(a, __float_as_uint(v), tag); }
 
 __device__ __forceinline__ u64 ld_tagged(const u64* a) {
     u64 v;
@@ -156,7 +186,7 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 // reports a stale element (the first error raised wins) and marks the CTA failed.
 template <int N, typename Addr>
 __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, int n) {
-    const u32 tag = launch_tag(p);
+    const u32 tag = step_tag();
     u64 t0 = 0;
     for (int spins = 0;; spins++) {
         bool stale = false;
@@ -182,6 +212,79 @@ __device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, i
     }
 }
 
+// A generation's hand-over words (p.gen). Tags are compared by distance, never by order: a
+// cleared word (tag 0) must not pass for a tag near the wrap. The token word holds exactly the
+// awaited step's tag until every SM has read it (the next token needs every SM's next step);
+// an SM's step word may already be one step further (`later` 1).
+__device__ __forceinline__ bool gen_tag_ok(u64 v, u32 tag, u32 later) { return (u32)(v >> 32) - tag <= later; }
+
+// Past the time limit, or once the generation stops or another SM failed: reports a stall
+// (ERR_STEP, naming `what`: an SM whose step is awaited, or GEN_WHAT_TOKEN) and returns true.
+__device__ bool gen_wait_over(const MkParams& p, u64& t0, int spins, u32 what, u32 tag, u64 v) {
+    if (spins == 0) {
+        t0 = global_ns();
+        return false;
+    }
+    if (spins % 64 != 0) return false;
+    if (aborted(p) || stopping()) return true;
+    if (global_ns() - t0 > p.timeout_ns) {
+        raise_error(p, ERR_STEP, current_instr(), what, tag, (u32)(v >> 32));
+        return true;
+    }
+    return false;
+}
+
+// In a generation, a step's attention reads K/V rows that earlier steps of the launch wrote,
+// through bulk copies that do not wait for tags. Each SM that writes K/V rows publishes a step
+// when it has finished it, behind a release fence (gen[1 + sm], see next_step in
+// megakernel.cu); before the loader stages a tile holding a row step j wrote, it waits until
+// every such SM has published step j, acquires that, and orders the async proxy's reads after
+// it. Only the newest row (the step before this one) can make it wait: the SMs publish about
+// when that step's token appears; older rows were checked a step earlier. This wait is what
+// is left of the gap between tokens in a generation (BENCHMARKS.md). Out of line: it runs once a step at most, and inlined into the loader's loop it
+// cost every step ~4 µs on SmolLM2 even where it never ran (BENCHMARKS.md). False once the
+// generation stops or a wait fails.
+__device__ __noinline__ bool rows_of_step_ready(const MkParams& p, u32 step) {
+    const int lane = threadIdx.x & 31;
+    constexpr int PER_LANE = 8;  // up to 256 SMs
+    u32 mine = 0;                // this lane's SMs that write K/V rows (bit k: SM lane + 32 k)
+#pragma unroll
+    for (int k = 0; k < PER_LANE; k++) {
+        const int sm = lane + 32 * k;
+        if (sm < (int)gridDim.x && p.kv_last[sm] != ~0u) mine |= 1u << k;
+    }
+    // A word holds step j's tag, epoch + j + 1, once the SM finished step j of this launch.
+    // Compared by distance from the epoch, so a cleared word or an earlier launch's tag never
+    // passes (the host keeps epoch + steps below the tag's wrap).
+    auto done = [&](u64 v) {
+        const u32 d = (u32)(v >> 32) - p.epoch;
+        return d >= step + 1 && d <= p.steps;
+    };
+    // Polled relaxed, every word at once; then read once more with acquire semantics.
+    u64 t0 = 0;
+    for (int spins = 0;; spins++) {
+        u64 v[PER_LANE], seen = 0;
+        u32 stale_sm = ~0u;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; k++)
+            if (mine >> k & 1) v[k] = ld_tagged(p.gen + 1 + lane + 32 * k);
+#pragma unroll
+        for (int k = 0; k < PER_LANE; k++)
+            if ((mine >> k & 1) && !done(v[k])) { stale_sm = lane + 32 * k; seen = v[k]; }
+        if (!__any_sync(0xffffffffu, stale_sm != ~0u)) break;
+        if (gen_wait_over(p, t0, spins, stale_sm, p.epoch + step + 1, seen)) return false;
+    }
+#pragma unroll
+    for (int k = 0; k < PER_LANE; k++)
+        if (mine >> k & 1) {
+            u64 v;
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.gen + 1 + lane + 32 * k) : "memory");
+        }
+    __syncwarp();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    return true;
+}
+
 __device__ __forceinline__ float tagged_float(u64 raw) { return __uint_as_float((u32)raw); }
 
 __device__ __forceinline__ float ld_value(const MkParams& p, const u64* a) {
@@ -202,7 +305,7 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
     for (int spins = 1;; spins++) {
         if (mbar_try_wait(bar, parity)) return true;
         if (spins % ABORT_CHECK_SPINS == 0) {
-            if (aborted(p)) return false;
+            if (aborted(p) || stopping()) return false;
             if (global_ns() - t0 > p.timeout_ns) {
                 raise_error(p, kind, instr, tile, parity, 0);
                 return false;

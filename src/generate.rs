@@ -31,15 +31,19 @@ pub trait Backend {
 
     /// Generates up to `max` tokens after `first`, which is fed first (`sampler`'s context
     /// already ends with it), handing each to `on` as soon as it exists; `on` returns whether
-    /// to go on. Afterwards the last token handed over is not fed. GPU paths override this to
-    /// keep steps queued ahead of the host's work per token.
+    /// to go on, and returns false after any token of `stop` (the generation's end tokens,
+    /// which a path may also check on the device). Afterwards the last token handed over is
+    /// not fed. GPU paths override this to keep steps queued ahead of the host's work per
+    /// token, or to run the whole generation in one launch.
     fn decode_stream(
         &mut self,
         first: u32,
         max: usize,
+        stop: &[u32],
         sampler: &mut Sampler,
         on: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<()> {
+        let _ = stop;
         decode_one_by_one(self, first, max, sampler, on)
     }
 }
@@ -198,7 +202,7 @@ pub fn generate_after(
     };
     if take(first)? {
         sampler.accept(&[first]);
-        backend.decode_stream(first, max_tokens - 1, sampler, &mut take)?;
+        backend.decode_stream(first, max_tokens - 1, eos, sampler, &mut take)?;
     }
     stats.decode_time = decode_start.elapsed();
     Ok(stats)

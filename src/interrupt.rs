@@ -55,6 +55,13 @@ impl Drop for Generating {
     }
 }
 
+/// Whether Ctrl-C asked the running generation to stop: a GPU generation running inside one
+/// launch polls this while it waits for the next token, and passes the request on to the
+/// kernel at once.
+pub fn stop_pending() -> bool {
+    GENERATING.load(SeqCst) && STOP.load(SeqCst)
+}
+
 /// Whether the last generation was stopped by Ctrl-C (for the exit status).
 pub fn was_interrupted() -> bool {
     STOP.load(SeqCst)

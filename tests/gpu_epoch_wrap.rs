@@ -49,12 +49,21 @@ fn greedy_decoding_is_unchanged_across_the_tag_wrap() {
     let sched = schedule_for(&cfg, &gpu, 64, None).unwrap();
     let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 64).unwrap();
 
+    mk.set_tokens_per_launch(1);
     let (want, want_logits, _) = run(&mut mk, None);
-    for flip in [true, false] {
+    // One launch per step, and generations (many steps a launch), which end at the wrap and
+    // restart the epoch in the next launch.
+    for (per_launch, flip) in [
+        (1, true),
+        (1, false),
+        (usize::MAX, true),
+        (usize::MAX, false),
+    ] {
+        mk.set_tokens_per_launch(per_launch);
         let (got, logits, [before, jumped, end]) = run(&mut mk, Some(flip));
         let err = rel_l2(&logits, &want_logits);
         println!(
-            "epoch {before} -> {jumped} (parity {}), {end} at the end; tokens {got:?}; logits after: rel L2 {err:.2e} against the run without a wrap",
+            "{per_launch} steps a launch: epoch {before} -> {jumped} (parity {}), {end} at the end; tokens {got:?}; logits after: rel L2 {err:.2e} against the run without a wrap",
             if flip { "changed" } else { "kept" },
         );
         assert_eq!((before ^ jumped) & 1 == 1, flip);

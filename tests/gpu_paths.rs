@@ -423,7 +423,7 @@ fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
             assert_eq!(first2, first, "{label}: first token");
             sampler.accept(&[first]);
             let mut got = Vec::new();
-            path.decode_stream(first, N, &mut sampler, &mut |t| {
+            path.decode_stream(first, N, &[], &mut sampler, &mut |t| {
                 got.push(t);
                 Ok(got.len() < STOP)
             })
@@ -435,7 +435,7 @@ fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
             );
             let last = *got.last().unwrap();
             sampler.accept(&[last]);
-            path.decode_stream(last, N - STOP, &mut sampler, &mut |t| {
+            path.decode_stream(last, N - STOP, &[], &mut sampler, &mut |t| {
                 got.push(t);
                 Ok(true)
             })

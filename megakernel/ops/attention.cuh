@@ -21,8 +21,8 @@
 
 // ---- the loader's side: K/V tiles ----
 // Attention(layer, kv_head, part, parts) covers positions [p0, p1) of the len = pos + 1 long
-// sequence. Its K and V rows before pos were written by earlier launches, so they do not
-// depend on this step: the loader stages them in pages like weight tiles, long before the
+// sequence. Its K and V rows before pos were written by earlier steps, so they do not depend
+// on this step: the loader stages them in pages like weight tiles, long before the
 // instruction runs, and attention reads them from shared memory. Row pos (this token's) comes
 // tagged from kv_new. A tile holds ATT_TR rows of K, then the same rows of V; the cache is
 // head-major ([layer][kv_head][position][head_dim]) so each is one bulk copy.
@@ -52,14 +52,23 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
 // both above 24 KB, so the copies keep up as long as the consumers free the pages as fast,
 // i.e. each of the four warp pairs finishes a tile within ~4 x 0.7 µs.
 // Stages an attention instruction's K/V tiles; false when a page wait failed.
-__device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 instr, u32& seq, bf16_t* pages,
-                               u64* full, u64* empty, u64 policy) {
+// In a generation (pos0: the launch's first position) rows from pos0 on were written by this
+// launch's steps: a tile holding one waits until the loader has acquired that step's rows
+// (rows_of_step_ready in runtime.cuh; `verified` counts the steps acquired).
+__device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos0, u32& verified, u32 instr, u32& seq,
+                               bf16_t* pages, u64* full, u64* empty, u64 policy) {
     const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, pos);
     for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
         const u32 slot = seq % p.pages, round = seq / p.pages;
         if (lane == 0) note(p, 3, seq);
-        const u32 bytes = (u32)min(ATT_TR, a.cached_end - r0) * ATT_HD * 2;
+        const int rows = min(ATT_TR, a.cached_end - r0);
+        const int last = r0 + rows - 1;
+        if (last >= (int)pos0 && (u32)(last - pos0) >= verified) {
+            if (!rows_of_step_ready(p, last - pos0)) return false;
+            verified = last - pos0 + 1;
+        }
+        const u32 bytes = (u32)rows * ATT_HD * 2;
         if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
         if (!inflight_wait<MK_INFLIGHT_ATT, MK_INFLIGHT_ATT_STREAM>(p, full, seq, instr)) return false;
         if (lane == 0) mbar_expect_tx(&full[slot], 2 * bytes);
@@ -224,7 +233,7 @@ __device__ __forceinline__ void attn_values(const AttnRound& r, const float* S, 
 __device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int i, float o, float M, float L) {
     const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
     const int d = i % ATT_HD, head = kvh * ATT_G + i / ATT_HD;
-    const u32 tag = launch_tag(p);
+    const u32 tag = step_tag();
     if (parts == 1) {
         st_tagged(p.attn_out + ((size_t)layer * p.heads + head) * ATT_HD + d, o, tag);
     } else {

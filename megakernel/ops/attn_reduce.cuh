@@ -59,7 +59,7 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float* scratch) 
         }
     }
     consumers_sync();
-    const u32 tag = launch_tag(p);
+    const u32 tag = step_tag();
     for (int idx = ct; idx < G * hd; idx += CONSUMERS) {
         const int g = idx / hd, d = idx % hd;
         const u64* src = base + (size_t)g * parts * stride + d;

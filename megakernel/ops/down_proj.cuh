@@ -14,7 +14,7 @@ __device__ __forceinline__ void prepare_down(const MkParams& p, const u32* w, co
 
 __device__ __forceinline__ void post_down(const MkParams& p, const u32* w, const float* res) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
-    const u32 tag = launch_tag(p);
+    const u32 tag = step_tag();
     for (int j = ct; j < rc; j += CONSUMERS)
         st_tagged(p.mlp_part + ((size_t)layer * p.chunks + w[W_C]) * p.hidden + rs + j, res_at(res, j), tag);
 }

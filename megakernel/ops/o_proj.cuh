@@ -18,7 +18,7 @@ __device__ __forceinline__ void prepare_oproj(const MkParams& p, const u32* w, c
 
 __device__ __forceinline__ void post_oproj(const MkParams& p, const u32* w, const float* res) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
-    const u32 tag = launch_tag(p);
+    const u32 tag = step_tag();
     for (int j = ct; j < rc; j += CONSUMERS)
         st_tagged(p.resid_attn + (size_t)layer * p.hidden + rs + j, res[RES_MAX + j] + res_at(res, j), tag);
 }

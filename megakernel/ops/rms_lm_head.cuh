@@ -22,7 +22,7 @@ __device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, f
     }
     consumers_argmax(v, idx, red);
     if (ct == 0) {
-        st_tagged(p.lm_best + 2 * w[W_C], v, launch_tag(p));
-        st_tagged(p.lm_best + 2 * w[W_C] + 1, __uint_as_float(idx), launch_tag(p));
+        st_tagged(p.lm_best + 2 * w[W_C], v, step_tag());
+        st_tagged(p.lm_best + 2 * w[W_C] + 1, __uint_as_float(idx), step_tag());
     }
 }

@@ -54,7 +54,7 @@ __device__ void post_qkv(const MkParams& p, const u32* w, const TokenMeta& m, co
         const float x = scale * res_at(res, j) + qkv_bias_at(L, head, i, hd);
         const float y = scale * res_at(res, pc + j) + qkv_bias_at(L, head, half + i, hd);
         const float a = x * rope.c - y * rope.s, b = y * rope.c + x * rope.s;
-        const u32 tag = launch_tag(p);
+        const u32 tag = step_tag();
         if (MK_QK_NORM && head >= p.heads && head < p.heads + p.kv_heads) {
             // Raw K: attention finishes it and writes the cache row.
             u64* row = p.kv_new + ((size_t)layer * 2 * p.kv_heads + head - p.heads) * hd;

@@ -15,7 +15,7 @@ __device__ __forceinline__ void prepare_upgate(const MkParams& p, const u32* w, 
 
 __device__ __forceinline__ void post_upgate(const MkParams& p, const u32* w, const float* res, float scale) {
     const int ct = threadIdx.x - 32, layer = w[W_LAYER], rs = w[W_A], rc = w[W_B];
-    const u32 tag = launch_tag(p);
+    const u32 tag = step_tag();
     for (int j = ct; j < rc; j += CONSUMERS)
         st_tagged(p.act + (size_t)layer * p.inter + rs + j, silu(scale * res_at(res, j)) * (scale * res_at(res, rc + j)),
                   tag);

@@ -59,9 +59,37 @@ pub struct BenchArgs {
     /// Prompt tokens per batched-prefill chunk on the GPU.
     #[arg(long, default_value_t = crate::gpu::prefill::DEFAULT_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_048_576))]
     pub prefill_chunk: usize,
+    /// Megakernel, greedy: steps per launch, comma-separated, each run as its own row: 0 (the
+    /// default) runs the whole generation in one launch, 1 launches once per token, N in
+    /// launches of N steps (e.g. `1,0` compares one launch per token with one per generation).
+    #[arg(long, default_value = "0", value_parser = parse_per_launch)]
+    pub tokens_per_launch: PerLaunch,
     /// Sampled decoding instead of greedy (--temperature > 0 or a repetition penalty).
     #[command(flatten)]
     pub sampling: SamplingArgs,
+}
+
+/// `--tokens-per-launch` values (0: the whole generation).
+#[derive(Clone, Debug)]
+pub struct PerLaunch(pub Vec<usize>);
+
+fn parse_per_launch(s: &str) -> Result<PerLaunch, String> {
+    let v: Result<Vec<usize>, _> = s.split(',').map(|x| x.trim().parse::<usize>()).collect();
+    match v {
+        Ok(v) if !v.is_empty() => Ok(PerLaunch(v)),
+        _ => Err(format!(
+            "'{s}': expected comma-separated step counts (0 = the whole generation)"
+        )),
+    }
+}
+
+/// A megakernel row's name: steps per launch 0 (the whole generation) is the plain path.
+fn per_launch_label(kind: PathKind, per_launch: usize) -> String {
+    match (kind, per_launch) {
+        (PathKind::Megakernel, 0) => kind.name().to_string(),
+        (PathKind::Megakernel, n) => format!("megakernel ({n}/launch)"),
+        _ => kind.name().to_string(),
+    }
 }
 
 /// The first token from the prompt's logits and the remaining `gen - 1` chained on the
@@ -227,9 +255,27 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let floor_ms = step_bytes as f64 / (bw * 1e9) * 1e3;
     let mut results = Vec::new();
     let mut profile = None;
-    for kind in paths {
+    let mut gaps = Vec::new();
+    let runs: Vec<(PathKind, usize)> = paths
+        .iter()
+        .flat_map(|&kind| {
+            let per: Vec<usize> = if kind == PathKind::Megakernel && params.is_greedy() {
+                args.tokens_per_launch.0.clone()
+            } else {
+                vec![0]
+            };
+            per.into_iter().map(move |n| (kind, n))
+        })
+        .collect();
+    let profiled = runs.iter().position(|r| r.0 == PathKind::Megakernel);
+    for (run_index, &(kind, per_launch)) in runs.iter().enumerate() {
         let mut path = GpuPath::new(kind, &gpu, &dm, max_seq, max_seq)
             .with_context(|| format!("setting up {}", kind.name()))?;
+        path.set_tokens_per_launch(if per_launch == 0 {
+            usize::MAX
+        } else {
+            per_launch
+        });
         if let Some(ms) = args.wait_timeout_ms {
             path.set_wait_timeout_ms(ms)?;
         }
@@ -261,12 +307,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 in_prefill.push(t.total.as_secs_f64() * 1e3);
             }
         }
-        if args.profile {
+        if args.profile && profiled == Some(run_index) {
             if let Some(mk) = path.as_megakernel() {
                 mk.reset();
                 let first = argmax(&mk.feed(&prompt)?);
                 let keep = args.timeline.is_some() || args.trace.is_some();
                 profile = Some(mk.profile(first, 16, keep)?);
+                // The gap between tokens, one launch per token and one per generation.
+                for per in [1, usize::MAX] {
+                    mk.reset();
+                    let first = argmax(&mk.feed(&prompt)?);
+                    let mut g = mk.token_gaps(first, 16, per)?;
+                    gaps.push((per, median(&mut g.clone()), g.drain(..).fold(0.0, f64::max)));
+                }
             }
         }
         let (lo, hi) = (
@@ -278,7 +331,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let ttft_med = median(&mut ttft);
         let gbps = step_bytes as f64 / (med * 1e-3) / 1e9;
         results.push(PathResult {
-            path: kind.name().into(),
+            path: per_launch_label(kind, per_launch),
             tpot_ms_median: med,
             tpot_ms_min: lo,
             tpot_ms_max: hi,
@@ -355,6 +408,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(p) = &profile {
         println!("\nmegakernel profile (mean of 16 steps after the prompt; globaltimer, instruction-level):\n{p}");
     }
+    for (per, med, max) in &gaps {
+        println!(
+            "megakernel gap between tokens ({}): median {med:.2} µs, max {max:.2} µs over 15 (from the argmax's token to the next step's first instruction starting, GPU clock)",
+            if *per == 1 { "one launch per token" } else { "one launch per generation" }
+        );
+    }
     println!("GB/s and % of BW: (weights + the K/V a step reads) / TPOT, against the measured read bandwidth; 100% is the floor.");
     for r in &results {
         if let (Some(q), Some(c)) = (r.prefill_enqueued_ms_median, r.prefill_call_ms_median) {
@@ -365,7 +424,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             );
         }
     }
-    println!("TPOT: wall time of {} back-to-back {} steps / {}, host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
+    println!("TPOT: wall time of {} back-to-back {} steps / {} (the megakernel's greedy steps: one launch for the whole generation unless a row says otherwise), host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
         println!("Sampled steps draw on the device on every path; the megakernel's draw is one kernel after each launch (two above 311,296 tokens of vocabulary), not yet inside the launch.");
     }

@@ -78,6 +78,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         // longer stays correct, with fewer parts than its length would want.
         let expected = max_context.min(CHAT_SCHEDULE_CONTEXT);
         let mut backend = GpuPath::new(path, &gpu, &dm, max_context, expected)?;
+        backend.set_tokens_per_launch(args.common.steps_per_launch());
         backend.prepare_prefill()?;
         return session.run(&mut backend, stdin.lock(), interactive);
     }

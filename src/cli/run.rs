@@ -47,9 +47,23 @@ pub struct ModelArgs {
     /// quantises every matrix with the project's quantiser.
     #[arg(long, value_enum)]
     pub dtype: Option<WeightType>,
+    /// Megakernel, greedy: decode steps per launch. 0 (the default) runs the whole generation
+    /// in one launch, stopping on the GPU at an end token or the token budget, each token
+    /// handed to the host as soon as it exists; 1 launches once per token; N in launches of N.
+    #[arg(long, default_value_t = 0)]
+    pub tokens_per_launch: usize,
 }
 
 impl ModelArgs {
+    /// `--tokens-per-launch` as the paths take it (0: the whole generation).
+    pub fn steps_per_launch(&self) -> usize {
+        if self.tokens_per_launch == 0 {
+            usize::MAX
+        } else {
+            self.tokens_per_launch
+        }
+    }
+
     /// Loads the model, converts its matrices per `--dtype` and says how much memory they use.
     pub fn load_model(&self) -> Result<Model> {
         let path = resolve_model_path(&self.model)?;
@@ -262,6 +276,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "running",
         )?;
         let mut backend = GpuPath::new(path, &gpu, &dm, max_context, ids.len() + max_tokens)?;
+        backend.set_tokens_per_launch(args.common.steps_per_launch());
         if let Some(ms) = args.wait_timeout_ms {
             backend.set_wait_timeout_ms(ms)?;
         }

@@ -113,6 +113,81 @@ impl Gpu {
     }
 }
 
+/// Page-locked host words the GPU reads and writes directly (mapped): a running kernel
+/// publishes into them and the host polls them, with no copy or launch in between (the
+/// megakernel's generation hands each token over this way, and the host's stop request back).
+pub struct MappedWords {
+    host: *mut u32,
+    dev: u64,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl MappedWords {
+    pub fn new(gpu: &Gpu, len: usize, what: &str) -> Result<Self> {
+        use cudarc::driver::{result, sys};
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
+        let bytes = 4 * len.max(1);
+        // SAFETY: a plain page-locked allocation; the pointer is freed once, in Drop. Not
+        // write-combined: the host reads these words.
+        let host = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .map_err(|e| anyhow!("allocating {what} ({bytes} B of mapped host memory): {e}"))?
+            as *mut u32;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: host was allocated just above with DEVICEMAP in the current context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut _, 0) };
+        let words = Self {
+            host,
+            dev,
+            len: len.max(1),
+            ctx: gpu.ctx.clone(),
+        };
+        r.result()
+            .map_err(|e| anyhow!("mapping {what} into the GPU's address space: {e}"))?;
+        for i in 0..words.len {
+            words.write(i, 0);
+        }
+        Ok(words)
+    }
+
+    /// The words' address for kernels.
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Word i as it is now (a kernel may be writing it).
+    pub fn read(&self, i: usize) -> u32 {
+        assert!(i < self.len, "mapped word {i} of {}", self.len);
+        // SAFETY: in bounds; volatile, since the GPU writes the word behind the compiler.
+        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+    }
+
+    pub fn write(&self, i: usize, v: u32) {
+        assert!(i < self.len, "mapped word {i} of {}", self.len);
+        // SAFETY: in bounds; volatile, since the GPU reads the word behind the compiler.
+        unsafe { std::ptr::write_volatile(self.host.add(i), v) }
+    }
+}
+
+impl Drop for MappedWords {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_host in `new`, freed once; the owner makes sure no kernel
+        // that uses it is still running (the megakernel path synchronises before it drops).
+        let _ = unsafe { cudarc::driver::result::free_host(self.host as *mut _) };
+    }
+}
+
 /// The kernels use Hopper instructions (`cp.async.bulk`, mbarrier `expect_tx`,
 /// `griddepcontrol`): compute capability 9.0 or newer.
 pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (9, 0);

@@ -1,5 +1,6 @@
 //! The megakernel path: a scheduler `Schedule` lowered to the interpreter's words, device
-//! buffers for every activation, and one persistent launch per decode step.
+//! buffers for every activation, and one persistent launch per decode step or per generation
+//! (many greedy steps in one launch, see `launch`).
 
 //!
 //! One file per job: [`abi`] (the host/device interface, emitted into the CUDA compile),
@@ -16,7 +17,7 @@ use scheduler::{ArenaLayout, Op, Schedule};
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
-use super::stepping::{self, Sequence, Steps};
+use super::stepping::{self, GenerationRun, Sequence, Steps};
 use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
 
@@ -28,7 +29,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
-pub use launch::MAX_EPOCH;
+pub use launch::{MAX_EPOCH, MAX_STOP_TOKENS};
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
 
@@ -77,6 +78,13 @@ pub struct MegakernelPath<'g> {
     _layers: CudaSlice<LayerW>,
     _kv: KvCache,
     seq: Sequence,
+    /// A generation's hand-over words (`MkParams::gen`): the last step's token, then each SM's
+    /// last finished step. Cleared with the arena.
+    gen: CudaSlice<u64>,
+    /// The tokens a generation stops after (`MkParams::stop_ids`).
+    stop_ids: CudaSlice<u32>,
+    /// Made by the first generation: word 0 the host's stop request, then each step's token.
+    gen_io: Option<super::device::MappedWords>,
     /// Made on the first sampled step: the draw runs as one kernel after each launch (two for
     /// vocabularies too large for its last CTA, `Kernels::for_vocab`), reading the launch's
     /// logits and writing the token where the next launch reads it.
@@ -93,6 +101,9 @@ struct Streams {
     instructions: usize,
     words: CudaSlice<u32>,
     offsets: CudaSlice<u32>,
+    /// Per SM: its last instruction that writes K/V cache rows, or `u32::MAX` (see
+    /// [`last_kv_writers`]).
+    kv_last: CudaSlice<u32>,
     sm_offsets: Vec<u32>,
     /// Per encoded position: the instruction, for error messages.
     descs: Vec<String>,
@@ -310,6 +321,7 @@ impl<'g> MegakernelPath<'g> {
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
         for ((upto, schedule, enc, descs, kinds), w) in encoded.into_iter().zip(by_warps) {
+            let kv_last = last_kv_writers(&enc.words, &enc.sm_offsets, c.qk_norm);
             streams.push(Streams {
                 upto,
                 attn_parts: schedule.options.attn_parts,
@@ -320,6 +332,7 @@ impl<'g> MegakernelPath<'g> {
                 instructions: enc.words.len() / WORDS,
                 words: gpu.upload(&enc.words, "instruction streams")?,
                 offsets: gpu.upload(&enc.sm_offsets, "stream offsets")?,
+                kv_last: gpu.upload(&kv_last, "last K/V writers")?,
                 sm_offsets: enc.sm_offsets,
                 descs,
                 kinds,
@@ -330,9 +343,12 @@ impl<'g> MegakernelPath<'g> {
         let progress = gpu.alloc_zeros::<u32>(4 * gpu.sm_count, "progress words")?;
         let meta = gpu.alloc_zeros::<u32>(8, "token meta")?;
         let history = gpu.alloc_zeros::<u32>(max_seq + 1, "token history")?;
+        let gen = gpu.alloc_zeros::<u64>(1 + gpu.sm_count, "generation words")?;
+        let stop_ids = gpu.alloc_zeros::<u32>(launch::MAX_STOP_TOKENS, "stop tokens")?;
         let params = MkParams {
             instrs: ptr(&streams[0].words, s),
             sm_offsets: ptr(&streams[0].offsets, s),
+            kv_last: ptr(&streams[0].kv_last, s),
             error: ptr(&error, s),
             progress: ptr(&progress, s),
             profile: 0,
@@ -369,6 +385,13 @@ impl<'g> MegakernelPath<'g> {
             eps: c.rms_norm_eps,
             epoch: 0,
             timeout_ns: initial_wait_timeout_ms().saturating_mul(1_000_000),
+            gen: ptr(&gen, s),
+            gen_out: 0,
+            gen_ctl: 0,
+            stop_ids: ptr(&stop_ids, s),
+            gen_prof: 0,
+            steps: 1,
+            n_stop: 0,
         };
         Ok(Self {
             gpu,
@@ -389,6 +412,9 @@ impl<'g> MegakernelPath<'g> {
             _kv: kv,
             seq: Sequence::new(max_seq),
             sampler: None,
+            gen,
+            stop_ids,
+            gen_io: None,
         })
     }
 
@@ -453,6 +479,7 @@ impl<'g> MegakernelPath<'g> {
             let s = &self.gpu.stream;
             self.params.instrs = ptr(&self.buckets[want].words, s);
             self.params.sm_offsets = ptr(&self.buckets[want].offsets, s);
+            self.params.kv_last = ptr(&self.buckets[want].kv_last, s);
         }
     }
 
@@ -466,6 +493,12 @@ impl<'g> MegakernelPath<'g> {
     /// Starts a new sequence (the KV cache is simply overwritten).
     pub fn reset(&mut self) {
         self.seq.reset();
+    }
+
+    /// Greedy steps per launch: 1 launches once per step, `usize::MAX` (the default) runs a
+    /// whole generation in one launch (see [`Self::generate`]).
+    pub fn set_tokens_per_launch(&mut self, n: usize) {
+        self.seq.tokens_per_launch = n.max(1);
     }
 
     /// `n` greedy steps back to back (see [`stepping::decode_greedy`]).
@@ -533,6 +566,20 @@ impl Steps for MegakernelPath<'_> {
         Some(&mut self.history)
     }
 
+    fn runs_generations(&mut self) -> bool {
+        self.seq.tokens_per_launch > 1
+    }
+
+    fn generate_in_launch(
+        &mut self,
+        n: usize,
+        stop: &[u32],
+        on: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<GenerationRun> {
+        let per_launch = self.seq.tokens_per_launch;
+        self.generate(n, per_launch, stop, on)
+    }
+
     fn check(&self) -> Result<()> {
         self.check_error()
     }
@@ -552,6 +599,26 @@ impl Steps for MegakernelPath<'_> {
     fn kv_target(&self) -> super::prefill::KvTarget {
         super::prefill::KvTarget::head_major(self.gpu, &self._kv, &self.model.config)
     }
+}
+
+/// Per SM, the encoded position of its last instruction that writes K/V cache rows (QKV; with
+/// q/k norms also attention, whose part at the current position writes the finished K row),
+/// or `u32::MAX`. In a generation only the SMs that have one publish their steps
+/// (megakernel.cu), and the loaders wait only for them before they stage rows of a step.
+fn last_kv_writers(words: &[u32], sm_offsets: &[u32], qk_norm: bool) -> Vec<u32> {
+    use scheduler::encode::opcode;
+    sm_offsets
+        .windows(2)
+        .map(|w| {
+            (w[0]..w[1])
+                .rev()
+                .find(|&i| {
+                    let op = words[i as usize * WORDS];
+                    op == opcode::RMS_QKV_ROPE || (qk_norm && op == opcode::ATTENTION)
+                })
+                .unwrap_or(u32::MAX)
+        })
+        .collect()
 }
 
 /// Whether the draw after a megakernel step is launched with programmatic dependent launch.

@@ -194,6 +194,14 @@ impl<'g> GpuPath<'g> {
         }
     }
 
+    /// Greedy steps per launch on the megakernel (see
+    /// [`MegakernelPath::set_tokens_per_launch`]); the graph paths launch per step anyway.
+    pub fn set_tokens_per_launch(&mut self, n: usize) {
+        if let Self::Megakernel(p) = self {
+            p.set_tokens_per_launch(n);
+        }
+    }
+
     pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
         match self {
             Self::Megakernel(p) => p.decode_greedy(token, n),
@@ -238,15 +246,16 @@ impl Backend for GpuPath<'_> {
         &mut self,
         first: u32,
         max: usize,
+        stop: &[u32],
         sampler: &mut Sampler,
         on: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<()> {
         match self {
             Self::Megakernel(p) => {
-                super::stepping::decode_stream(p.as_mut(), first, max, sampler, on)
+                super::stepping::decode_stream(p.as_mut(), first, max, stop, sampler, on)
             }
             Self::Baseline(p) => {
-                super::stepping::decode_stream(p.as_mut(), first, max, sampler, on)
+                super::stepping::decode_stream(p.as_mut(), first, max, stop, sampler, on)
             }
         }
     }

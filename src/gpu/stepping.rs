@@ -11,6 +11,16 @@ use super::prefill::{KvTarget, Logits, Prefill, DEFAULT_CHUNK};
 use crate::generate::Backend;
 use crate::sampling::{Sampler, SamplingParams};
 
+/// What a generation inside launches did: the tokens handed to the host's callback, the
+/// steps the device ran (more when steps were running as the host asked it to stop) and the
+/// last token handed on.
+#[derive(Clone, Copy, Debug)]
+pub struct GenerationRun {
+    pub handled: usize,
+    pub ran: usize,
+    pub last: Option<u32>,
+}
+
 /// Position bookkeeping of one sequence.
 pub struct Sequence {
     /// Tokens already in the KV cache: the position of the next one.
@@ -30,6 +40,9 @@ pub struct Sequence {
     /// Feeds of at least this many tokens go through batched prefill; shorter ones (a
     /// sampled token) are decode steps. `usize::MAX` feeds every prompt one step per token.
     pub prefill_min: usize,
+    /// Greedy steps per launch on paths that run a generation inside one launch (the
+    /// megakernel): `usize::MAX` (the default) the whole generation, 1 a launch per step.
+    pub tokens_per_launch: usize,
 }
 
 impl Sequence {
@@ -42,6 +55,7 @@ impl Sequence {
             prefill: None,
             prefill_chunk: DEFAULT_CHUNK,
             prefill_min: 2,
+            tokens_per_launch: usize::MAX,
         }
     }
 
@@ -101,6 +115,21 @@ pub trait Steps {
     }
     fn history_mut(&mut self) -> Option<&mut CudaSlice<u32>> {
         None
+    }
+    /// Whether greedy steps run as generations, many to a launch (`generate_in_launch`).
+    fn runs_generations(&mut self) -> bool {
+        false
+    }
+    /// Up to `n` greedy steps from the token meta, run inside launches, each token handed to
+    /// `on` as the device publishes it (`on` returns whether to go on); the device stops after
+    /// a token of `stop`. The caller advances the sequence by what the run reports.
+    fn generate_in_launch(
+        &mut self,
+        _n: usize,
+        _stop: &[u32],
+        _on: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<GenerationRun> {
+        bail!("this path runs one launch per step")
     }
     /// The weights the steps read.
     fn model(&self) -> &DeviceModel;
@@ -207,10 +236,34 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
     if s.seq().meta_current != Some(token) {
         s.write_meta(token, start)?;
     }
+    if n > 1 && s.runs_generations() {
+        let mut out = Vec::with_capacity(n);
+        let run = s.generate_in_launch(n, &[], &mut |t| {
+            out.push(t);
+            Ok(true)
+        })?;
+        end_generation(s, start, &run);
+        if run.ran < n {
+            bail!("the GPU generation ended after {} of {n} steps", run.ran);
+        }
+        return Ok(out);
+    }
     for _ in 0..n {
         s.launch_step()?;
     }
     finish_chained(s, start, n, "argmax")
+}
+
+/// Advances the sequence past a generation from `start`: by the tokens handed on; the device
+/// meta holds the next token to feed only if the device ran no step past them.
+fn end_generation<S: Steps>(s: &mut S, start: usize, run: &GenerationRun) {
+    let seq = s.seq();
+    seq.pos = start + run.handled;
+    seq.meta_current = if run.ran == run.handled {
+        run.last
+    } else {
+        None
+    };
 }
 
 /// After `n` steps chained on the device from position `start`: advances the sequence, checks
@@ -319,6 +372,7 @@ pub fn decode_stream<S: Steps>(
     s: &mut S,
     first: u32,
     max: usize,
+    stop: &[u32],
     sampler: &mut Sampler,
     on: &mut dyn FnMut(u32) -> Result<bool>,
 ) -> Result<()> {
@@ -332,6 +386,9 @@ pub fn decode_stream<S: Steps>(
     if greedy {
         if s.seq().meta_current != Some(first) {
             s.write_meta(first, start)?;
+        }
+        if max > 1 && s.runs_generations() {
+            return stream_generation(s, start, max, stop, sampler, on);
         }
     } else {
         check_sampler_context(sampler, first, start)?;
@@ -386,6 +443,46 @@ pub fn decode_stream<S: Steps>(
     result
 }
 
+/// decode_stream's greedy steps as generations inside launches (see `generate_in_launch`):
+/// the host takes each token as the device publishes it, with nothing to launch per token.
+fn stream_generation<S: Steps>(
+    s: &mut S,
+    start: usize,
+    max: usize,
+    stop: &[u32],
+    sampler: &mut Sampler,
+    on: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    // The device checks at most MAX_STOP_TOKENS; past that the host alone stops.
+    let stop = if stop.len() <= super::megakernel::MAX_STOP_TOKENS {
+        stop
+    } else {
+        &[]
+    };
+    let mut handled = 0;
+    let mut failure = None;
+    let run = s.generate_in_launch(max, stop, &mut |t| {
+        handled += 1;
+        match on(t) {
+            Ok(true) if handled < max => {
+                sampler.accept(&[t]);
+                Ok(true)
+            }
+            Ok(_) => Ok(false),
+            Err(e) => {
+                failure = Some(e);
+                Ok(false)
+            }
+        }
+    })?;
+    end_generation(s, start, &run);
+    s.check()?;
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 impl<S: Steps> Backend for S {
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         feed(self, tokens)
@@ -407,10 +504,11 @@ impl<S: Steps> Backend for S {
         &mut self,
         first: u32,
         max: usize,
+        stop: &[u32],
         sampler: &mut Sampler,
         on: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<()> {
-        decode_stream(self, first, max, sampler, on)
+        decode_stream(self, first, max, stop, sampler, on)
     }
 }
 

@@ -57,10 +57,11 @@ pub const STAGES: [(&str, &str); 5] = [
 pub const ST_DONE: u32 = STAGES.len() as u32 - 1;
 
 /// Error kinds (error word 6): (CUDA name, value).
-pub const ERROR_KINDS: [(&str, u32); 3] = [
+pub const ERROR_KINDS: [(&str, u32); 4] = [
     ("ERR_DATA", ERR_DATA),
     ("ERR_PAGE_CONSUMER", ERR_PAGE_CONSUMER),
     ("ERR_PAGE_LOADER", ERR_PAGE_LOADER),
+    ("ERR_STEP", ERR_STEP),
 ];
 /// A tagged input was not written in time.
 pub const ERR_DATA: u32 = 1;
@@ -68,6 +69,11 @@ pub const ERR_DATA: u32 = 1;
 pub const ERR_PAGE_CONSUMER: u32 = 2;
 /// The loader waited too long for a page to be released.
 pub const ERR_PAGE_LOADER: u32 = 3;
+/// In a generation: the previous step's token (what = `GEN_WHAT_TOKEN`), or an SM's end of
+/// the previous step (what = the SM), did not come in time.
+pub const ERR_STEP: u32 = 4;
+/// ERR_STEP's `what` for the token.
+pub const GEN_WHAT_TOKEN: u32 = u32::MAX;
 
 /// The opcodes as the interpreter names them.
 const OPCODES: [(&str, u32); 9] = [
@@ -102,6 +108,7 @@ abi_struct! {
     pub struct MkParams {
         instrs: u64,
         sm_offsets: u64,
+        kv_last: u64,
         error: u64,
         progress: u64,
         profile: u64,
@@ -138,6 +145,13 @@ abi_struct! {
         eps: f32,
         epoch: u32,
         timeout_ns: u64,
+        gen: u64,
+        gen_out: u64,
+        gen_ctl: u64,
+        stop_ids: u64,
+        gen_prof: u64,
+        steps: u32,
+        n_stop: u32,
     }
 }
 
@@ -185,6 +199,7 @@ pub fn prelude() -> String {
     ] {
         writeln!(s, "#define {name} {v}").unwrap();
     }
+    writeln!(s, "#define GEN_WHAT_TOKEN {GEN_WHAT_TOKEN}u").unwrap();
     for (i, name) in prof::NAMES.iter().enumerate() {
         writeln!(s, "#define PROF_{} {i}", name.to_uppercase()).unwrap();
     }
@@ -301,8 +316,8 @@ mod tests {
             "sizeof(MkParams) == {}",
             std::mem::size_of::<MkParams>()
         )));
-        // The parameter block: 23 pointers, 14 four-byte fields and the timeout, no padding.
-        assert_eq!(std::mem::size_of::<MkParams>(), 23 * 8 + 14 * 4 + 8);
+        // The parameter block: 29 pointers, 16 four-byte fields and the timeout, no padding.
+        assert_eq!(std::mem::size_of::<MkParams>(), 29 * 8 + 16 * 4 + 8);
         assert_eq!(std::mem::size_of::<LayerW>(), 72);
     }
 }

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 
-use super::abi::{ERR_DATA, ERR_PAGE_CONSUMER, STAGES, ST_DONE};
+use super::abi::{ERR_DATA, ERR_PAGE_CONSUMER, ERR_STEP, GEN_WHAT_TOKEN, STAGES, ST_DONE};
 use super::MegakernelPath;
 
 /// A consumer progress stage's name.
@@ -36,6 +36,14 @@ impl MegakernelPath<'_> {
                 self.streams().arena.element(e[3] as usize),
                 e[4],
                 e[5]
+            ),
+            ERR_STEP if e[3] == GEN_WHAT_TOKEN => format!(
+                "waited too long for the previous step's token in a generation (tag {} expected, {} seen)",
+                e[4], e[5]
+            ),
+            ERR_STEP => format!(
+                "(loader) waited too long for SM {} to write the K/V rows of an earlier step of the generation (tag {} expected, {} seen)",
+                e[3], e[4], e[5]
             ),
             ERR_PAGE_CONSUMER => {
                 format!("waited too long for weight page of tile {} to arrive", e[3])

@@ -1,30 +1,51 @@
-//! Launching one decode step: a cooperative launch of one CTA per SM, and the epoch (tag)
-//! bookkeeping between launches.
+//! Launching decode steps: a cooperative launch of one CTA per SM, running one step or a
+//! generation (many greedy steps in one launch, handing each token to the host through mapped
+//! memory as soon as it exists), and the epoch (tag) bookkeeping between launches.
 
 use std::ffi::c_void;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{self, CUlaunchAttributeID};
 
 use super::abi::{MkParams, THREADS};
 use super::MegakernelPath;
+use crate::gpu::device::MappedWords;
+use crate::gpu::stepping::GenerationRun;
+
+/// The most stop tokens a generation checks on the device.
+pub const MAX_STOP_TOKENS: usize = 16;
+
+/// A mapped token word the device has not written yet.
+const UNSET: u32 = u32::MAX;
 
 /// Tags are epoch + 1 in 32 bits: before they would wrap, the tagged arena is cleared and the
 /// epoch restarts.
 pub const MAX_EPOCH: u32 = u32::MAX - 1;
-// The restart keeps the meta slot's parity (see `launch`).
+// The restart keeps the meta slot's parity (see `launch_steps`).
 const _: () = assert!(MAX_EPOCH.is_multiple_of(2));
 
 impl MegakernelPath<'_> {
     pub(super) fn launch(&mut self) -> Result<()> {
+        self.launch_steps(1)?;
+        self.params.epoch += 1;
+        self.next_pos += 1;
+        Ok(())
+    }
+
+    /// Enqueues one launch of `steps` steps from the meta's token at `next_pos` (the caller
+    /// advances the epoch and the position by the steps that ran). The steps must stay within
+    /// one context bucket.
+    fn launch_steps(&mut self, steps: u32) -> Result<()> {
         self.select_bucket(self.next_pos);
-        if self.params.epoch >= MAX_EPOCH {
-            // The tag would wrap: restart at epoch 0 with every tag cleared, so no old tag
-            // matches a restarted one. MAX_EPOCH is even, so epoch 0 reads the same meta slot
-            // (the one the last step's argmax wrote) as epoch MAX_EPOCH would have.
+        if u64::from(self.params.epoch) + u64::from(steps) > u64::from(MAX_EPOCH) {
+            // The tag would wrap: restart with every tag cleared, so no old tag matches a
+            // restarted one. The restart keeps the epoch's parity, so the step reads the same
+            // meta slot (the one the last step's argmax wrote).
             self.gpu.stream.memset_zeros(&mut self.arena)?;
-            self.params.epoch = 0;
+            self.gpu.stream.memset_zeros(&mut self.gen)?;
+            self.params.epoch &= 1;
         }
+        self.params.steps = steps;
         // SAFETY: CUlaunchAttribute is a plain C struct (an id and a union of integers and
         // structs of integers) for which all-zero bytes are a valid value.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -46,7 +67,7 @@ impl MegakernelPath<'_> {
         // SAFETY: one argument, the MkParams struct the kernel declares, by value (its layout is
         // checked against the CUDA struct at compile time, see abi::checks); every pointer in it
         // addresses a buffer this path owns, alive as long as `self`.
-        unsafe {
+        let r = unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,
                 self.kernel_fn(),
@@ -54,11 +75,135 @@ impl MegakernelPath<'_> {
                 std::ptr::null_mut(),
             )
         }
-        .result()
-        .context("launching the megakernel (co-residency of one CTA per SM is required)")?;
-        self.params.epoch += 1;
-        self.next_pos += 1;
+        .result();
+        self.params.steps = 1;
+        r.context("launching the megakernel (co-residency of one CTA per SM is required)")?;
         Ok(())
+    }
+
+    /// Up to `n` greedy steps from the token meta (the token at `next_pos`), in launches of
+    /// up to `per_launch` steps. A launch runs step after step on the device and ends after a
+    /// token of `stop`, at the host's request, or after its steps; it also ends where the
+    /// sequence enters the next context bucket or the tag would wrap, and the next launch goes
+    /// on from there. Each token is published to mapped host memory as soon as the step has
+    /// it, and handed to `on` while the GPU computes the next; `on` returns whether to go on,
+    /// and false or an error asks the running launch to stop (within a step).
+    pub fn generate(
+        &mut self,
+        n: usize,
+        per_launch: usize,
+        stop: &[u32],
+        on: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<GenerationRun> {
+        if stop.len() > MAX_STOP_TOKENS {
+            bail!(
+                "{} stop tokens; a generation on the GPU checks at most {MAX_STOP_TOKENS}",
+                stop.len()
+            );
+        }
+        if self.next_pos + n > self.seq.max_seq {
+            bail!(
+                "a generation of {n} tokens from position {} passes the context of {} tokens",
+                self.next_pos,
+                self.seq.max_seq
+            );
+        }
+        if self.gen_io.is_none() {
+            let words = 1 + self.seq.max_seq.max(1);
+            self.gen_io = Some(MappedWords::new(self.gpu, words, "generated tokens")?);
+        }
+        if !stop.is_empty() {
+            let mut dst = self.stop_ids.slice_mut(0..stop.len());
+            self.gpu.stream.memcpy_htod(stop, &mut dst)?;
+        }
+        self.params.n_stop = stop.len() as u32;
+        let vocab = self.model.config.vocab_size as u32;
+        let mut run = GenerationRun {
+            handled: 0,
+            ran: 0,
+            last: None,
+        };
+        let mut failure: Option<anyhow::Error> = None;
+        let mut go_on = true;
+        while go_on && run.ran < n {
+            let pos = self.next_pos;
+            // The last bucket runs every longer sequence too.
+            let b = self.bucket_at(pos);
+            let bucket_end = if b + 1 == self.buckets.len() {
+                usize::MAX
+            } else {
+                self.buckets[b].upto
+            };
+            let steps = (n - run.ran)
+                .min(per_launch.max(1))
+                .min(bucket_end.saturating_sub(pos).max(1))
+                .min(MAX_EPOCH as usize / 2);
+            // A generation reaching the tag's wrap ends there; the next launch restarts it.
+            let room = (MAX_EPOCH - self.params.epoch) as usize;
+            let steps = if room > 0 { steps.min(room) } else { steps };
+            let io = self.gen_io.as_ref().expect("made above");
+            io.write(0, 0);
+            for i in 0..steps {
+                io.write(1 + i, UNSET);
+            }
+            self.params.gen_ctl = io.device_ptr();
+            self.params.gen_out = io.device_ptr() + 4;
+            let launched = self.launch_steps(steps as u32);
+            self.params.gen_ctl = 0;
+            self.params.gen_out = 0;
+            launched?;
+            let done = self.gpu.stream.record_event(None)?;
+            let io = self.gen_io.as_ref().expect("made above");
+            let mut got = 0;
+            while got < steps {
+                let t = io.read(1 + got);
+                if t == UNSET {
+                    // Finished without publishing this step: stopped early, or failed.
+                    if done.is_complete() && io.read(1 + got) == UNSET {
+                        break;
+                    }
+                    if go_on && crate::interrupt::stop_pending() {
+                        // Ctrl-C: the kernel stops after the step it is on.
+                        io.write(0, 1);
+                    }
+                    std::hint::spin_loop();
+                    continue;
+                }
+                got += 1;
+                if !go_on {
+                    continue;
+                }
+                if t >= vocab {
+                    failure = Some(anyhow::anyhow!(
+                        "GPU argmax produced token {t} outside the vocabulary (NaN logits?)"
+                    ));
+                } else {
+                    run.handled += 1;
+                    run.last = Some(t);
+                    match on(t) {
+                        Ok(true) => continue,
+                        Ok(false) => {}
+                        Err(e) => failure = Some(e),
+                    }
+                }
+                go_on = false;
+                io.write(0, 1);
+            }
+            done.synchronize()?;
+            self.params.epoch += got as u32;
+            self.next_pos += got;
+            run.ran += got;
+            if got < steps {
+                // Stopped on the device (a stop token) or failed: the error word says which.
+                go_on = false;
+            }
+        }
+        self.params.n_stop = 0;
+        self.check_error()?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(run),
+        }
     }
 
     fn kernel_fn(&self) -> sys::CUfunction {
@@ -71,6 +216,7 @@ impl MegakernelPath<'_> {
     #[doc(hidden)]
     pub fn set_epoch_for_test(&mut self, epoch: u32) -> Result<()> {
         self.gpu.stream.memset_zeros(&mut self.arena)?;
+        self.gpu.stream.memset_zeros(&mut self.gen)?;
         if (epoch ^ self.params.epoch) & 1 == 1 {
             // Step e reads meta slot e % 2: the slots trade places with the parity.
             let m = self.gpu.stream.clone_dtoh(&self.meta)?;

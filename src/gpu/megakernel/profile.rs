@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use super::abi::{prof, PROF_WORDS};
 use super::MegakernelPath;
 use crate::gpu::device::ptr;
+use crate::gpu::stepping::Steps;
 
 /// Where one decode step's time went, per instruction type (from `MegakernelPath::profile`).
 pub struct Profile {
@@ -270,6 +271,52 @@ impl MegakernelPath<'_> {
             rows,
             timeline: tl,
         })
+    }
+}
+
+impl MegakernelPath<'_> {
+    /// The gaps between tokens on the GPU's clock: for each of `steps` greedy steps from
+    /// `token` after the first, the time from the argmax publishing the token before to the
+    /// earliest start of an SM's first instruction of the step, in µs. With `per_launch` 1
+    /// each step is a launch of its own, and the gap holds the launch and its prologue; else
+    /// the steps run as one generation.
+    pub fn token_gaps(&mut self, token: u32, steps: usize, per_launch: usize) -> Result<Vec<f64>> {
+        let pos = self.seq.pos;
+        if steps < 2 || self.bucket_at(pos + steps - 1) != self.bucket_at(pos) {
+            bail!("token_gaps: {steps} steps from position {pos} must be at least 2, within one context bucket");
+        }
+        let init: Vec<u64> = (0..steps).flat_map(|_| [0, u64::MAX]).collect();
+        let buf = self.gpu.upload(&init, "gap stamps")?;
+        let base = ptr(&buf, &self.gpu.stream);
+        let saved = self.seq.tokens_per_launch;
+        let result = if per_launch == 1 {
+            // Launches queued back to back, as `decode_greedy` queues them, each with its own
+            // stamps.
+            let mut queue = || -> Result<()> {
+                if self.seq.meta_current != Some(token) {
+                    self.write_meta(token, pos)?;
+                }
+                for k in 0..steps {
+                    self.params.gen_prof = base + 16 * k as u64;
+                    self.launch()?;
+                }
+                self.seq.pos += steps;
+                self.seq.meta_current = None;
+                self.check_error()
+            };
+            queue()
+        } else {
+            self.seq.tokens_per_launch = usize::MAX;
+            self.params.gen_prof = base;
+            self.decode_greedy(token, steps).map(|_| ())
+        };
+        self.params.gen_prof = 0;
+        self.seq.tokens_per_launch = saved;
+        result?;
+        let st = self.gpu.stream.clone_dtoh(&buf)?;
+        Ok((1..steps)
+            .map(|k| st[2 * k + 1].saturating_sub(st[2 * (k - 1)]) as f64 / 1e3)
+            .collect())
     }
 }
 
