@@ -101,6 +101,7 @@ fi
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
+# BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
@@ -198,15 +199,43 @@ if [ "${BENCH:-0}" != 0 ]; then
     # `megainfer run` on the default model as a user runs it (tokens streamed to stdout, the
     # stats line on stderr): OLD_BIN (if given) and this build alternating, RUN_ROUNDS rounds
     # (default 3) on each path of RUN_PATHS, RUN_TOKENS new tokens (default 256).
+    # RUN_VARIANTS: ';'-separated extra arguments for this build only, each run as its own row
+    # (e.g. ";--tokens-per-launch 1" for the default and one launch per token).
+    IFS=';' read -ra run_variants <<< "${RUN_VARIANTS:-}"
+    [ ${#run_variants[@]} -eq 0 ] && run_variants=("")
     for round in $(seq "${RUN_ROUNDS:-3}"); do
       for path in ${RUN_PATHS:-megakernel}; do
         for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
-          log="$OUT/run-$path-$(basename "$bin")-$round.log"
-          "$bin" run --device cuda --path "$path" -n "${RUN_TOKENS:-256}" ${RUN_ARGS:-} \
-            -p "${RUN_PROMPT:-Write a long story about a lighthouse keeper.}" > "$log.out" 2> "$log"
-          echo "run $path $(basename "$bin") round $round: $(grep -E 'decode:' "$log" | tail -1)"
+          variants=("${run_variants[@]}"); [ "$bin" != "$MEGAINFER_BIN" ] && variants=("")
+          for v in "${variants[@]}"; do
+            log="$OUT/run-$path-$(basename "$bin")-$round.log"
+            "$bin" run --device cuda --path "$path" -n "${RUN_TOKENS:-256}" ${RUN_ARGS:-} $v \
+              -p "${RUN_PROMPT:-Write a long story about a lighthouse keeper.}" > "$log.out" 2> "$log"
+            echo "run $path $(basename "$bin") [$v] round $round: $(grep -E 'decode:' "$log" | tail -1)"
+          done
         done
       done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",gen,"* ]]; then
+    # Generations inside one launch: OLD_BIN (if given) against this build with one launch per
+    # token and one per generation (`bench --tokens-per-launch 1,0`) on GEN_CASES (default:
+    # SmolLM2, Llama-1B and SmolLM2 quantised to Q4_1 at a 300-token prompt), GEN_ROUNDS rounds
+    # (default 2); then the gap between tokens (`bench --profile`) on SmolLM2 and Llama-1B.
+    IFS=';' read -ra gen_cases <<< "${GEN_CASES:---preset smollm2-135m;--preset llama-3.2-1b;--preset smollm2-135m --dtype q4_1 --prompt-len 300}"
+    for round in $(seq "${GEN_ROUNDS:-2}"); do
+      for c in "${gen_cases[@]}"; do
+        if [ -n "${OLD_BIN:-}" ]; then
+          "$OLD_BIN" bench $c --paths megakernel --reps 5 > "$OUT/gen-old.log" 2>&1
+          echo "gen [$c] round $round old: $(row "$OUT/gen-old.log" megakernel)"
+        fi
+        "$MEGAINFER_BIN" bench $c --paths megakernel --tokens-per-launch 1,0 --reps 5 > "$OUT/gen-new.log" 2>&1
+        grep -E "^\| megakernel" "$OUT/gen-new.log" | sed "s/^/gen [$c] round $round new: /"
+      done
+    done
+    for preset in smollm2-135m llama-3.2-1b; do
+      "$MEGAINFER_BIN" bench --preset "$preset" --paths megakernel --profile --reps 2 > "$OUT/gen-gap.log" 2>&1
+      grep -E "gap between tokens" "$OUT/gen-gap.log" | sed "s/^/$preset: /"
     done
   fi
   if [[ ",${BENCH:-}," == *",qwen,"* ]]; then
