@@ -449,3 +449,28 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_per_launch, per_launch_label};
+    use crate::gpu::paths::PathKind;
+
+    #[test]
+    fn tokens_per_launch_lists_parse_and_name_their_rows() {
+        assert_eq!(parse_per_launch("1,0").unwrap().0, [1, 0]);
+        assert_eq!(parse_per_launch(" 8 ").unwrap().0, [8]);
+        for bad in ["", "1,", "x", "-1", "1;0"] {
+            let e = parse_per_launch(bad).unwrap_err();
+            assert!(
+                e.contains(bad) && e.contains("0 = the whole generation"),
+                "{e}"
+            );
+        }
+        assert_eq!(per_launch_label(PathKind::Megakernel, 0), "megakernel");
+        assert_eq!(
+            per_launch_label(PathKind::Megakernel, 1),
+            "megakernel (1/launch)"
+        );
+        assert_eq!(per_launch_label(PathKind::GraphPdl, 0), "graph-pdl");
+    }
+}

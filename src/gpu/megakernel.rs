@@ -738,3 +738,33 @@ impl<'g> MegakernelPath<'g> {
         Self::with_buckets(gpu, model, &list, max_seq)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{last_kv_writers, WORDS};
+    use scheduler::encode::opcode;
+
+    #[test]
+    fn the_last_kv_writer_of_each_sm_is_found() {
+        // Three SMs: [QKV, attention, O-proj], [attention, down], [] (no instructions).
+        let ops = [
+            opcode::RMS_QKV_ROPE,
+            opcode::ATTENTION,
+            opcode::O_PROJ_RESIDUAL,
+            opcode::ATTENTION,
+            opcode::DOWN_PROJ_PARTIAL,
+        ];
+        let words: Vec<u32> = ops
+            .iter()
+            .flat_map(|&op| std::iter::once(op).chain(std::iter::repeat_n(0, WORDS - 1)))
+            .collect();
+        let offsets = [0, 3, 5, 5];
+        // Without q/k norms only QKV writes K/V rows.
+        assert_eq!(
+            last_kv_writers(&words, &offsets, false),
+            [0, u32::MAX, u32::MAX]
+        );
+        // With them attention writes the finished K row too.
+        assert_eq!(last_kv_writers(&words, &offsets, true), [1, 3, u32::MAX]);
+    }
+}

@@ -24,6 +24,33 @@ pub const MAX_EPOCH: u32 = u32::MAX - 1;
 // The restart keeps the meta slot's parity (see `launch_steps`).
 const _: () = assert!(MAX_EPOCH.is_multiple_of(2));
 
+/// Steps the next launch of a generation runs: the `left` still wanted, at most `per_launch`;
+/// up to the end of the context bucket at `pos` (`bucket_end`: the longest sequence it runs,
+/// `None` for the last bucket, which runs every longer one too), so the next launch can run
+/// the next bucket's streams; and up to the tag's wrap (epoch + steps <= MAX_EPOCH), where the
+/// next launch restarts the epoch. At least one step.
+pub(super) fn launch_size(
+    left: usize,
+    per_launch: usize,
+    pos: usize,
+    bucket_end: Option<usize>,
+    epoch: u32,
+) -> usize {
+    let to_bucket_end = bucket_end.map_or(usize::MAX, |end| end.saturating_sub(pos));
+    let to_wrap = (MAX_EPOCH - epoch.min(MAX_EPOCH)) as usize;
+    let steps = left
+        .min(per_launch)
+        .min(to_bucket_end)
+        .min(MAX_EPOCH as usize / 2);
+    // At the wrap itself the launch restarts the epoch first (launch_steps).
+    let steps = if to_wrap > 0 {
+        steps.min(to_wrap)
+    } else {
+        steps
+    };
+    steps.max(1)
+}
+
 impl MegakernelPath<'_> {
     pub(super) fn launch(&mut self) -> Result<()> {
         self.launch_steps(1)?;
@@ -129,18 +156,8 @@ impl MegakernelPath<'_> {
             let pos = self.next_pos;
             // The last bucket runs every longer sequence too.
             let b = self.bucket_at(pos);
-            let bucket_end = if b + 1 == self.buckets.len() {
-                usize::MAX
-            } else {
-                self.buckets[b].upto
-            };
-            let steps = (n - run.ran)
-                .min(per_launch.max(1))
-                .min(bucket_end.saturating_sub(pos).max(1))
-                .min(MAX_EPOCH as usize / 2);
-            // A generation reaching the tag's wrap ends there; the next launch restarts it.
-            let room = (MAX_EPOCH - self.params.epoch) as usize;
-            let steps = if room > 0 { steps.min(room) } else { steps };
+            let bucket_end = (b + 1 < self.buckets.len()).then(|| self.buckets[b].upto);
+            let steps = launch_size(n - run.ran, per_launch, pos, bucket_end, self.params.epoch);
             let io = self.gen_io.as_ref().expect("made above");
             io.write(0, 0);
             for i in 0..steps {
@@ -230,5 +247,31 @@ impl MegakernelPath<'_> {
     /// The epoch of the next step.
     pub fn epoch(&self) -> u32 {
         self.params.epoch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{launch_size, MAX_EPOCH};
+
+    #[test]
+    fn a_generation_launch_stops_at_its_budget_the_bucket_end_and_the_wrap() {
+        // The whole generation when nothing stops it.
+        assert_eq!(launch_size(400, usize::MAX, 39, None, 0), 400);
+        // Launches of per_launch steps.
+        assert_eq!(launch_size(400, 7, 39, None, 0), 7);
+        assert_eq!(launch_size(5, 7, 39, None, 0), 5);
+        // A bucket of sequences up to 256 long: positions 39..=255 (lengths 40..=256).
+        assert_eq!(launch_size(400, usize::MAX, 39, Some(256), 0), 217);
+        assert_eq!(launch_size(400, usize::MAX, 255, Some(256), 0), 1);
+        // Past a bucket's end (never chosen for it, but never zero steps).
+        assert_eq!(launch_size(400, usize::MAX, 300, Some(256), 0), 1);
+        // The tag's wrap: tags epoch + 1 ..= epoch + steps stay at most MAX_EPOCH.
+        assert_eq!(launch_size(15, usize::MAX, 0, None, MAX_EPOCH - 8), 8);
+        assert_eq!(launch_size(15, usize::MAX, 0, None, MAX_EPOCH - 1), 1);
+        // At the wrap the launch restarts the epoch before it runs.
+        assert_eq!(launch_size(15, usize::MAX, 0, None, MAX_EPOCH), 15);
+        // Every limit at once: the smallest wins.
+        assert_eq!(launch_size(100, 50, 240, Some(256), MAX_EPOCH - 30), 16);
     }
 }
