@@ -43,13 +43,25 @@ const DEFAULT_WAIT_TIMEOUT_MS: u64 = 2000;
 
 /// The wait limit a new path starts with: `MEGAINFER_WAIT_TIMEOUT_MS` where set (tools such as
 /// compute-sanitizer slow the kernel by orders of magnitude, so under them the default limit
-/// would report stalls that are not there), else DEFAULT_WAIT_TIMEOUT_MS.
-fn initial_wait_timeout_ms() -> u64 {
-    std::env::var("MEGAINFER_WAIT_TIMEOUT_MS")
+/// would report stalls that are not there), else DEFAULT_WAIT_TIMEOUT_MS. A value that is not
+/// a number of milliseconds in the range `--wait-timeout-ms` takes is an error, not ignored.
+fn initial_wait_timeout_ms() -> Result<u64> {
+    parse_wait_timeout_ms(std::env::var("MEGAINFER_WAIT_TIMEOUT_MS").ok().as_deref())
+}
+
+fn parse_wait_timeout_ms(v: Option<&str>) -> Result<u64> {
+    let Some(v) = v else {
+        return Ok(DEFAULT_WAIT_TIMEOUT_MS);
+    };
+    v.trim()
+        .parse::<u64>()
         .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&ms| ms > 0)
-        .unwrap_or(DEFAULT_WAIT_TIMEOUT_MS)
+        .filter(|ms| (1..=600_000).contains(ms))
+        .with_context(|| {
+            format!(
+                "MEGAINFER_WAIT_TIMEOUT_MS: '{v}' is not a number of milliseconds from 1 to 600000"
+            )
+        })
 }
 
 pub struct MegakernelPath<'g> {
@@ -384,7 +396,7 @@ impl<'g> MegakernelPath<'g> {
             pages: pages as i32,
             eps: c.rms_norm_eps,
             epoch: 0,
-            timeout_ns: initial_wait_timeout_ms().saturating_mul(1_000_000),
+            timeout_ns: initial_wait_timeout_ms()?.saturating_mul(1_000_000),
             gen: ptr(&gen, s),
             gen_out: 0,
             gen_ctl: 0,
@@ -558,7 +570,7 @@ impl Steps for MegakernelPath<'_> {
             cur,
             next,
             ptr(&self.history, s),
-            sampler_pdl(),
+            sampler_pdl()?,
         )
     }
 
@@ -627,9 +639,27 @@ fn last_kv_writers(words: &[u32], sm_offsets: &[u32], qk_norm: bool) -> Vec<u32>
 /// launch be processed while the step runs. The megakernel itself is never launched with PDL
 /// (it has no wait of its own). Measured on the H100 (BENCHMARKS.md): 1.4 us less per sampled
 /// Llama-1B step, 0.8 us SmolLM2. `MEGAINFER_SAMPLER_PDL=0` turns it off, to compare.
-fn sampler_pdl() -> bool {
-    static PDL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PDL.get_or_init(|| std::env::var("MEGAINFER_SAMPLER_PDL").map_or(true, |v| v != "0"))
+fn sampler_pdl() -> Result<bool> {
+    static PDL: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
+    PDL.get_or_init(|| {
+        parse_switch(
+            "MEGAINFER_SAMPLER_PDL",
+            std::env::var("MEGAINFER_SAMPLER_PDL").ok().as_deref(),
+            true,
+        )
+    })
+    .clone()
+    .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// An on/off variable: unset is `default`, else 0 or 1; anything else names the variable.
+fn parse_switch(name: &str, v: Option<&str>, default: bool) -> Result<bool, String> {
+    match v.map(str::trim) {
+        None => Ok(default),
+        Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(other) => Err(format!("{name}: '{other}' is not 0 or 1")),
+    }
 }
 
 // ---- the schedule the megakernel runs (shared with `megainfer schedule`) ----
@@ -743,6 +773,31 @@ impl<'g> MegakernelPath<'g> {
 mod tests {
     use super::{last_kv_writers, WORDS};
     use scheduler::encode::opcode;
+
+    #[test]
+    fn environment_switches_are_parsed_strictly() {
+        use super::{parse_switch, parse_wait_timeout_ms, DEFAULT_WAIT_TIMEOUT_MS};
+        assert_eq!(
+            parse_wait_timeout_ms(None).unwrap(),
+            DEFAULT_WAIT_TIMEOUT_MS
+        );
+        assert_eq!(parse_wait_timeout_ms(Some("600000")).unwrap(), 600_000);
+        assert_eq!(parse_wait_timeout_ms(Some(" 50 ")).unwrap(), 50);
+        for bad in ["0", "-5", "2s", "", "600001"] {
+            let e = parse_wait_timeout_ms(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains("MEGAINFER_WAIT_TIMEOUT_MS") && e.contains(&format!("'{bad}'")),
+                "{e}"
+            );
+        }
+        assert_eq!(parse_switch("X", None, true), Ok(true));
+        assert_eq!(parse_switch("X", Some("0"), true), Ok(false));
+        assert_eq!(parse_switch("X", Some("1"), false), Ok(true));
+        assert_eq!(
+            parse_switch("X", Some("off"), true),
+            Err("X: 'off' is not 0 or 1".into())
+        );
+    }
 
     #[test]
     fn the_last_kv_writer_of_each_sm_is_found() {
