@@ -366,8 +366,10 @@ pub const STREAM_AHEAD: usize = 4;
 /// host's work per token overlaps the GPU's instead of leaving it idle between steps. Each
 /// token is read on the GPU's copy stream once its step has finished (an event), while the
 /// compute stream runs on. Steps queued past a stop computed positions the sequence then drops
-/// (their K/V rows are overwritten before anything reads them). A generation that could pass
-/// the context, or a path that samples on the host, goes one step at a time.
+/// (their K/V rows are overwritten before anything reads them). Greedy steps on a path that
+/// runs generations (the megakernel, unless set to one step per launch) run inside launches
+/// instead, each token taken as the device publishes it (`stream_generation`). A generation
+/// that could pass the context, or a path that samples on the host, goes one step at a time.
 pub fn decode_stream<S: Steps>(
     s: &mut S,
     first: u32,
