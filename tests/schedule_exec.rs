@@ -184,6 +184,78 @@ fn random_models_match_reference_over_tokens() {
     }
 }
 
+/// Greedy steps from the last token of `c`'s prompt (fed first, in the global order): the
+/// tokens chosen and the last step's logits (bits), the steps run one after the other in the
+/// global order.
+fn greedy_in_global_order(c: &Case, s: &Schedule, steps: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut m = SlicedMachine::new(&c.cfg, &c.w, s, MAX_SEQ).unwrap();
+    for (pos, &t) in c.tokens.iter().enumerate() {
+        m.begin_token(t, pos).unwrap();
+        s.instrs.iter().for_each(|op| m.exec(op));
+    }
+    let mut tokens = vec![m.token_out().0];
+    for k in 0..steps {
+        m.begin_token(tokens[k], c.tokens.len() + k).unwrap();
+        s.instrs.iter().for_each(|op| m.exec(op));
+        tokens.push(m.token_out().0);
+    }
+    (tokens, m.logits().iter().map(|x| x.to_bits()).collect())
+}
+
+/// A generation (the megakernel's steps inside one launch): the SMs run step after step with
+/// nothing cleared in between, each starting a step once the step before has chosen its token.
+/// In any interleaving the tokens and the last logits must be those of the steps run one at a
+/// time, bit for bit, and the steps must not overlap (the argmax is every step's sink).
+#[test]
+fn generations_match_steps_run_one_at_a_time() {
+    const STEPS: usize = 6;
+    let qwen3 = Config {
+        architecture: "Qwen3ForCausalLM".into(),
+        qk_norm: true,
+        ..tiny(72, 100, 4, 2, 64, false)
+    };
+    let mut cfgs = configs();
+    cfgs.push(qwen3);
+    for (ci, cfg) in cfgs.into_iter().enumerate() {
+        let c = case(cfg, 60 + ci as u64, 4);
+        for sms in [1, 7, 132] {
+            let gpu = GpuShape::with_sms(sms);
+            for opts in [fine(&c.cfg), auto(&c.cfg, &gpu)] {
+                let s = build(&shape_of(&c.cfg), &gpu, &opts).unwrap();
+                let (want, want_logits) = greedy_in_global_order(&c, &s, STEPS);
+                for seed in 0..4 {
+                    let mut m = SlicedMachine::new(&c.cfg, &c.w, &s, MAX_SEQ).unwrap();
+                    for (pos, &t) in c.tokens.iter().enumerate() {
+                        m.begin_token(t, pos).unwrap();
+                        s.instrs.iter().for_each(|op| m.exec(op));
+                    }
+                    m.begin_generation(want[0], c.tokens.len(), STEPS).unwrap();
+                    let mut ex = Executor::new(&s).unwrap();
+                    let order = ex.run_generation(&mut m, STEPS as u32, seed).unwrap();
+                    let label = format!("{} SMs, seed {seed}, {:?}", sms, s.options);
+                    assert_eq!(m.generated(), want, "{label}: tokens");
+                    let bits: Vec<u32> = m.logits().iter().map(|x| x.to_bits()).collect();
+                    assert!(
+                        bits == want_logits,
+                        "{label}: the last step's logits differ"
+                    );
+                    assert_eq!(order.len(), STEPS * s.instrs.len());
+                    assert_eq!(ex.epoch(), STEPS as u32);
+                    // Every instruction feeds the argmax, so no SM's consumers start a step
+                    // before every SM has finished the step before: nothing of one step can
+                    // overwrite what another still reads (on the GPU only the loaders run
+                    // ahead, with weights and, after rows_of_step_ready, K/V rows). An
+                    // instruction that fed nothing would break this.
+                    assert!(
+                        order.windows(2).all(|w| w[0].0 <= w[1].0),
+                        "{label}: an instruction of a step ran before one of the step before"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Qwen's steps: Qwen2's q/k/v biases in the QKV instruction, Qwen3's per-head q/k norms and
 /// RoPE in attention (q_dim twice hidden as in Qwen3-0.6B), for any cut of the heads into QKV
 /// instructions: one pair, the cost model's, whole heads.

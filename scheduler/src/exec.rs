@@ -23,6 +23,9 @@ use crate::{ArenaLayout, Op, Schedule, ScheduleError};
 /// told nothing but the operation to run.
 pub trait Machine {
     fn exec(&mut self, op: &Op);
+    /// In a generation ([`Executor::run_generation`]), called before each instruction with
+    /// the step (0-based, within the generation) it belongs to.
+    fn enter_step(&mut self, _step: u32) {}
 }
 
 /// Runs nothing: for following tags alone.
@@ -78,6 +81,19 @@ pub enum ExecError {
     Target(u32),
     #[error("{0}")]
     Schedule(#[from] ScheduleError),
+    #[error(
+        "generation step {step}: SM {sm} instruction {position} ({instr}) waits for {element} \
+         (tag {want}, found {found}): no order of the steps lets it run"
+    )]
+    GenerationStall {
+        step: u32,
+        sm: usize,
+        position: usize,
+        instr: String,
+        element: String,
+        want: u32,
+        found: u32,
+    },
 }
 
 /// Where one SM stands.
@@ -181,14 +197,7 @@ impl<'a> Executor<'a> {
 
     /// The first element instruction `x` reads that lacks this step's tag.
     fn stale(&self, x: usize) -> Option<usize> {
-        let tag = self.tag();
-        if self.noop[x] {
-            return None;
-        }
-        self.reads[x].iter().find_map(|r| {
-            r.clone()
-                .find(|&o| self.tags.get(o).copied().unwrap_or(0) != tag)
-        })
+        self.stale_at(x, self.tag())
     }
 
     /// One launch: runs every stream to its end, then advances the step. Returns the global
@@ -296,6 +305,122 @@ impl<'a> Executor<'a> {
         self.writes
             .iter()
             .position(|w| w.iter().any(|r| r.contains(&o)))
+    }
+
+    /// Runs `steps` steps as one generation, as the megakernel does inside one launch: each
+    /// SM runs its stream step after step, starting step `s > 0` only once step `s - 1`'s
+    /// argmax has run (the SMs wait for that token between steps); an instruction of step `s`
+    /// runs once everything it reads carries step `s`'s tag, and writes with it. Nothing is
+    /// cleared between steps. While every instruction feeds the argmax (each step's sink), no
+    /// SM starts a step before all have finished the one before; in a schedule where steps
+    /// could overlap, a reader that found the next step's value already written would wait for
+    /// ever (reported as [`ExecError::GenerationStall`]). Returns (step, instruction) in the
+    /// order they ran; the next run starts after these steps.
+    pub fn run_generation<M: Machine>(
+        &mut self,
+        machine: &mut M,
+        steps: u32,
+        seed: u64,
+    ) -> Result<Vec<(u32, u32)>, ExecError> {
+        let s = self.schedule;
+        let sms = s.streams.len();
+        let mut rng = SplitMix::new(seed);
+        let (mut pc, mut step) = (vec![0usize; sms], vec![0u32; sms]);
+        for (sm, st) in s.streams.iter().enumerate() {
+            if st.is_empty() {
+                step[sm] = steps;
+            }
+        }
+        // Steps whose argmax has run: the tokens handed on.
+        let mut tokens = 0u32;
+        let base = self.step;
+        let total = s.instrs.len() * steps as usize;
+        let mut order = Vec::with_capacity(total);
+        let mut ready = Vec::with_capacity(sms);
+        while order.len() < total {
+            ready.clear();
+            for sm in 0..sms {
+                if step[sm] >= steps || (pc[sm] == 0 && step[sm] > tokens) {
+                    continue;
+                }
+                let x = s.streams[sm][pc[sm]] as usize;
+                if self
+                    .stale_at(x, base.wrapping_add(step[sm]).wrapping_add(1))
+                    .is_none()
+                {
+                    ready.push(sm);
+                }
+            }
+            if ready.is_empty() {
+                return Err(self.generation_stall(&pc, &step, base, tokens, steps));
+            }
+            let sm = ready[rng.below(ready.len())];
+            let x = s.streams[sm][pc[sm]];
+            let op = &s.instrs[x as usize];
+            if !self.noop[x as usize] {
+                machine.enter_step(step[sm]);
+                machine.exec(op);
+                let tag = base.wrapping_add(step[sm]).wrapping_add(1);
+                for r in &self.writes[x as usize] {
+                    self.tags[r.clone()].fill(tag);
+                }
+                if matches!(op, Op::Argmax { .. }) {
+                    tokens = step[sm] + 1;
+                }
+            }
+            order.push((step[sm], x));
+            pc[sm] += 1;
+            if pc[sm] == s.streams[sm].len() {
+                pc[sm] = 0;
+                step[sm] += 1;
+            }
+        }
+        self.step = base.wrapping_add(steps);
+        Ok(order)
+    }
+
+    /// The first element instruction `x` reads that lacks `tag`.
+    fn stale_at(&self, x: usize, tag: u32) -> Option<usize> {
+        if self.noop[x] {
+            return None;
+        }
+        self.reads[x].iter().find_map(|r| {
+            r.clone()
+                .find(|&o| self.tags.get(o).copied().unwrap_or(0) != tag)
+        })
+    }
+
+    /// The error for a generation where no SM can go on: the first SM waiting for an element
+    /// (an SM waiting for the token is stuck behind one of those).
+    fn generation_stall(
+        &self,
+        pc: &[usize],
+        step: &[u32],
+        base: u32,
+        tokens: u32,
+        steps: u32,
+    ) -> ExecError {
+        let s = self.schedule;
+        let waiting = (0..pc.len()).find_map(|sm| {
+            let st = step[sm];
+            if st >= steps || (pc[sm] == 0 && st > tokens) {
+                return None;
+            }
+            let x = s.streams[sm][pc[sm]] as usize;
+            let tag = base.wrapping_add(st).wrapping_add(1);
+            self.stale_at(x, tag).map(|o| (sm, x, st, o, tag))
+        });
+        let (sm, x, st, o, tag) =
+            waiting.expect("a stalled generation has an SM waiting for an element");
+        ExecError::GenerationStall {
+            step: st,
+            sm,
+            position: self.first[sm] + pc[sm],
+            instr: s.describe(x),
+            element: self.arena.element(o),
+            want: tag,
+            found: self.tags.get(o).copied().unwrap_or(0),
+        }
     }
 
     /// The error for a step stuck with SMs at `pc`: names, where there is one, a blocked

@@ -61,6 +61,9 @@ pub struct SlicedMachine<'a> {
     mlp_part: Vec<Vec<Vec<f32>>>,
     logits: Vec<f32>,
     lm_best: Vec<(f32, u32)>,
+    /// In a generation: the first position and the token each step feeds (step 0's given,
+    /// each later one the argmax of the step before).
+    generation: Option<(usize, Vec<u32>)>,
 }
 
 impl<'a> SlicedMachine<'a> {
@@ -115,6 +118,7 @@ impl<'a> SlicedMachine<'a> {
             mlp_part: vec![vec![vec![f32::NAN; h]; chunks]; l],
             logits: vec![f32::NAN; cfg.vocab_size],
             lm_best: vec![(f32::NAN, POISON_TOKEN); schedule.lm_blocks()],
+            generation: None,
         })
     }
 
@@ -126,6 +130,7 @@ impl<'a> SlicedMachine<'a> {
         self.token = token;
         self.pos = pos;
         self.token_out = [POISON_TOKEN; 2];
+        self.generation = None;
         let kv_dim = self.cfg.kv_dim();
         let nan = |v: &mut Vec<f32>| v.fill(f32::NAN);
         for l in 0..self.cfg.num_layers {
@@ -143,6 +148,29 @@ impl<'a> SlicedMachine<'a> {
         nan(&mut self.logits);
         self.lm_best.fill((f32::NAN, POISON_TOKEN));
         Ok(())
+    }
+
+    /// Starts a generation of `steps` greedy steps from `token` at `pos`, as the megakernel
+    /// runs one inside a launch (`scheduler::Executor::run_generation`): like `begin_token`
+    /// for the first step, with the K/V rows of every step poisoned; the buffers are not
+    /// poisoned again between steps (the GPU's are not cleared either).
+    pub fn begin_generation(&mut self, token: u32, pos: usize, steps: usize) -> Result<()> {
+        if pos + steps > self.max_seq {
+            bail!("a generation of {steps} steps from position {pos} passes the cache");
+        }
+        self.begin_token(token, pos)?;
+        let kv_dim = self.cfg.kv_dim();
+        for l in 0..self.cfg.num_layers {
+            self.k_cache[l][pos * kv_dim..(pos + steps) * kv_dim].fill(f32::NAN);
+            self.v_cache[l][pos * kv_dim..(pos + steps) * kv_dim].fill(f32::NAN);
+        }
+        self.generation = Some((pos, vec![token]));
+        Ok(())
+    }
+
+    /// The tokens a generation fed and chose so far (the first one given).
+    pub fn generated(&self) -> &[u32] {
+        self.generation.as_ref().map_or(&[], |g| &g.1)
     }
 
     pub fn logits(&self) -> &[f32] {
@@ -411,6 +439,11 @@ impl<'a> SlicedMachine<'a> {
         }
         let row = best.map_or(POISON_TOKEN, |(_, r)| r);
         self.token_out = [row, self.pos as u32 + 1];
+        if let Some((pos0, tokens)) = &mut self.generation {
+            // This step's token feeds the next one.
+            debug_assert_eq!(tokens.len(), self.pos - *pos0 + 1);
+            tokens.push(row);
+        }
     }
 }
 
@@ -449,6 +482,14 @@ fn partial_attend(
 }
 
 impl Machine for SlicedMachine<'_> {
+    /// Step `step` of a generation feeds its token at its position.
+    fn enter_step(&mut self, step: u32) {
+        if let Some((pos0, tokens)) = &self.generation {
+            self.pos = pos0 + step as usize;
+            self.token = tokens.get(step as usize).copied().unwrap_or(POISON_TOKEN);
+        }
+    }
+
     fn exec(&mut self, op: &Op) {
         let u = |x: u32| x as usize;
         let rows = |s: u32, n: u32| u(s)..u(s) + u(n);
