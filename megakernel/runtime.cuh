@@ -86,8 +86,9 @@ struct MkParams {
     u32 epoch;
     u64 timeout_ns;
     // A generation inside one launch (see megakernel.cu): the steps run at most, the last
-    // finished step's token (tagged; GEN_STOP set when the generation ends there) then each
-    // SM's last finished step (its tag, written after a release fence), the tokens for the
+    // finished step's token (tagged; GEN_STOP set when the generation ends there) then, for
+    // each SM that writes K/V rows, its last finished step (its tag, written after a release
+    // fence; see rows_of_step_ready), the tokens for the
     // host (null, or mapped host memory), the host's stop request (null, or mapped host
     // memory, nonzero to stop) and the tokens the generation stops after.
     u64* gen;            // [1 + SMs]
