@@ -318,7 +318,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                     mk.reset();
                     let first = argmax(&mk.feed(&prompt)?);
                     let mut g = mk.token_gaps(first, 16, per)?;
-                    gaps.push((per, median(&mut g.clone()), g.drain(..).fold(0.0, f64::max)));
+                    let max = g.iter().copied().fold(0.0, f64::max);
+                    gaps.push((per, median(&mut g), max));
                 }
             }
         }

@@ -157,14 +157,6 @@ impl MappedWords {
         self.dev
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
     /// Word i as it is now (a kernel may be writing it).
     pub fn read(&self, i: usize) -> u32 {
         assert!(i < self.len, "mapped word {i} of {}", self.len);

@@ -578,7 +578,7 @@ impl Steps for MegakernelPath<'_> {
         Some(&mut self.history)
     }
 
-    fn runs_generations(&mut self) -> bool {
+    fn runs_generations(&self) -> bool {
         self.seq.tokens_per_launch > 1
     }
 

@@ -117,7 +117,7 @@ pub trait Steps {
         None
     }
     /// Whether greedy steps run as generations, many to a launch (`generate_in_launch`).
-    fn runs_generations(&mut self) -> bool {
+    fn runs_generations(&self) -> bool {
         false
     }
     /// Up to `n` greedy steps from the token meta, run inside launches, each token handed to
@@ -266,6 +266,12 @@ fn end_generation<S: Steps>(s: &mut S, start: usize, run: &GenerationRun) {
     };
 }
 
+/// The error for a token the device chose outside the vocabulary (`chooser` names what picked
+/// it): every logit was NaN.
+pub fn out_of_vocabulary(chooser: &str, token: u32) -> anyhow::Error {
+    anyhow::anyhow!("GPU {chooser} produced token {token} outside the vocabulary (NaN logits?)")
+}
+
 /// After `n` steps chained on the device from position `start`: advances the sequence, checks
 /// the kernels' error state and reads back only the n new tokens (the whole history is max_seq
 /// words), refusing any outside the vocabulary (`chooser` names what picked them).
@@ -277,8 +283,8 @@ fn finish_chained<S: Steps>(s: &mut S, start: usize, n: usize, chooser: &str) ->
         .stream
         .clone_dtoh(&s.history().slice(start + 1..start + 1 + n))?;
     let vocab = s.vocab();
-    if let Some(bad) = out.iter().find(|&&t| t >= vocab) {
-        bail!("GPU {chooser} produced token {bad} outside the vocabulary (NaN logits?)");
+    if let Some(&bad) = out.iter().find(|&&t| t >= vocab) {
+        return Err(out_of_vocabulary(chooser, bad));
     }
     s.seq().meta_current = out.last().copied();
     Ok(out)
@@ -421,9 +427,9 @@ pub fn decode_stream<S: Steps>(
         handled += 1;
         if t >= vocab {
             s.check()?;
-            break Err(anyhow::anyhow!(
-                "GPU {} produced token {t} outside the vocabulary (NaN logits?)",
-                if greedy { "argmax" } else { "sampler" }
+            break Err(out_of_vocabulary(
+                if greedy { "argmax" } else { "sampler" },
+                t,
             ));
         }
         last = t;
@@ -516,7 +522,15 @@ impl<S: Steps> Backend for S {
 
 #[cfg(test)]
 mod tests {
-    use super::check_tokens;
+    use super::{check_tokens, out_of_vocabulary};
+
+    #[test]
+    fn a_device_token_outside_the_vocabulary_names_its_chooser() {
+        assert_eq!(
+            out_of_vocabulary("sampler", 49152).to_string(),
+            "GPU sampler produced token 49152 outside the vocabulary (NaN logits?)"
+        );
+    }
 
     #[test]
     fn token_ids_are_checked_against_the_vocabulary() {

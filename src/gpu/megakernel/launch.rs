@@ -191,9 +191,7 @@ impl MegakernelPath<'_> {
                     continue;
                 }
                 if t >= vocab {
-                    failure = Some(anyhow::anyhow!(
-                        "GPU argmax produced token {t} outside the vocabulary (NaN logits?)"
-                    ));
+                    failure = Some(crate::gpu::stepping::out_of_vocabulary("argmax", t));
                 } else {
                     run.handled += 1;
                     run.last = Some(t);
