@@ -42,6 +42,72 @@ __device__ __forceinline__ bool next_step(const MkParams& p, const Smem& sm, u32
     return true;
 }
 
+// What a step's instruction loop leaves: the ring's page sequence, the instruction-word buffer,
+// the Argmax's profile words (or 1) on the SM that runs it in a sampled launch, and failure.
+struct StepEnd {
+    u32 seq, buf;
+    u64* draws;
+    bool failed;
+};
+
+// One step of this SM's stream: every instruction in order (the interpreter's loop).
+__device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Smem sm, const u32* end, const TokenMeta m,
+                                                    u32 seq, u32 buf) {
+    const int ct = threadIdx.x - 32;
+    // The (op, layer) whose normed input xs and ss hold, or ~0u: an SM's consecutive QKV (or
+    // up-gate) instructions of one layer share their input, so only the first waits for it and
+    // normalises it. On hidden sizes over one round of prepare_normed that input is the
+    // previous layer's residual and every down-projection chunk, read from L2 (5 x 4096 words
+    // on Llama-3.1-8B) by each of the two to three QKV instructions an SM runs a layer:
+    // sharing it took Llama-3.1-8B from 5.69 to 5.30 ms. Smaller models compile it out: there
+    // it cost 0.3-1.6% (Llama-3.2-1B, SmolLM2), where the one-round read is cheap.
+    constexpr bool share_normed = MK_HIDDEN > PREP_MAX * CONSUMERS;
+    u32 normed = ~0u;
+    u64* draws = nullptr;
+    for (const u32* wg = p.instrs + (size_t)p.sm_offsets[blockIdx.x] * MK_WORDS; wg < end; wg += MK_WORDS, buf ^= 1) {
+        // The instruction's words sit in shared memory, fetched during the one before (the
+        // next step's first one between the steps).
+        const u32* w = sm.iws + buf * MK_WORDS;
+        const u32 op = w[W_OP], instr = (u32)((wg - p.instrs) / MK_WORDS);
+        const u32 next = ct < MK_WORDS && wg + MK_WORDS < end ? __ldg(wg + MK_WORDS + ct) : 0;
+        u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
+        if (MK_SAMPLING && op == OP_ARGMAX) draws = prof ? prof : (u64*)1;
+        const TileGeom g = tile_geom(w, p, sm.lw);
+        const OpEarly early = op_early(op, p, w, m.pos);
+        if (ct == 0) {
+            if (prof) prof[PROF_START] = global_ns();
+            set_current_instr(instr);
+            note(p, 0, instr);
+            note(p, 1, ST_PREPARE);
+        }
+        const bool shares_input = op == OP_QKV || op == OP_UPGATE;
+        const u32 key = op << 16 | w[W_LAYER];
+        if (!(share_normed && shares_input && key == normed)) seq += op_prepare(op, p, w, m, instr, seq, sm, prof);
+        if (share_normed) normed = shares_input ? key : ~0u;
+        if (consumers_failed()) return {seq, buf, draws, true};
+        if (ct == 0 && prof) prof[op_stamps_inputs(op) ? PROF_TILES : PROF_PREPARED] = global_ns();
+        if (g.tiles > 0) {
+            const float scale = op_scale(op, p, sm.ss);
+            if (ct == 0) note(p, 1, ST_TILES);
+            if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, sm.res)) set_failed(1);
+            seq += g.tiles;
+            if (consumers_failed()) return {seq, buf, draws, true};
+            if (ct == 0 && prof) prof[PROF_TILES] = global_ns();
+            if (ct == 0) note(p, 1, ST_POST);
+            op_post(op, p, w, m, sm, scale, early);
+        } else if (ct == 0 && prof && !op_stamps_inputs(op)) {
+            prof[PROF_TILES] = prof[PROF_PREPARED];
+        }
+        if (ct < MK_WORDS) sm.iws[(buf ^ 1) * MK_WORDS + ct] = next;
+        consumers_sync();
+        if (ct == 0) {
+            if (prof) prof[PROF_STORED] = global_ns();
+            note(p, 1, ST_DONE);
+        }
+    }
+    return {seq, buf, draws, false};
+}
+
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __grid_constant__ MkParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     // After a failure every later launch stops at once, leaving the progress words as the
@@ -86,14 +152,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     const int ct = threadIdx.x - 32;
     TokenMeta m = m0;
     u32 seq = 0, buf = 0;
-    // The (op, layer) whose normed input xs and ss hold, or ~0u: an SM's consecutive QKV (or
-    // up-gate) instructions of one layer share their input, so only the first waits for it and
-    // normalises it. On hidden sizes over one round of prepare_normed that input is the
-    // previous layer's residual and every down-projection chunk, read from L2 (5 x 4096 words
-    // on Llama-3.1-8B) by each of the two to three QKV instructions an SM runs a layer:
-    // sharing it took Llama-3.1-8B from 5.69 to 5.30 ms. Smaller models compile it out: there
-    // it cost 0.3-1.6% (Llama-3.2-1B, SmolLM2), where the one-round read is cheap.
-    constexpr bool share_normed = MK_HIDDEN > PREP_MAX * CONSUMERS;
     // A launch runs p.steps decode steps (a generation; 1 for one step per launch): the same
     // stream each step, with the tags advancing. Step s feeds the token step s - 1 chose
     // (handed over tagged, see op_argmax) at the next position. Only what the instruction loop
@@ -103,46 +161,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     for (;;) {
         // Read where every consumer sees the same tag (thread 0 changes it in next_step).
         const bool last = step_tag() - p.epoch >= p.steps;
-        u32 normed = ~0u;
-        for (const u32* wg = p.instrs + (size_t)p.sm_offsets[blockIdx.x] * MK_WORDS; wg < end; wg += MK_WORDS, buf ^= 1) {
-            // The instruction's words sit in shared memory, fetched during the one before (the
-            // next step's first one between the steps).
-            const u32* w = sm.iws + buf * MK_WORDS;
-            const u32 op = w[W_OP], instr = (u32)((wg - p.instrs) / MK_WORDS);
-            const u32 next = ct < MK_WORDS && wg + MK_WORDS < end ? __ldg(wg + MK_WORDS + ct) : 0;
-            u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
-            const TileGeom g = tile_geom(w, p, sm.lw);
-            const OpEarly early = op_early(op, p, w, m.pos);
-            if (ct == 0) {
-                if (prof) prof[PROF_START] = global_ns();
-                set_current_instr(instr);
-                note(p, 0, instr);
-                note(p, 1, ST_PREPARE);
-            }
-            const bool shares_input = op == OP_QKV || op == OP_UPGATE;
-            const u32 key = op << 16 | w[W_LAYER];
-            if (!(share_normed && shares_input && key == normed)) seq += op_prepare(op, p, w, m, instr, seq, sm, prof);
-            if (share_normed) normed = shares_input ? key : ~0u;
+        const StepEnd e = run_instructions(p, sm, end, m, seq, buf);
+        if (e.failed) return;
+        seq = e.seq;
+        buf = e.buf;
+        if (MK_SAMPLING && p.sampling && e.draws) {
+            op_draw(p, m, sm.xs, sm.res, e.draws != (u64*)1 ? e.draws : nullptr);
             if (consumers_failed()) return;
-            if (ct == 0 && prof) prof[op_stamps_inputs(op) ? PROF_TILES : PROF_PREPARED] = global_ns();
-            if (g.tiles > 0) {
-                const float scale = op_scale(op, p, sm.ss);
-                if (ct == 0) note(p, 1, ST_TILES);
-                if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, sm.res)) set_failed(1);
-                seq += g.tiles;
-                if (consumers_failed()) return;
-                if (ct == 0 && prof) prof[PROF_TILES] = global_ns();
-                if (ct == 0) note(p, 1, ST_POST);
-                op_post(op, p, w, m, sm, scale, early);
-            } else if (ct == 0 && prof && !op_stamps_inputs(op)) {
-                prof[PROF_TILES] = prof[PROF_PREPARED];
-            }
-            if (ct < MK_WORDS) sm.iws[(buf ^ 1) * MK_WORDS + ct] = next;
-            consumers_sync();
-            if (ct == 0) {
-                if (prof) prof[PROF_STORED] = global_ns();
-                note(p, 1, ST_DONE);
-            }
         }
         if (last || !next_step(p, sm, buf, m)) return;
     }

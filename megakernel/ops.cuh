@@ -146,7 +146,7 @@ __device__ __forceinline__ void op_post(u32 op, const MkParams& p, const u32* w,
         case OP_OPROJ: post_oproj(p, w, sm.res); break;
         case OP_UPGATE: post_upgate(p, w, sm.res, scale); break;
         case OP_DOWN: post_down(p, w, sm.res); break;
-        case OP_LMHEAD: post_lmhead(p, w, sm.res, sm.red, scale); break;
+        case OP_LMHEAD: post_lmhead(p, w, m, sm.res, sm.red, scale); break;
         default: break;
     }
 }

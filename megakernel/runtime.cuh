@@ -100,6 +100,13 @@ struct MkParams {
     // tokens with them).
     u64* gen_prof;        // [steps][2]
     u32 steps, n_stop;
+    // A sampled launch (sampling != 0) draws each token by the smp_* rule (SmpParams,
+    // kernels/sampling/select.cuh) instead of taking the argmax: the LM head's blocks hand
+    // their summaries and keys to the draw through lm_sample (ops/sample.cuh).
+    u64* lm_sample;       // [n_lm][MK_SMP_BLOCK_WORDS], tagged, in the arena
+    float smp_temperature, smp_top_p, smp_min_p, smp_penalty;
+    u32 smp_top_k, smp_last_n, smp_seed_lo, smp_seed_hi;
+    u32 sampling, smp_pad;
 };
 
 // Shared memory as the interpreter uses it; carved by MK_SMEM_* (from the host's plan, see

@@ -18,106 +18,9 @@
 
 struct Smp1Shared {
     SmpShared base;
-    smp_u32 hist[2][256];
-    smp_u64 sel_key;
-    smp_u32 sel_above, sel_stop, sel_count;
-    smp_u32 fill;
+    SmpSel sel;
     smp_u32 last;
 };
-
-// The logit a key stands for (smp_key inverted).
-__device__ __forceinline__ float smp_unkey(smp_u32 k) {
-    return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
-}
-
-// A threshold t over the nonzero keys c[] (R a thread, n of them in the CTA): with
-// kk = min(k, n), at least kk and at most max(limit, kk) keys are >= t. Each 8-bit pass
-// counts the digits of the keys still in question (warp-aggregated: one shared atomic per
-// distinct digit in a warp, since keys share their leading bits) and stops as soon as the
-// keys at or above the digit holding the kk-th key are few enough; keys are distinct, so the
-// last pass leaves exactly kk. Returns t, and that count in `count`.
-template <int R>
-__device__ smp_u64 smp1_threshold(const smp_u64 (&c)[R], smp_u32 n, smp_u32 k, smp_u32 limit, Smp1Shared& sm, int tid,
-                                  smp_u32& count) {
-    const smp_u32 kk = min(n, k), lim = max(limit, kk);
-    if (n <= lim) {
-        count = n;
-        return 1;
-    }
-    const int lane = tid & 31;
-    if (tid < 256) { sm.hist[0][tid] = 0; sm.hist[1][tid] = 0; }
-    __syncthreads();
-    smp_u64 prefix = 0;
-    smp_u32 above = 0;
-    for (int pass = 0, shift = 56; shift >= 0; pass++, shift -= 8) {
-        smp_u32* h = sm.hist[pass & 1];
-        const smp_u64 hi = shift == 56 ? 0ull : ~0ull << (shift + 8);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const bool in = c[r] != 0 && (c[r] & hi) == prefix;
-            if (__any_sync(0xffffffffu, in)) {
-                const smp_u32 d = in ? (smp_u32)(c[r] >> shift) & 255u : 256u;
-                const smp_u32 peers = __match_any_sync(0xffffffffu, d);
-                if (in && __ffs(peers) - 1 == lane) atomicAdd(&h[d], __popc(peers));
-            }
-        }
-        // The other histogram, read by the previous pass, is cleared for the next.
-        if (tid < 256) sm.hist[(pass + 1) & 1][tid] = 0;
-        __syncthreads();
-        if (tid < 32) {
-            // Lane l owns digits 255 - 8l down to 248 - 8l: lanes in order walk the keys downwards.
-            smp_u32 cnt[8], sum = 0;
-#pragma unroll
-            for (int j = 0; j < 8; j++) { cnt[j] = h[255 - 8 * lane - j]; sum += cnt[j]; }
-            smp_u32 incl = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            smp_u32 ge = above + incl - sum;  // keys above this lane's digits
-            if (ge < kk && kk <= above + incl) {
-                for (int j = 0; j < 8; j++) {
-                    ge += cnt[j];
-                    if (kk <= ge) {
-                        sm.sel_key = prefix | ((smp_u64)(255 - 8 * lane - j) << shift);
-                        sm.sel_stop = ge <= lim;
-                        sm.sel_count = ge;
-                        sm.sel_above = ge - cnt[j];
-                        break;
-                    }
-                }
-            }
-        }
-        __syncthreads();
-        prefix = sm.sel_key;
-        above = sm.sel_above;
-        if (sm.sel_stop) break;
-    }
-    count = sm.sel_count;
-    return prefix;
-}
-
-// Each thread's keys >= t (nonzero) into out[...]: slots 0 .. count - 1 in some order.
-template <int R, typename Put>
-__device__ void smp1_emit(const smp_u64 (&c)[R], smp_u64 t, Put put, Smp1Shared& sm, int tid) {
-    const int lane = tid & 31;
-    smp_u32 e = 0;
-#pragma unroll
-    for (int r = 0; r < R; r++) e += c[r] != 0 && c[r] >= t;
-    smp_u32 incl = e;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
-    smp_u32 base = 0;
-    if (lane == 31 && incl > 0) base = atomicAdd(&sm.fill, incl);
-    smp_u32 slot = __shfl_sync(0xffffffffu, base, 31) + incl - e;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-        if (c[r] != 0 && c[r] >= t) put(slot++, c[r]);
-}
 
 __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
     SmpBlock b;
@@ -148,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     const int rows = min(SMP_CHUNK, vocab - (int)base);
     const float ninf = __int_as_float(0xff800000u);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
-    if (tid == 0) sm1.fill = 0;
+    if (tid == 0) sm1.sel.fill = 0;
 
     // ---- this CTA's rows: as smp_block_part, from registers ----
     const bool pen = smp_penalises(s);
@@ -207,9 +110,9 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             c[r] = j < rows ? (smp_u64)smp_key(x[r]) << 32 | (smp_u32)~(base + j) : 0ull;
         }
         const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
-        const smp_u64 t = smp1_threshold(c, rows, k, SMP1_CAP, sm1, tid, count);
+        const smp_u64 t = smp_threshold<SMP1_THREADS>(c, rows, k, SMP1_CAP, sm1.sel, tid, sync, count);
         smp_u64* out = keys + (size_t)blockIdx.x * SMP1_CAP;
-        smp1_emit(c, t, [&](smp_u32 slot, smp_u64 key) { out[slot] = key; }, sm1, tid);
+        smp_emit(c, [&](smp_u64 key) { return key >= t; }, [&](smp_u32 slot, smp_u64 key) { out[slot] = key; }, sm1.sel, tid);
         for (int i = count + tid; i < SMP1_CAP; i += nthreads) out[i] = 0;
     }
     if (tid == 0) {
@@ -225,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     __syncthreads();
     if (!sm1.last) return;
     __threadfence();
-    if (tid == 0) { *done = 0; sm1.fill = 0; }
+    if (tid == 0) { *done = 0; sm1.sel.fill = 0; }
 
     smp_u32 token;
     if (draw_all) {
@@ -265,30 +168,15 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         // equal logits lowest token first, as smp_final_part's sort).
         const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
         smp_u32 kk;
-        const smp_u64 t = smp1_threshold(c, n, k, 0, sm1, tid, kk);
-        smp1_emit(c, t,
+        const smp_u64 t = smp_threshold<SMP1_THREADS>(c, n, k, 0, sm1.sel, tid, sync, kk);
+        smp_emit(c, [&](smp_u64 key) { return key >= t; },
                   [&](smp_u32 slot, smp_u64 key) {
                       sm.cv[slot] = smp_unkey((smp_u32)(key >> 32));
                       sm.ci[slot] = ~(smp_u32)key;
                   },
-                  sm1, tid);
+                  sm1.sel, tid);
         __syncthreads();
-        // Four threads rank each candidate.
-        const int item = tid >> 2, part = tid & 3;
-        float v = 0.f;
-        smp_u32 vi = 0;
-        int rank = 0;
-        if (item < (int)kk) {
-            v = sm.cv[item];
-            vi = sm.ci[item];
-            for (int q = part; q < (int)kk; q += 4)
-                rank += sm.cv[q] > v || (sm.cv[q] == v && sm.ci[q] < vi);
-        }
-        rank += __shfl_xor_sync(0xffffffffu, rank, 1);
-        rank += __shfl_xor_sync(0xffffffffu, rank, 2);
-        if (item < (int)kk && part == 0) { sm.sv[rank] = v; sm.si[rank] = vi; }
-        if (tid == 0) sm.count = kk;
-        __syncthreads();
+        smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
         token = SMP_NONE;
         if (tid < 32) token = smp_cut_and_draw(s, m.pos, z_all, sm, tid);
     }

@@ -214,6 +214,159 @@ __device__ void smp_compact_top(KeyAt key_at, int n, smp_u32 kth, smp_u32 take_e
     }
 }
 
+// ---- a threshold over 64-bit keys held in registers ----
+// Keys: the order-preserving key of the (penalised) logit above, the inverted token id below.
+// They are distinct, and a larger key is a larger logit or an equal logit at a lower token:
+// the rule's own order, so ties need no special case. 0 is an empty slot.
+
+// The logit a key's upper half stands for (smp_key inverted).
+__device__ __forceinline__ float smp_unkey(smp_u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
+struct SmpSel {
+    smp_u32 hist[2][256];
+    smp_u64 key;
+    smp_u32 above, stop, count;
+    smp_u32 fill;  // emit's slot counter: 0 before smp_emit
+};
+
+// A threshold t over the nonzero keys a thread visits with for_keys(f) (f(key) for each, 0 for
+// none; every lane of a warp makes the same number of calls), n nonzero keys over the NT
+// threads: with kk = min(k, n), at least kk and at most max(limit, kk) keys are >= t. Each
+// 8-bit pass counts the digits of the keys still in question (warp-aggregated: one shared
+// atomic per distinct digit in a warp, since keys share their leading bits) and stops as soon
+// as the keys at or above the digit holding the kk-th key are few enough; keys are distinct,
+// so the last pass leaves exactly kk. Returns t, and that count in `count` (in every thread).
+template <int NT, typename ForKeys, typename Sync>
+__device__ smp_u64 smp_threshold_by(ForKeys for_keys, smp_u32 n, smp_u32 k, smp_u32 limit, SmpSel& sm, int tid,
+                                    Sync sync, smp_u32& count) {
+    const smp_u32 kk = min(n, k), lim = max(limit, kk);
+    if (n <= lim) {
+        count = n;
+        return 1;
+    }
+    const int lane = tid & 31;
+    for (int i = tid; i < 256; i += NT) { sm.hist[0][i] = 0; sm.hist[1][i] = 0; }
+    sync();
+    smp_u64 prefix = 0;
+    smp_u32 above = 0;
+    for (int pass = 0, shift = 56; shift >= 0; pass++, shift -= 8) {
+        smp_u32* h = sm.hist[pass & 1];
+        const smp_u64 hi = shift == 56 ? 0ull : ~0ull << (shift + 8);
+        for_keys([&](smp_u64 key) {
+            const bool in = key != 0 && (key & hi) == prefix;
+            if (__any_sync(0xffffffffu, in)) {
+                const smp_u32 d = in ? (smp_u32)(key >> shift) & 255u : 256u;
+                const smp_u32 peers = __match_any_sync(0xffffffffu, d);
+                if (in && __ffs(peers) - 1 == lane) atomicAdd(&h[d], __popc(peers));
+            }
+        });
+        // The other histogram, read by the previous pass, is cleared for the next.
+        for (int i = tid; i < 256; i += NT) sm.hist[(pass + 1) & 1][i] = 0;
+        sync();
+        if (tid < 32) {
+            // Lane l owns digits 255 - 8l down to 248 - 8l: lanes in order walk the keys downwards.
+            smp_u32 cnt[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { cnt[j] = h[255 - 8 * lane - j]; sum += cnt[j]; }
+            smp_u32 incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            smp_u32 ge = above + incl - sum;  // keys above this lane's digits
+            if (ge < kk && kk <= above + incl) {
+                for (int j = 0; j < 8; j++) {
+                    ge += cnt[j];
+                    if (kk <= ge) {
+                        sm.key = prefix | ((smp_u64)(255 - 8 * lane - j) << shift);
+                        sm.stop = ge <= lim;
+                        sm.count = ge;
+                        sm.above = ge - cnt[j];
+                        break;
+                    }
+                }
+            }
+        }
+        sync();
+        prefix = sm.key;
+        above = sm.above;
+        if (sm.stop) break;
+    }
+    count = sm.count;
+    return prefix;
+}
+
+// The same over keys c[] held in registers, R a thread.
+template <int NT, int R, typename Sync>
+__device__ smp_u64 smp_threshold(const smp_u64 (&c)[R], smp_u32 n, smp_u32 k, smp_u32 limit, SmpSel& sm, int tid,
+                                 Sync sync, smp_u32& count) {
+    return smp_threshold_by<NT>(
+        [&](auto f) {
+#pragma unroll
+            for (int r = 0; r < R; r++) f(c[r]);
+        },
+        n, k, limit, sm, tid, sync, count);
+}
+
+// The nonzero keys a thread visits with for_keys (as smp_threshold_by's, visited twice) that
+// pass `take` go out through put(slot, key), slots 0, 1, ... from sm.fill on, in some order.
+// Whole warps call it (slots are taken a warp at a time).
+template <typename ForKeys, typename Take, typename Put>
+__device__ void smp_emit_by(ForKeys for_keys, Take take, Put put, SmpSel& sm, int tid) {
+    const int lane = tid & 31;
+    smp_u32 e = 0;
+    for_keys([&](smp_u64 key) { e += key != 0 && take(key); });
+    smp_u32 incl = e;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    smp_u32 base = 0;
+    if (lane == 31 && incl > 0) base = atomicAdd(&sm.fill, incl);
+    smp_u32 slot = __shfl_sync(0xffffffffu, base, 31) + incl - e;
+    for_keys([&](smp_u64 key) {
+        if (key != 0 && take(key)) put(slot++, key);
+    });
+}
+
+// The same over keys c[] held in registers.
+template <int R, typename Take, typename Put>
+__device__ void smp_emit(const smp_u64 (&c)[R], Take take, Put put, SmpSel& sm, int tid) {
+    smp_emit_by(
+        [&](auto f) {
+#pragma unroll
+            for (int r = 0; r < R; r++) f(c[r]);
+        },
+        take, put, sm, tid);
+}
+
+// The kk candidates in sm.cv / sm.ci (any order) sorted into sm.sv / sm.si (largest logit
+// first, equal logits lowest token first, as smp_final_part's sort), four threads ranking
+// each; sm.count = kk. NT >= 4 * kk.
+template <int NT, typename Sync>
+__device__ void smp_rank(smp_u32 kk, SmpShared& sm, int tid, Sync sync) {
+    for (int item0 = 0; item0 < (int)kk; item0 += NT / 4) {
+        const int item = item0 + (tid >> 2), part = tid & 3;
+        float v = 0.f;
+        smp_u32 vi = 0;
+        int rank = 0;
+        if (item < (int)kk) {
+            v = sm.cv[item];
+            vi = sm.ci[item];
+            for (int q = part; q < (int)kk; q += 4) rank += sm.cv[q] > v || (sm.cv[q] == v && sm.ci[q] < vi);
+        }
+        rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+        rank += __shfl_xor_sync(0xffffffffu, rank, 2);
+        if (item < (int)kk && part == 0) { sm.sv[rank] = v; sm.si[rank] = vi; }
+    }
+    if (tid == 0) sm.count = kk;
+    sync();
+}
+
 // ---- the per-block part ----
 // Rows base .. base + rows - 1 (rows <= SMP_MAX_ROWS) with raw logits raw_at(j), j < rows.
 // The step fed `token` at `pos`; history[q] is the token at position q < pos. Writes the

@@ -1,4 +1,5 @@
-// Argmax(blocks): the greedy token over the blocks, written for the host and the next step.
+// Argmax(blocks): the greedy token over the blocks, or in a sampled launch the drawn one
+// (ops/sample.cuh), written for the host and the next step.
 // In a generation (p.steps > 1) it also hands the token to the next step, tagged, with
 // GEN_STOP set when the generation ends after it: at a stop token, at the host's request or
 // at the launch's last step.
@@ -9,17 +10,9 @@ __device__ __forceinline__ bool is_stop_token(const MkParams& p, u32 t) {
     return false;
 }
 
-__device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
-    const int ct = threadIdx.x - 32;
-    // The host's request (mapped host memory, a PCIe round trip) is read before the blocks are
-    // waited for, so its latency is hidden behind theirs.
-    const u32 ctl = p.gen_ctl && ct == 0 ? *(const volatile u32*)p.gen_ctl : 0;
-    float v = NEG_INF;
-    u32 idx = 0xffffffffu;
-    for (int k = ct; k < p.n_lm; k += CONSUMERS)
-        argmax_merge(v, idx, ld_value(p, p.lm_best + 2 * k), __float_as_uint(ld_value(p, p.lm_best + 2 * k + 1)));
-    consumers_argmax(v, idx, red);
-    if (ct != 0) return;
+// The token's way out, by consumer thread 0: history[pos + 1], the next step's meta slot and,
+// in a generation, the tagged hand-over (ctl: the host's stop request, read earlier).
+__device__ __forceinline__ void finish_token(const MkParams& p, const TokenMeta& m, u32 idx, u32 ctl) {
     p.history[m.pos + 1] = idx;
     // Only the next step's slot is written: other CTAs read this step's slot whole during the
     // launch (a generation's CTAs read it when the launch starts, before any argmax).
@@ -34,8 +27,45 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
         const u32 tok = idx < (u32)p.vocab ? idx : (u32)p.vocab;
         const u32 step = epoch - p.epoch;
         const bool stop = step + 1 >= p.steps || ctl != 0 || tok == (u32)p.vocab || is_stop_token(p, tok);
+        // The next steps' penalty reads the history words written above (mk_sample_block).
+        if (p.sampling && p.smp_penalty != 1.f && p.smp_last_n > 0) __threadfence();
         st_tagged_bits(p.gen, tok | (stop ? GEN_STOP : 0u), step_tag());
         if (p.gen_out) *(volatile u32*)(p.gen_out + step) = tok;
     }
     if (p.gen_prof) p.gen_prof[2 * (epoch - p.epoch)] = global_ns();
+}
+
+// The host's request (mapped host memory, a PCIe round trip), in consumer thread 0; read
+// before the blocks are waited for, so its latency is hidden behind theirs.
+__device__ __forceinline__ u32 host_stop_request(const MkParams& p) {
+    return p.gen_ctl && threadIdx.x == 32 ? *(const volatile u32*)p.gen_ctl : 0;
+}
+
+__device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
+    // A sampled launch draws after its SM's instruction loop instead (op_draw).
+    if (MK_SAMPLING && p.sampling) return;
+    const int ct = threadIdx.x - 32;
+    const u32 ctl = host_stop_request(p);
+    float v = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (int k = ct; k < p.n_lm; k += CONSUMERS)
+        argmax_merge(v, idx, ld_value(p, p.lm_best + 2 * k), __float_as_uint(ld_value(p, p.lm_best + 2 * k + 1)));
+    consumers_argmax(v, idx, red);
+    if (ct == 0) finish_token(p, m, idx, ctl);
+}
+
+// In a sampled launch, the Argmax instruction's work, by every consumer of its SM once the
+// SM's instruction loop is over (Argmax is the stream's last instruction): the draw
+// (ops/sample.cuh), then the token's way out; the fed token goes into history[pos] for the
+// repetition penalty's window, as the sampler kernels do. Called outside the instruction
+// loop, and out of line: called inside it, the draw's registers cost the whole loop spills.
+// prof: the Argmax instruction's profile words (or null), whose "stored" stamp moves to the
+// draw's end.
+__device__ __noinline__ void op_draw(const MkParams& p, const TokenMeta& m, float* xs, float* res, u64* prof) {
+    const u32 ctl = host_stop_request(p);
+    const u32 idx = mk_sample_draw(p, m, xs, res);
+    if (threadIdx.x != 32) return;
+    p.history[m.pos] = m.token;
+    finish_token(p, m, idx, ctl);
+    if (prof) prof[PROF_STORED] = global_ns();
 }

@@ -1,5 +1,6 @@
 // RmsLmHead(row_start, rows, block): RMS norm of the last layer's output, f32 logits of the
-// rows and the block's (max, first row reaching it).
+// rows and the block's (max, first row reaching it), or in a sampled launch the block's
+// summary for the draw (ops/sample.cuh).
 
 __device__ __forceinline__ int lmhead_rows(const u32* w) { return (int)w[W_B]; }
 __device__ __forceinline__ int lmhead_cols(const MkParams& p) { return p.hidden; }
@@ -11,7 +12,11 @@ __device__ __forceinline__ void prepare_lmhead(const MkParams& p, const TokenMet
     prepare_normed(p, p.n_layers, false, m.token, p.final_norm, sm.xs, sm.ss);
 }
 
-__device__ void post_lmhead(const MkParams& p, const u32* w, const float* res, float* red, float scale) {
+__device__ void post_lmhead(const MkParams& p, const u32* w, const TokenMeta& m, float* res, float* red, float scale) {
+    if (MK_SAMPLING && p.sampling) {
+        mk_sample_block(p, w, m, res, scale);
+        return;
+    }
     const int ct = threadIdx.x - 32, rs = w[W_A], rc = w[W_B];
     float v = NEG_INF;
     u32 idx = 0xffffffffu;

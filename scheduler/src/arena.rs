@@ -15,6 +15,7 @@
 //! | `attn_out` | `[layers][heads·d]` | `attn_out[l]` |
 //! | `act` | `[layers][intermediate]` | `act[l]` |
 //! | `lm_best` | `[max(blocks, 1)][2]` | `lm_best` |
+//! | `lm_sample` | `[blocks][SAMPLE_BLOCK_WORDS]` | a sampled step's block summaries and keys (the GPU's draw only) |
 //! | `attn_part` | `[layers][heads][parts][d + 2]` | per slot `attn_part[l]`'s `d` values, then `attn_stats[l]`'s 2 |
 //!
 //! `resid_attn` comes first: the kernel reports an element by its offset from there.
@@ -25,6 +26,16 @@
 use std::ops::Range;
 
 use crate::{Buffer, ModelShape, Span};
+
+/// In a sampled megakernel step each LM-head block hands the draw a summary of
+/// `SAMPLE_SUMMARY_WORDS` words, then up to `SAMPLE_PREFIX_SLOTS` keys it sends first and
+/// `SAMPLE_EXTRA_SLOTS` more, each key two words (megakernel/ops/sample.cuh).
+pub const SAMPLE_SUMMARY_WORDS: usize = 8;
+pub const SAMPLE_PREFIX_SLOTS: usize = 12;
+pub const SAMPLE_EXTRA_SLOTS: usize = 160;
+/// Words per LM-head block in `lm_sample`.
+pub const SAMPLE_BLOCK_WORDS: usize =
+    SAMPLE_SUMMARY_WORDS + 2 * (SAMPLE_PREFIX_SLOTS + SAMPLE_EXTRA_SLOTS);
 
 /// The parts of the arena in order, each with its first offset (in 64-bit words).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +65,7 @@ impl ArenaLayout {
             ("attn_out", l * qd),
             ("act", l * model.intermediate),
             ("lm_best", 2 * lm_blocks.max(1)),
+            ("lm_sample", lm_blocks * SAMPLE_BLOCK_WORDS),
             (
                 "attn_part",
                 l * model.heads * attn_parts * (model.head_dim + 2),
@@ -63,6 +75,8 @@ impl ArenaLayout {
         let parts = sizes
             .iter()
             .map(|&(name, n)| {
+                // Every part starts at an even word: lm_sample's keys are 16-byte pairs.
+                len += len % 2;
                 let start = len;
                 len += n;
                 (name, start)

@@ -259,7 +259,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let runs: Vec<(PathKind, usize)> = paths
         .iter()
         .flat_map(|&kind| {
-            let per: Vec<usize> = if kind == PathKind::Megakernel && params.is_greedy() {
+            let per: Vec<usize> = if kind == PathKind::Megakernel {
                 args.tokens_per_launch.0.clone()
             } else {
                 vec![0]
@@ -312,7 +312,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 mk.reset();
                 let first = argmax(&mk.feed(&prompt)?);
                 let keep = args.timeline.is_some() || args.trace.is_some();
-                profile = Some(mk.profile(first, 16, keep)?);
+                profile = Some(mk.profile(first, 16, keep, Some(&params))?);
                 // The gap between tokens, one launch per token and one per generation.
                 for per in [1, usize::MAX] {
                     mk.reset();
@@ -425,9 +425,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             );
         }
     }
-    println!("TPOT: wall time of {} back-to-back {} steps / {} (the megakernel's greedy steps: one launch for the whole generation unless a row says otherwise), host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
+    println!("TPOT: wall time of {} back-to-back {} steps / {} (the megakernel's steps: one launch for the whole generation unless a row says otherwise), host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
-        println!("Sampled steps draw on the device on every path; the megakernel's draw is one kernel after each launch (two above 311,296 tokens of vocabulary), not yet inside the launch.");
+        println!("Sampled steps draw on the device on every path: the graph paths with one kernel after each step, the megakernel with one kernel after each launch, or inside the launch (as generations) with MEGAINFER_MK_DRAW_IN_LAUNCH=1.");
     }
     if let Some(path) = &args.json {
         let report = Report {

@@ -17,6 +17,7 @@ use scheduler::{ArenaLayout, Op, Schedule};
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
+use super::sources;
 use super::stepping::{self, GenerationRun, Sequence, Steps};
 use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
@@ -70,6 +71,9 @@ pub struct MegakernelPath<'g> {
     /// The interpreter's compiled variants (module kept alive beside each), as the buckets'
     /// `kernel` index them.
     kernels: Vec<(Arc<CudaModule>, Kernel)>,
+    /// The same variants with the draw inside the launch, compiled by the first sampled step.
+    sampled_kernels: Vec<Option<(Arc<CudaModule>, Kernel)>>,
+    kernel_build: KernelBuild,
     params: MkParams,
     smem: u32,
     /// One set of streams per context bucket, shortest sequences first; `active` is the one
@@ -97,10 +101,27 @@ pub struct MegakernelPath<'g> {
     stop_ids: CudaSlice<u32>,
     /// Made by the first generation: word 0 the host's stop request, then each step's token.
     gen_io: Option<super::device::MappedWords>,
-    /// Made on the first sampled step: the draw runs as one kernel after each launch (two for
-    /// vocabularies too large for its last CTA, `Kernels::for_vocab`), reading the launch's
-    /// logits and writing the token where the next launch reads it.
+    /// Whether sampled steps draw inside the launch (`MkParams::sampling`, megakernel/ops/
+    /// sample.cuh), which lets them run as generations: where the schedule allows it
+    /// ([`draws_in_launch`]) and it was asked for (`MEGAINFER_MK_DRAW_IN_LAUNCH=1` or
+    /// [`MegakernelPath::set_draw_in_launch`]). Off by default: it is slower than the draw
+    /// after each launch today (docs/sampling.md).
+    draws_in_launch: bool,
+    can_draw_in_launch: bool,
+    /// Otherwise made on the first sampled step: the draw runs as one kernel after each launch
+    /// (two for vocabularies too large for its last CTA, `Kernels::for_vocab`), reading the
+    /// launch's logits and writing the token where the next launch reads it.
     sampler: Option<DeviceSampler>,
+}
+
+/// What compiling the interpreter's variants took, for the sampled ones made later.
+struct KernelBuild {
+    formats: sources::MatrixFormats,
+    down_cols: usize,
+    /// Per variant: attention by warps.
+    by_warps: Vec<bool>,
+    /// The static shared memory the layout left room for.
+    static_smem: usize,
 }
 
 /// One context bucket's instruction streams, uploaded once: sequences of at most `upto`
@@ -280,7 +301,7 @@ impl<'g> MegakernelPath<'g> {
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
-                let (module, kernel) = compile::load(gpu, c, &formats, down_cols, w)?;
+                let (module, kernel) = compile::load(gpu, c, &formats, down_cols, w, false)?;
                 kernels.push((w, module, kernel));
             }
         }
@@ -404,10 +425,19 @@ impl<'g> MegakernelPath<'g> {
             gen_prof: 0,
             steps: 1,
             n_stop: 0,
+            lm_sample: at("lm_sample"),
+            ..MkParams::default()
         };
         Ok(Self {
             gpu,
             model,
+            sampled_kernels: kernels.iter().map(|_| None).collect(),
+            kernel_build: KernelBuild {
+                formats,
+                down_cols,
+                by_warps: kernels.iter().map(|k| k.0).collect(),
+                static_smem,
+            },
             kernels: kernels.into_iter().map(|(_, m, k)| (m, k)).collect(),
             params,
             smem,
@@ -423,6 +453,8 @@ impl<'g> MegakernelPath<'g> {
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
+            draws_in_launch: draw_in_launch_requested()? && draws_in_launch(n_lm, xs_floats),
+            can_draw_in_launch: draws_in_launch(n_lm, xs_floats),
             sampler: None,
             gen,
             stop_ids,
@@ -513,6 +545,17 @@ impl<'g> MegakernelPath<'g> {
         self.seq.tokens_per_launch = n.max(1);
     }
 
+    /// Sampled steps draw inside the launch (and run as generations) or after each launch.
+    pub fn set_draw_in_launch(&mut self, on: bool) -> Result<()> {
+        if on && !self.can_draw_in_launch {
+            bail!(
+                "this model's LM head has too many blocks, or too little shared memory beside                  them, for the draw inside the launch"
+            );
+        }
+        self.draws_in_launch = on;
+        Ok(())
+    }
+
     /// `n` greedy steps back to back (see [`stepping::decode_greedy`]).
     pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
         stepping::decode_greedy(self, token, n)
@@ -548,14 +591,31 @@ impl Steps for MegakernelPath<'_> {
     }
 
     fn prepare_sampling(&mut self, p: &SamplingParams) -> Result<bool> {
+        if self.draws_in_launch {
+            self.compile_sampled()?;
+            let w = crate::sampling::device::param_words(p);
+            let f = f32::from_bits;
+            let q = &mut self.params;
+            (q.smp_temperature, q.smp_top_p, q.smp_min_p, q.smp_penalty) =
+                (f(w[0]), f(w[1]), f(w[2]), f(w[3]));
+            (q.smp_top_k, q.smp_last_n, q.smp_seed_lo, q.smp_seed_hi) = (w[4], w[5], w[6], w[7]);
+            return Ok(true);
+        }
         let vocab = self.model.config.vocab_size;
         DeviceSampler::prepared(&mut self.sampler, self.gpu, vocab, p)?;
         Ok(true)
     }
 
-    /// The launch reads meta slot `epoch % 2`, its argmax writes the other; the draw then
-    /// overwrites that slot and `history[pos + 1]` with the sampled token (stream order).
+    /// The launch reads meta slot `epoch % 2`; its draw (or argmax) writes the other and
+    /// `history[pos + 1]`. Without the draw in the launch, the sampler kernel then overwrites
+    /// both with the sampled token (stream order).
     fn launch_sampled_step(&mut self) -> Result<()> {
+        if self.draws_in_launch {
+            self.params.sampling = 1;
+            let r = self.launch();
+            self.params.sampling = 0;
+            return r;
+        }
         // MAX_EPOCH is even, so a wrap inside `launch` keeps the slot's parity.
         let slot = (self.params.epoch & 1) as usize;
         self.launch()?;
@@ -582,14 +642,25 @@ impl Steps for MegakernelPath<'_> {
         self.seq.tokens_per_launch > 1
     }
 
+    fn samples_in_launch(&self) -> bool {
+        self.draws_in_launch
+    }
+
     fn generate_in_launch(
         &mut self,
         n: usize,
         stop: &[u32],
+        sampled: bool,
         on: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<GenerationRun> {
         let per_launch = self.seq.tokens_per_launch;
-        self.generate(n, per_launch, stop, on)
+        if sampled && !self.draws_in_launch {
+            bail!("this megakernel draws sampled tokens after each launch, not inside one");
+        }
+        self.params.sampling = u32::from(sampled);
+        let r = self.generate(n, per_launch, stop, on);
+        self.params.sampling = 0;
+        r
     }
 
     fn check(&self) -> Result<()> {
@@ -611,6 +682,25 @@ impl Steps for MegakernelPath<'_> {
     fn kv_target(&self) -> super::prefill::KvTarget {
         super::prefill::KvTarget::head_major(self.gpu, &self._kv, &self.model.config)
     }
+}
+
+/// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch; unset or 0 after it.
+fn draw_in_launch_requested() -> Result<bool> {
+    parse_switch(
+        "MEGAINFER_MK_DRAW_IN_LAUNCH",
+        std::env::var("MEGAINFER_MK_DRAW_IN_LAUNCH").ok().as_deref(),
+        false,
+    )
+    .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// Whether sampled steps can draw inside the launch (megakernel/ops/sample.cuh): the draw
+/// merges at most `SAMPLE_MAX_BLOCKS` LM-head blocks, and copies their prefix keys into the
+/// shared memory of `xs` and `res` beside its scratch.
+fn draws_in_launch(n_lm: usize, xs_floats: usize) -> bool {
+    let keys = n_lm * scheduler::arena::SAMPLE_PREFIX_SLOTS * 8;
+    n_lm <= abi::SAMPLE_MAX_BLOCKS
+        && keys + abi::SAMPLE_SCRATCH_BYTES <= 4 * (xs_floats + 2 * RES_MAX)
 }
 
 /// Per SM, the encoded position of its last instruction that writes K/V cache rows (QKV; with
@@ -755,6 +845,30 @@ pub fn buckets_for(
 }
 
 impl<'g> MegakernelPath<'g> {
+    /// Compiles the variants with the draw inside the launch, once.
+    fn compile_sampled(&mut self) -> Result<()> {
+        let b = &self.kernel_build;
+        for (i, slot) in self.sampled_kernels.iter_mut().enumerate() {
+            if slot.is_some() {
+                continue;
+            }
+            let (module, kernel) = compile::load(
+                self.gpu,
+                &self.model.config,
+                &b.formats,
+                b.down_cols,
+                b.by_warps[i],
+                true,
+            )?;
+            if kernel.static_smem()? > b.static_smem {
+                bail!("megakernel: the sampled variant needs more static shared memory than was planned");
+            }
+            kernel.allow_smem(self.smem as usize)?;
+            *slot = Some((module, kernel));
+        }
+        Ok(())
+    }
+
     /// A path for sequences of up to `max_seq` positions with a set of streams per context
     /// bucket ([`buckets_for`]).
     pub fn bucketed(

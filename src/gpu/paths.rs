@@ -202,6 +202,15 @@ impl<'g> GpuPath<'g> {
         }
     }
 
+    /// On the megakernel, sampled steps draw inside the launch (see
+    /// [`MegakernelPath::set_draw_in_launch`]); the graph paths draw after each step anyway.
+    pub fn set_draw_in_launch(&mut self, on: bool) -> Result<()> {
+        match self {
+            Self::Megakernel(p) => p.set_draw_in_launch(on),
+            _ => Ok(()),
+        }
+    }
+
     pub fn decode_greedy(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
         match self {
             Self::Megakernel(p) => p.decode_greedy(token, n),

@@ -19,7 +19,7 @@ const QUANT_KERNELS: &str = include_str!("../../kernels/quant/quant.cu");
 const PIPELINE: &str = include_str!("../../megakernel/pipeline.cuh");
 const RUNTIME: &str = include_str!("../../megakernel/runtime.cuh");
 /// One header per instruction (model.cuh: what several of them read), in dependency order.
-const OPS: [&str; 9] = [
+const OPS: [&str; 10] = [
     include_str!("../../megakernel/ops/model.cuh"),
     include_str!("../../megakernel/ops/rms_qkv_rope.cuh"),
     include_str!("../../megakernel/ops/attention.cuh"),
@@ -27,6 +27,7 @@ const OPS: [&str; 9] = [
     include_str!("../../megakernel/ops/o_proj.cuh"),
     include_str!("../../megakernel/ops/up_gate.cuh"),
     include_str!("../../megakernel/ops/down_proj.cuh"),
+    include_str!("../../megakernel/ops/sample.cuh"),
     include_str!("../../megakernel/ops/rms_lm_head.cuh"),
     include_str!("../../megakernel/ops/argmax.cuh"),
 ];
@@ -115,7 +116,17 @@ impl MatrixFormats {
 /// (abi::prelude) first, its layout checks (abi::checks) last.
 pub fn megakernel() -> String {
     let (prelude, checks) = (abi::prelude(), abi::checks());
-    let mut parts = vec![COMMON, ROPE, QUANT_DECODE, &prelude, PIPELINE, RUNTIME];
+    use crate::sampling::device::{PHILOX, SELECT};
+    let mut parts = vec![
+        COMMON,
+        ROPE,
+        QUANT_DECODE,
+        &prelude,
+        PIPELINE,
+        RUNTIME,
+        PHILOX,
+        SELECT,
+    ];
     parts.extend(OPS);
     parts.extend([TABLE, LOADER, MEGAKERNEL, &checks]);
     parts.join("\n")

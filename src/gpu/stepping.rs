@@ -120,13 +120,20 @@ pub trait Steps {
     fn runs_generations(&self) -> bool {
         false
     }
-    /// Up to `n` greedy steps from the token meta, run inside launches, each token handed to
-    /// `on` as the device publishes it (`on` returns whether to go on); the device stops after
-    /// a token of `stop`. The caller advances the sequence by what the run reports.
+    /// Whether device-sampled steps draw inside the step's own launch (after
+    /// `prepare_sampling` returned true), so that they run as generations too.
+    fn samples_in_launch(&self) -> bool {
+        false
+    }
+    /// Up to `n` greedy (or, with `sampled`, device-sampled) steps from the token meta, run
+    /// inside launches, each token handed to `on` as the device publishes it (`on` returns
+    /// whether to go on); the device stops after a token of `stop`. The caller advances the
+    /// sequence by what the run reports.
     fn generate_in_launch(
         &mut self,
         _n: usize,
         _stop: &[u32],
+        _sampled: bool,
         _on: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<GenerationRun> {
         bail!("this path runs one launch per step")
@@ -238,7 +245,7 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
     }
     if n > 1 && s.runs_generations() {
         let mut out = Vec::with_capacity(n);
-        let run = s.generate_in_launch(n, &[], &mut |t| {
+        let run = s.generate_in_launch(n, &[], false, &mut |t| {
             out.push(t);
             Ok(true)
         })?;
@@ -317,6 +324,19 @@ pub fn decode_sampled<S: Steps>(
     }
     s.seq().check_room(n)?;
     start_sampled_chain(s, sampler, token)?;
+    if n > 1 && s.runs_generations() && s.samples_in_launch() {
+        let mut out = Vec::with_capacity(n);
+        let run = s.generate_in_launch(n, &[], true, &mut |t| {
+            out.push(t);
+            Ok(true)
+        })?;
+        end_generation(s, start, &run);
+        s.seq().history_synced = true;
+        if run.ran < n {
+            bail!("the GPU generation ended after {} of {n} steps", run.ran);
+        }
+        return Ok(out);
+    }
     for _ in 0..n {
         s.launch_sampled_step()?;
     }
@@ -374,7 +394,8 @@ pub const STREAM_AHEAD: usize = 4;
 /// compute stream runs on. Steps queued past a stop computed positions the sequence then drops
 /// (their K/V rows are overwritten before anything reads them). Greedy steps on a path that
 /// runs generations (the megakernel, unless set to one step per launch) run inside launches
-/// instead, each token taken as the device publishes it (`stream_generation`). A generation
+/// instead, each token taken as the device publishes it (`stream_generation`); so do sampled
+/// steps on a path that draws inside its launch (the megakernel, `samples_in_launch`). A generation
 /// that could pass the context, or a path that samples on the host, goes one step at a time.
 pub fn decode_stream<S: Steps>(
     s: &mut S,
@@ -396,11 +417,16 @@ pub fn decode_stream<S: Steps>(
             s.write_meta(first, start)?;
         }
         if max > 1 && s.runs_generations() {
-            return stream_generation(s, start, max, stop, sampler, on);
+            return stream_generation(s, start, max, stop, false, sampler, on);
         }
     } else {
         check_sampler_context(sampler, first, start)?;
         start_sampled_chain(s, sampler, first)?;
+        if max > 1 && s.runs_generations() && s.samples_in_launch() {
+            let r = stream_generation(s, start, max, stop, true, sampler, on);
+            s.seq().history_synced = true;
+            return r;
+        }
     }
     let copy = s.gpu().copy_stream.clone();
     let vocab = s.vocab();
@@ -451,13 +477,15 @@ pub fn decode_stream<S: Steps>(
     result
 }
 
-/// decode_stream's greedy steps as generations inside launches (see `generate_in_launch`):
-/// the host takes each token as the device publishes it, with nothing to launch per token.
+/// decode_stream's greedy (or, with `sampled`, in-launch sampled) steps as generations inside
+/// launches (see `generate_in_launch`): the host takes each token as the device publishes it,
+/// with nothing to launch per token.
 fn stream_generation<S: Steps>(
     s: &mut S,
     start: usize,
     max: usize,
     stop: &[u32],
+    sampled: bool,
     sampler: &mut Sampler,
     on: &mut dyn FnMut(u32) -> Result<bool>,
 ) -> Result<()> {
@@ -469,7 +497,7 @@ fn stream_generation<S: Steps>(
     };
     let mut handled = 0;
     let mut failure = None;
-    let run = s.generate_in_launch(max, stop, &mut |t| {
+    let run = s.generate_in_launch(max, stop, sampled, &mut |t| {
         handled += 1;
         match on(t) {
             Ok(true) if handled < max => {

@@ -16,8 +16,9 @@ use crate::gpu::device::{ptr, Gpu};
 use crate::gpu::launch::Kernel;
 use crate::kargs;
 
-const PHILOX: &str = include_str!("../../kernels/sampling/philox.cuh");
-const SELECT: &str = include_str!("../../kernels/sampling/select.cuh");
+/// The sampling rule's device functions, which the megakernel's draw shares.
+pub(crate) const PHILOX: &str = include_str!("../../kernels/sampling/philox.cuh");
+pub(crate) const SELECT: &str = include_str!("../../kernels/sampling/select.cuh");
 const SAMPLE: &str = include_str!("../../kernels/sampling/sample.cu");
 const FUSED: &str = include_str!("../../kernels/sampling/fused.cu");
 

@@ -23,6 +23,12 @@ pub const RES_MAX: usize = 2048;
 pub const PAGE_BYTES: usize = 16384;
 /// Staged K/V positions per attention round (scores scratch is sized for it).
 pub const ATT_ROUND: usize = 256;
+/// LM-head blocks the in-launch draw merges at most (one summary per consumer thread, and its
+/// registers hold their keys); a schedule with more draws after the launch instead.
+pub const SAMPLE_MAX_BLOCKS: usize = 160;
+/// Shared memory the in-launch sampler's scratch takes (at the end of `res`; checked by the
+/// kernel). The draw also copies every block's prefix keys into `xs` and `res` before it.
+pub const SAMPLE_SCRATCH_BYTES: usize = 8192;
 
 /// Profile words per instruction, by index (globaltimer ns).
 pub mod prof {
@@ -152,6 +158,17 @@ abi_struct! {
         gen_prof: u64,
         steps: u32,
         n_stop: u32,
+        lm_sample: u64,
+        smp_temperature: f32,
+        smp_top_p: f32,
+        smp_min_p: f32,
+        smp_penalty: f32,
+        smp_top_k: u32,
+        smp_last_n: u32,
+        smp_seed_lo: u32,
+        smp_seed_hi: u32,
+        sampling: u32,
+        smp_pad: u32,
     }
 }
 
@@ -196,6 +213,12 @@ pub fn prelude() -> String {
         ("PAGE_BYTES", PAGE_BYTES),
         ("PROF_WORDS", PROF_WORDS),
         ("MK_ATT_ROUND", ATT_ROUND),
+        ("MK_SMP_MAX_BLOCKS", SAMPLE_MAX_BLOCKS),
+        ("MK_SMP_SCRATCH_BYTES", SAMPLE_SCRATCH_BYTES),
+        ("MK_SMP_BLK_WORDS", scheduler::arena::SAMPLE_SUMMARY_WORDS),
+        ("MK_SMP_PFX_SLOTS", scheduler::arena::SAMPLE_PREFIX_SLOTS),
+        ("MK_SMP_CAP", scheduler::arena::SAMPLE_EXTRA_SLOTS),
+        ("MK_SMP_BLOCK_WORDS", scheduler::arena::SAMPLE_BLOCK_WORDS),
     ] {
         writeln!(s, "#define {name} {v}").unwrap();
     }
@@ -316,8 +339,8 @@ mod tests {
             "sizeof(MkParams) == {}",
             std::mem::size_of::<MkParams>()
         )));
-        // The parameter block: 29 pointers, 16 four-byte fields and the timeout, no padding.
-        assert_eq!(std::mem::size_of::<MkParams>(), 29 * 8 + 16 * 4 + 8);
+        // The parameter block: 30 pointers, 26 four-byte fields and the timeout, no padding.
+        assert_eq!(std::mem::size_of::<MkParams>(), 30 * 8 + 26 * 4 + 8);
         assert_eq!(std::mem::size_of::<LayerW>(), 72);
     }
 }

@@ -13,7 +13,7 @@ use crate::gpu::sources;
 
 /// The megakernel compiled (or taken from the disk cache) for `config` and its matrices'
 /// `formats` on `gpu`, its attention by warps where the shape allows it (`attn_by_warps`) or by
-/// rounds. `down_cols`: the schedule's down-projection chunk width, whose rows then get the
+/// rounds, with the draw inside the launch (`sampled`) or the greedy argmax only. `down_cols`: the schedule's down-projection chunk width, whose rows then get the
 /// tiles' loop for a known length (as the model's dimensions do).
 pub(super) fn load(
     gpu: &Gpu,
@@ -21,9 +21,13 @@ pub(super) fn load(
     formats: &sources::MatrixFormats,
     down_cols: usize,
     attn_by_warps: bool,
+    sampled: bool,
 ) -> Result<(Arc<CudaModule>, Kernel)> {
     let mut defines = sources::megakernel_defines(config);
     defines.extend(formats.defines());
+    // The draw inside the launch (ops/sample.cuh) is compiled only into the kernel that
+    // sampled launches run: its calls cost the greedy kernel's loop spilled registers.
+    defines.push(format!("-DMK_SAMPLING={}", u8::from(sampled)));
     if down_cols != config.hidden_size && down_cols != config.q_dim() {
         defines.push(format!("-DMK_DOWN_COLS={down_cols}"));
     }

@@ -97,7 +97,7 @@ impl MegakernelPath<'_> {
         let r = unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,
-                self.kernel_fn(),
+                self.kernel_fn()?,
                 args.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
@@ -221,8 +221,17 @@ impl MegakernelPath<'_> {
         }
     }
 
-    fn kernel_fn(&self) -> sys::CUfunction {
-        self.kernels[self.streams().kernel].1.cu_function()
+    fn kernel_fn(&self) -> Result<sys::CUfunction> {
+        let i = self.streams().kernel;
+        if self.params.sampling == 0 {
+            return Ok(self.kernels[i].1.cu_function());
+        }
+        match &self.sampled_kernels[i] {
+            Some((_, k)) => Ok(k.cu_function()),
+            None => {
+                bail!("megakernel: a sampled launch before prepare_sampling compiled its kernel")
+            }
+        }
     }
 
     /// Makes the next step run at `epoch` (tag `epoch + 1`), as if that many steps had run

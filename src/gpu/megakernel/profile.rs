@@ -166,7 +166,22 @@ impl Timeline {
 impl MegakernelPath<'_> {
     /// Runs `steps` greedy steps from `token` with per-instruction timestamps (globaltimer)
     /// and returns the mean breakdown per instruction type (and, with `timeline`, every stamp).
-    pub fn profile(&mut self, token: u32, steps: usize, timeline: bool) -> Result<Profile> {
+    pub fn profile(
+        &mut self,
+        token: u32,
+        steps: usize,
+        timeline: bool,
+        sampling: Option<&crate::sampling::SamplingParams>,
+    ) -> Result<Profile> {
+        // Sampled steps draw inside the launch (ops/sample.cuh; their Argmax row ends with the
+        // draw); the penalty's window is whatever the history holds, which changes no timing.
+        let sampled = match sampling {
+            Some(p) if !p.is_greedy() => {
+                use super::super::stepping::Steps;
+                self.prepare_sampling(p)? && self.draws_in_launch
+            }
+            _ => false,
+        };
         // The stamps are per encoded instruction: every step must run the same streams. The
         // steps decode from the sequence's position (`next_pos` is only brought up to it when
         // the first step writes its meta, and a prefill leaves it behind).
@@ -211,7 +226,10 @@ impl MegakernelPath<'_> {
         });
         let mut first_start = None;
         for _ in 0..steps {
-            match self.decode_greedy(t, 1) {
+            self.params.sampling = u32::from(sampled);
+            let r = self.decode_greedy(t, 1);
+            self.params.sampling = 0;
+            match r {
                 Ok(v) => t = v[0],
                 Err(e) => {
                     result = Err(e);
