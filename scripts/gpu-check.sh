@@ -102,6 +102,9 @@ fi
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
+# BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
+#   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
+#   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
@@ -236,6 +239,19 @@ if [ "${BENCH:-0}" != 0 ]; then
     for preset in smollm2-135m llama-3.2-1b; do
       "$MEGAINFER_BIN" bench --preset "$preset" --paths megakernel --profile --reps 2 > "$OUT/gen-gap.log" 2>&1
       grep -E "gap between tokens" "$OUT/gen-gap.log" | sed "s/^/$preset: /"
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",draw,"* ]]; then
+    for preset in smollm2-135m llama-3.2-1b; do
+      for s in "" "--temperature 0.8 --top-p 0.95"; do
+        for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+          "$bin" bench --preset "$preset" --paths megakernel --reps 5 $s > "$OUT/draw.log" 2>&1
+          echo "draw $preset $(basename "$bin") [${s:-greedy}]: $(row "$OUT/draw.log" megakernel)"
+        done
+      done
+      MEGAINFER_MK_DRAW_IN_LAUNCH=1 "$MEGAINFER_BIN" bench --preset "$preset" --paths megakernel --reps 5 \
+        --tokens-per-launch 1,0 --temperature 0.8 --top-p 0.95 > "$OUT/draw.log" 2>&1
+      grep -E "^\| megakernel" "$OUT/draw.log" | sed "s/^/draw $preset in launch: /"
     done
   fi
   if [[ ",${BENCH:-}," == *",qwen,"* ]]; then

@@ -428,7 +428,7 @@ impl<'g> MegakernelPath<'g> {
             lm_sample: at("lm_sample"),
             ..MkParams::default()
         };
-        Ok(Self {
+        let mut path = Self {
             gpu,
             model,
             sampled_kernels: kernels.iter().map(|_| None).collect(),
@@ -459,7 +459,13 @@ impl<'g> MegakernelPath<'g> {
             gen,
             stop_ids,
             gen_io: None,
-        })
+        };
+        // The sampled variant is compiled now, with the model's load, rather than by the first
+        // sampled step (where its seconds would count as decoding time).
+        if path.draws_in_launch {
+            path.compile_sampled()?;
+        }
+        Ok(path)
     }
 
     pub fn set_wait_timeout_ms(&mut self, ms: u64) {
@@ -551,6 +557,9 @@ impl<'g> MegakernelPath<'g> {
             bail!(
                 "this model's LM head has too many blocks, or too little shared memory beside                  them, for the draw inside the launch"
             );
+        }
+        if on {
+            self.compile_sampled()?;
         }
         self.draws_in_launch = on;
         Ok(())
