@@ -80,6 +80,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         let mut backend = GpuPath::new(path, &gpu, &dm, max_context, expected)?;
         backend.set_tokens_per_launch(args.common.steps_per_launch());
         backend.prepare_prefill()?;
+        backend.prepare_sampling(&params)?;
         return session.run(&mut backend, stdin.lock(), interactive);
     }
     eprintln!(

@@ -281,6 +281,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             backend.set_wait_timeout_ms(ms)?;
         }
         backend.prepare_prefill()?;
+        backend.prepare_sampling(&params)?;
         let place = RunPlace {
             device: gpu.describe(),
             path: path.name(),

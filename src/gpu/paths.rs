@@ -141,6 +141,19 @@ impl<'g> GpuPath<'g> {
         }
     }
 
+    /// Readies the device sampler for `p` now (at load), so that the first sampled step does
+    /// not compile it inside the timed decode. Nothing to do for greedy decoding.
+    pub fn prepare_sampling(&mut self, p: &crate::sampling::SamplingParams) -> Result<()> {
+        use super::stepping::Steps;
+        if !p.is_greedy() {
+            match self {
+                Self::Megakernel(m) => m.prepare_sampling(p)?,
+                Self::Baseline(b) => b.prepare_sampling(p)?,
+            };
+        }
+        Ok(())
+    }
+
     pub fn as_megakernel(&mut self) -> Option<&mut MegakernelPath<'g>> {
         match self {
             Self::Megakernel(p) => Some(p),
