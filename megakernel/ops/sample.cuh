@@ -7,18 +7,18 @@
 //   Gumbel-perturbed row (pure temperature), and, when truncating, two sets of its keys: its
 //   top MK_SMP_PFX to MK_SMP_PFX_LIMIT (the prefix) and the rest of its top k (the extras);
 // - the SM with the Argmax instruction draws instead, after its instruction loop (op_draw,
-//   mk_sample_draw). It reads every block's summary and
-//   prefix only, finds the k-th largest key T among them and checks that no block can hold
-//   more of the global top k than it sent: a block's unsent keys are below its smallest sent
-//   key, so the top k is exact unless some block's prefix lies wholly above T. Such a block
-//   (at most k / MK_SMP_PFX of them; with real logits almost never) has its extras read too,
-//   and the search runs again. So the draw on one SM reads a few thousand keys, not the
-//   n_lm x k the blocks hold.
+//   mk_sample_draw). It reads every block's summary and prefix only, finds the k-th largest
+//   key T among them and checks that no block can hold more of the global top k than it
+//   sent: a block's unsent keys are below its smallest sent key, so the top k is exact unless
+//   some block's prefix lies wholly above T. Such a block (at most k / MK_SMP_PFX of them;
+//   with real logits almost never) has its extras read too, and the search runs again. So
+//   the draw on one SM reads about n_lm x 12 keys, not the n_lm x k the blocks hold.
 //
 // Everything a block hands over is tagged (lm_sample in the arena: MK_SMP_BLK_WORDS summary
 // words, then MK_SMP_PFX_SLOTS + MK_SMP_CAP key slots of two words); keys are select.cuh's
 // 64-bit keys, the logit's key in the first word and the inverted token in the second. The
-// scratch is the instruction's res (neither instruction needs its rows any more by then).
+// scratch is shared memory no instruction needs by then: the block's res, the draw's xs and
+// res. Compiled only into the kernel variant sampled launches run (MK_SAMPLING).
 
 #ifndef MK_SAMPLING
 #define MK_SAMPLING 0  // 1 in the variant sampled launches run (src/gpu/megakernel/compile.rs)

@@ -234,6 +234,21 @@ pub fn feed_steps<S: Steps>(s: &mut S, tokens: &[u32]) -> Result<Vec<f32>> {
     Ok(s.gpu().stream.clone_dtoh(s.logits())?)
 }
 
+/// All `n` steps from the token meta at `start` as generations inside launches (greedy, or
+/// drawn in the launch with `sampled`); the sequence advances by the tokens handed over.
+fn generate_all<S: Steps>(s: &mut S, start: usize, n: usize, sampled: bool) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(n);
+    let run = s.generate_in_launch(n, &[], sampled, &mut |t| {
+        out.push(t);
+        Ok(true)
+    })?;
+    end_generation(s, start, &run);
+    if run.ran < n {
+        bail!("the GPU generation ended after {} of {n} steps", run.ran);
+    }
+    Ok(out)
+}
+
 /// `n` greedy steps from `token` launched back to back: each step's argmax feeds the next on
 /// the device, and the host reads the tokens once at the end.
 pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u32>> {
@@ -244,16 +259,7 @@ pub fn decode_greedy<S: Steps>(s: &mut S, token: u32, n: usize) -> Result<Vec<u3
         s.write_meta(token, start)?;
     }
     if n > 1 && s.runs_generations() {
-        let mut out = Vec::with_capacity(n);
-        let run = s.generate_in_launch(n, &[], false, &mut |t| {
-            out.push(t);
-            Ok(true)
-        })?;
-        end_generation(s, start, &run);
-        if run.ran < n {
-            bail!("the GPU generation ended after {} of {n} steps", run.ran);
-        }
-        return Ok(out);
+        return generate_all(s, start, n, false);
     }
     for _ in 0..n {
         s.launch_step()?;
@@ -325,17 +331,9 @@ pub fn decode_sampled<S: Steps>(
     s.seq().check_room(n)?;
     start_sampled_chain(s, sampler, token)?;
     if n > 1 && s.runs_generations() && s.samples_in_launch() {
-        let mut out = Vec::with_capacity(n);
-        let run = s.generate_in_launch(n, &[], true, &mut |t| {
-            out.push(t);
-            Ok(true)
-        })?;
-        end_generation(s, start, &run);
+        let out = generate_all(s, start, n, true);
         s.seq().history_synced = true;
-        if run.ran < n {
-            bail!("the GPU generation ended after {} of {n} steps", run.ran);
-        }
-        return Ok(out);
+        return out;
     }
     for _ in 0..n {
         s.launch_sampled_step()?;
