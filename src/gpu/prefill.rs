@@ -366,9 +366,7 @@ impl Prefill {
                 kv.max_seq
             );
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
-        }
+        crate::model::check_tokens(tokens, c.vocab_size)?;
         self.ensure_wide(gpu, model)?;
         if which == Logits::Last && self.use_graphs {
             if let Some(padded) = graph_bucket(tokens.len(), start, chunk, kv.max_seq) {

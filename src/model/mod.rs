@@ -45,3 +45,26 @@ pub fn load(path: &Path) -> Result<Model> {
     model.config.validate()?;
     Ok(model)
 }
+
+/// Every id must index the embedding table: a GPU step reads its row without a bounds check,
+/// so an id past the vocabulary would read past the table rather than fail; the CPU paths
+/// give the same error.
+pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {t} is outside the vocabulary of {vocab}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod token_tests {
+    use super::check_tokens;
+
+    #[test]
+    fn token_ids_are_checked_against_the_vocabulary() {
+        check_tokens(&[0, 5, 999], 1000).unwrap();
+        check_tokens(&[], 1000).unwrap();
+        let err = check_tokens(&[3, 1000, 7], 1000).unwrap_err().to_string();
+        assert_eq!(err, "token id 1000 is outside the vocabulary of 1000");
+    }
+}

@@ -79,19 +79,16 @@ impl<'a> CpuForward<'a> {
                 self.max_context
             );
         }
+        crate::model::check_tokens(tokens, c.vocab_size)?;
         let (hd, kv_dim, group) = (c.head_dim, c.kv_dim(), c.num_heads / c.num_kv_heads);
         let mut xs: Vec<Vec<f32>> = tokens
             .iter()
             .map(|&t| {
-                let t = t as usize;
-                if t >= c.vocab_size {
-                    bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
-                }
                 let mut row = vec![0f32; c.hidden_size];
-                self.w.embed.view().row_f32(t, &mut row);
-                Ok(row)
+                self.w.embed.view().row_f32(t as usize, &mut row);
+                row
             })
-            .collect::<Result<_>>()?;
+            .collect();
 
         for (l, lw) in self.w.layers.iter().enumerate() {
             let normed: Vec<Vec<f32>> = xs

@@ -240,9 +240,7 @@ impl CpuForward<'_> {
                 self.max_context
             );
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            bail!("token id {t} is outside the vocabulary of {}", c.vocab_size);
-        }
+        crate::model::check_tokens(tokens, c.vocab_size)?;
         let mut all = Vec::new();
         let mut last = Vec::new();
         for part in tokens.chunks(chunk) {
