@@ -172,11 +172,14 @@ impl MegakernelPath<'_> {
             let done = self.gpu.stream.record_event(None)?;
             let io = self.gen_io.as_ref().expect("made above");
             let mut got = 0;
+            let mut idle = 0u32;
             while got < steps {
                 let t = io.read(1 + got);
                 if t == UNSET {
-                    // Finished without publishing this step: stopped early, or failed.
-                    if done.is_complete() && io.read(1 + got) == UNSET {
+                    // Finished without publishing this step: stopped early, or failed. The
+                    // event is a driver call, so it is asked only every so many empty polls.
+                    idle = idle.wrapping_add(1);
+                    if idle.is_multiple_of(64) && done.is_complete() && io.read(1 + got) == UNSET {
                         break;
                     }
                     if go_on && crate::interrupt::stop_pending() {
@@ -187,11 +190,17 @@ impl MegakernelPath<'_> {
                     continue;
                 }
                 got += 1;
+                idle = 0;
                 if !go_on {
                     continue;
                 }
                 if t >= vocab {
-                    failure = Some(crate::gpu::stepping::out_of_vocabulary("argmax", t));
+                    let chooser = if self.params.sampling != 0 {
+                        "sampler"
+                    } else {
+                        "argmax"
+                    };
+                    failure = Some(crate::gpu::stepping::out_of_vocabulary(chooser, t));
                 } else {
                     run.handled += 1;
                     run.last = Some(t);
