@@ -186,38 +186,46 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
     return v;
 }
 
-// Waits until the n elements addr(k) (k < n) read into raw carry this launch's tag,
-// re-reading all the stale ones together, so stragglers cost one round trip per retry rather
-// than one each. Every consumer thread polls its own elements: a gate in front (lane 0 of each
-// warp waiting for one element before the others read theirs) would add a round trip to every
-// hop (BENCHMARKS.md, design decisions). Past the time limit (or once another SM failed) it
-// reports a stale element (the first error raised wins) and marks the CTA failed.
-template <int N, typename Addr>
-__device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, int n) {
+// Waits until the n elements k < n carry this launch's tag (seen(k): the tag element k was
+// read with; reload(k) reads it again), re-reading all the stale ones together, so stragglers
+// cost one round trip per retry rather than one each. Every consumer thread polls its own
+// elements: a gate in front (lane 0 of each warp waiting for one element before the others
+// read theirs) would add a round trip to every hop (BENCHMARKS.md, design decisions). Past the
+// time limit (or once another SM failed) it reports a stale element, at addr(k) (the first
+// error raised wins), and marks the CTA failed.
+template <int N, typename Seen, typename Reload, typename Addr>
+__device__ __forceinline__ void settle_with(const MkParams& p, Seen seen, Reload reload, Addr addr, int n) {
     const u32 tag = step_tag();
     u64 t0 = 0;
     for (int spins = 0;; spins++) {
         bool stale = false;
 #pragma unroll
-        for (int k = 0; k < N; k++) stale |= k < n && (u32)(raw[k] >> 32) != tag;
+        for (int k = 0; k < N; k++) stale |= k < n && seen(k) != tag;
         if (!stale) return;
         if (spins == 0) {
             t0 = global_ns();
         } else if (spins % 64 == 0 && (aborted(p) || global_ns() - t0 > p.timeout_ns)) {
             // One report, out of line: an unrolled report per element bloats every inlined wait.
             int bad = 0;
-            u32 seen = 0;
+            u32 old = 0;
 #pragma unroll
             for (int k = N - 1; k >= 0; k--)
-                if (k < n && (u32)(raw[k] >> 32) != tag) { bad = k; seen = (u32)(raw[k] >> 32); }
-            raise_error(p, ERR_DATA, current_instr(), (u32)(addr(bad) - p.resid_attn), tag, seen);
+                if (k < n && seen(k) != tag) { bad = k; old = seen(k); }
+            raise_error(p, ERR_DATA, current_instr(), (u32)(addr(bad) - p.resid_attn), tag, old);
             set_failed(1);
             return;
         }
 #pragma unroll
         for (int k = 0; k < N; k++)
-            if (k < n && (u32)(raw[k] >> 32) != tag) raw[k] = ld_tagged(addr(k));
+            if (k < n && seen(k) != tag) reload(k);
     }
+}
+
+// settle_with for the n words addr(k) read into raw.
+template <int N, typename Addr>
+__device__ __forceinline__ void settle(const MkParams& p, u64* raw, Addr addr, int n) {
+    settle_with<N>(
+        p, [&](int k) { return (u32)(raw[k] >> 32); }, [&](int k) { raw[k] = ld_tagged(addr(k)); }, addr, n);
 }
 
 // A generation's hand-over words (p.gen). Tags are compared by distance, never by order: a

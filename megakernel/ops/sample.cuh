@@ -69,32 +69,17 @@ __device__ __forceinline__ void ld_tagged_key(const u64* a, u64& hi, u64& lo) {
 }
 
 // Waits until both words of the n keys at addr(k) (k < n) carry this step's tag, re-reading
-// the stale ones together (as settle does for single words).
+// the stale ones together (settle_with; a key is stale while either word is).
 template <int N, typename Addr>
 __device__ __forceinline__ void settle_keys(const MkParams& p, u64 (&hi)[N], u64 (&lo)[N], Addr addr, int n) {
     const u32 tag = step_tag();
-    u64 t0 = 0;
-    for (int spins = 0;; spins++) {
-        bool stale = false;
-#pragma unroll
-        for (int k = 0; k < N; k++) stale |= k < n && ((u32)(hi[k] >> 32) != tag || (u32)(lo[k] >> 32) != tag);
-        if (!stale) return;
-        if (spins == 0) {
-            t0 = global_ns();
-        } else if (spins % 64 == 0 && (aborted(p) || global_ns() - t0 > p.timeout_ns)) {
-            int bad = 0;
-            u32 seen = 0;
-#pragma unroll
-            for (int k = N - 1; k >= 0; k--)
-                if (k < n && (u32)(hi[k] >> 32) != tag) { bad = k; seen = (u32)(hi[k] >> 32); }
-            raise_error(p, ERR_DATA, current_instr(), (u32)(addr(bad) - p.resid_attn), tag, seen);
-            set_failed(1);
-            return;
-        }
-#pragma unroll
-        for (int k = 0; k < N; k++)
-            if (k < n && ((u32)(hi[k] >> 32) != tag || (u32)(lo[k] >> 32) != tag)) ld_tagged_key(addr(k), hi[k], lo[k]);
-    }
+    settle_with<N>(
+        p,
+        [&](int k) {
+            const u32 h = (u32)(hi[k] >> 32);
+            return h != tag ? h : (u32)(lo[k] >> 32);
+        },
+        [&](int k) { ld_tagged_key(addr(k), hi[k], lo[k]); }, addr, n);
 }
 
 __device__ __forceinline__ smp_u64 key_of(u64 hi, u64 lo) { return (smp_u64)(u32)hi << 32 | (u32)lo; }
