@@ -232,7 +232,7 @@ __device__ __forceinline__ float mv_total(const float* red, int t, int R, int ks
     return s;
 }
 
-template <int R, int U, bool DB>
+template <int R, int U, bool DB, int SB>
 __device__ __forceinline__ void mv_body(const MvParams& p) {
     extern __shared__ float4 mv_xs4[];
     __shared__ float red[2][MV_WARPS * R];
@@ -250,26 +250,83 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
     int task = blockIdx.x;
     mv_load<R, U>(w, p, task * RB + rw * R, c0 + lane, c1, policy);
 
+    // How the input is staged after the wait (SB, per kernel):
+    // - SB > 0 (the double-buffered kernels, picked for products whose tasks take several
+    //   batches: 8 with one CTA an SM, 4 with two, where 8 spills): SB float4s a thread at a
+    //   time, every load of a batch issued before the first is used, so one L2 round trip per
+    //   batch is on the critical path (a plain loop compiles to a load and its store in turn:
+    //   8 round trips for 8192 columns). The norm's weights do not depend on the previous
+    //   kernel: read before the wait and kept in registers with the batch when it is the only
+    //   one.
+    // - SB = 0 (the others, which the small shapes pick): a plain loop. Those kernels are a few
+    //   microseconds of latency, where every extra instruction-cache line shows: the batched
+    //   staging in every kernel made SmolLM2's graph + PDL step 7% slower (BENCHMARKS.md,
+    //   2026-11-26).
+    const int n4 = p.cols >> 2;
+    const bool norm = p.in_mode == MV_IN_NORM, one_batch = n4 <= SB * MV_THREADS;
+    uint2 g[SB > 0 ? SB : 1];
+    if constexpr (SB > 0) {
+        if (norm && one_batch) {
+#pragma unroll
+            for (int k = 0; k < SB; k++) {
+                const int i = k * MV_THREADS + threadIdx.x;
+                g[k] = i < n4 ? *(const uint2*)(p.norm + 4 * i) : make_uint2(0u, 0u);
+            }
+        }
+    }
+
     pdl_wait();
-    {
-        const float4* x4 = (const float4*)p.x;
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < (p.cols >> 2); i += blockDim.x) {
+    const float4* x4 = (const float4*)p.x;
+    float ss = 0.f;
+    if constexpr (SB == 0) {
+        // blockDim.x, not MV_THREADS: a constant stride would have the loop unrolled (code).
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             const float4 v = x4[i];
             mv_xs4[i] = v;
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
-        if (p.in_mode == MV_IN_NORM) {
-            const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
-            for (int i = threadIdx.x; i < (p.cols >> 2); i += blockDim.x) {
-                const uint2 g = *(const uint2*)(p.norm + 4 * i);
-                float4 v = mv_xs4[i];
-                v.x *= scale * __uint_as_float(g.x << 16);
-                v.y *= scale * __uint_as_float(g.x & 0xffff0000u);
-                v.z *= scale * __uint_as_float(g.y << 16);
-                v.w *= scale * __uint_as_float(g.y & 0xffff0000u);
-                mv_xs4[i] = v;
+    } else {
+        float4 v[SB];
+        for (int base = 0; base < n4; base += SB * MV_THREADS) {
+#pragma unroll
+            for (int k = 0; k < SB; k++) {
+                const int i = base + k * MV_THREADS + threadIdx.x;
+                if (i < n4) v[k] = x4[i];
             }
+#pragma unroll
+            for (int k = 0; k < SB; k++) {
+                const int i = base + k * MV_THREADS + threadIdx.x;
+                if (i < n4) {
+                    if (!(norm && one_batch)) mv_xs4[i] = v[k];
+                    ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+                }
+            }
+        }
+        if (norm && one_batch) {
+            const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
+#pragma unroll
+            for (int k = 0; k < SB; k++) {
+                const int i = k * MV_THREADS + threadIdx.x;
+                if (i < n4) {
+                    v[k].x *= scale * __uint_as_float(g[k].x << 16);
+                    v[k].y *= scale * __uint_as_float(g[k].x & 0xffff0000u);
+                    v[k].z *= scale * __uint_as_float(g[k].y << 16);
+                    v[k].w *= scale * __uint_as_float(g[k].y & 0xffff0000u);
+                    mv_xs4[i] = v[k];
+                }
+            }
+        }
+    }
+    if (norm && !(SB > 0 && one_batch)) {
+        const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+            const uint2 gi = *(const uint2*)(p.norm + 4 * i);
+            float4 v = mv_xs4[i];
+            v.x *= scale * __uint_as_float(gi.x << 16);
+            v.y *= scale * __uint_as_float(gi.x & 0xffff0000u);
+            v.z *= scale * __uint_as_float(gi.y << 16);
+            v.w *= scale * __uint_as_float(gi.y & 0xffff0000u);
+            mv_xs4[i] = v;
         }
     }
     u32 pos = 0;
@@ -391,7 +448,7 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
 // the previous batch's FMAs run; one CTA of those per SM for the larger ones).
 #define MV_KERNEL(NAME, R, U, DB, MIN_CTAS)                                                               \
     extern "C" __global__ void __launch_bounds__(MV_THREADS, MIN_CTAS) NAME(const __grid_constant__ MvParams p) { \
-        mv_body<R, U, DB>(p);                                                                             \
+        mv_body<R, U, DB, !(DB) ? 0 : (MIN_CTAS) == 1 ? 8 : 4>(p);                                        \
     }
 MV_KERNEL(bl_mv_r1u8, 1, 8, false, 2)
 MV_KERNEL(bl_mv_r1u16, 1, 16, false, 2)
