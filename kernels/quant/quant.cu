@@ -122,6 +122,9 @@ extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u32* met
 #define QG_ROWS 2
 #define QG_UNROLL 8
 #define QG_CHUNK 256
+#ifndef QG_STAGE
+#define QG_STAGE 4  // float4s a thread stages per batch (see qg_gemv)
+#endif
 
 #define QG_IN_PLAIN 0  // x
 #define QG_IN_NORM 1   // x / rms(x) * norm
@@ -165,7 +168,6 @@ template <int TY>
 __device__ __forceinline__ void qg_gemv(const unsigned char* W, const float* x, float* y, int rows,
                                         int cols, int accumulate, int mode, const q_u16* norm, float eps) {
     extern __shared__ float4 qg_xs4[];
-    float* xs = (float*)qg_xs4;
     __shared__ float partial[32];
     q_pdl_launch_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -179,17 +181,50 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const float* x, 
             for (int off = lane * 128; off < row_bytes; off += 32 * 128)
                 asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(wr + off));
         }
-    q_pdl_wait();
-    if (mode == QG_IN_SILU) {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[qg_slot<TY>(i)] = q_silu(x[i]) * x[cols + i];
-    } else {
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            const float v = x[i];
-            xs[qg_slot<TY>(i)] = v;
-            ss += v * v;
+    // The input is staged QG_STAGE float4s a thread at a time, every load of a batch issued
+    // before the first store (a plain loop compiles to a load and its store in turn: one L2
+    // round trip per element a thread, 32 for an 8192-wide down projection); four consecutive
+    // elements land in one float4 slot of the staged layout. The norm's weights do not depend
+    // on the previous kernel: read before the wait when one batch holds the whole input.
+    const int n4 = cols >> 2, nt = blockDim.x;
+    const bool one_batch = n4 <= QG_STAGE * nt;
+    const float4* x4 = (const float4*)x;
+    uint2 g[QG_STAGE];
+    if (mode == QG_IN_NORM && one_batch) {
+#pragma unroll
+        for (int k = 0; k < QG_STAGE; k++) {
+            const int j = k * nt + threadIdx.x;
+            g[k] = j < n4 ? *(const uint2*)(norm + 4 * j) : make_uint2(0u, 0u);
         }
-        if (mode == QG_IN_NORM) {
+    }
+    q_pdl_wait();
+    float ss = 0.f;
+    for (int base = 0; base < n4; base += QG_STAGE * nt) {
+        float4 a[QG_STAGE], b[QG_STAGE];
+#pragma unroll
+        for (int k = 0; k < QG_STAGE; k++) {
+            const int j = base + k * nt + threadIdx.x;
+            if (j < n4) {
+                a[k] = x4[j];
+                if (mode == QG_IN_SILU) b[k] = x4[n4 + j];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < QG_STAGE; k++) {
+            const int j = base + k * nt + threadIdx.x;
+            if (j >= n4) continue;
+            float4 v = a[k];
+            if (mode == QG_IN_SILU) {
+                v.x = q_silu(v.x) * b[k].x;
+                v.y = q_silu(v.y) * b[k].y;
+                v.z = q_silu(v.z) * b[k].z;
+                v.w = q_silu(v.w) * b[k].w;
+            }
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            if (mode == QG_IN_NORM && one_batch) a[k] = v;  // stored once scaled, below
+            else qg_xs4[qg_slot<TY>(4 * j) >> 2] = v;
+        }
+        if (mode == QG_IN_NORM && one_batch) {
             ss = q_warp_sum(ss);
             if (lane == 0) partial[warp] = ss;
             __syncthreads();
@@ -200,11 +235,40 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const float* x, 
             }
             __syncthreads();
             const float scale = partial[0];
-            // Each thread rescales the elements it wrote itself: no barrier needed between.
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-                const int s = qg_slot<TY>(i);
-                xs[s] = xs[s] * scale * q_bf16(norm[i]);
+#pragma unroll
+            for (int k = 0; k < QG_STAGE; k++) {
+                const int j = k * nt + threadIdx.x;
+                if (j >= n4) continue;
+                float4 v = a[k];
+                v.x *= scale * __uint_as_float(g[k].x << 16);
+                v.y *= scale * __uint_as_float(g[k].x & 0xffff0000u);
+                v.z *= scale * __uint_as_float(g[k].y << 16);
+                v.w *= scale * __uint_as_float(g[k].y & 0xffff0000u);
+                qg_xs4[qg_slot<TY>(4 * j) >> 2] = v;
             }
+        }
+    }
+    if (mode == QG_IN_NORM && !one_batch) {
+        ss = q_warp_sum(ss);
+        if (lane == 0) partial[warp] = ss;
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+            v = q_warp_sum(v);
+            if (threadIdx.x == 0) partial[0] = rsqrtf(v / cols + eps);
+        }
+        __syncthreads();
+        const float scale = partial[0];
+        // Each thread rescales the float4s it wrote itself (the reduction's barriers are after
+        // every store anyway).
+        for (int j = threadIdx.x; j < n4; j += nt) {
+            const uint2 gj = *(const uint2*)(norm + 4 * j);
+            float4 v = qg_xs4[qg_slot<TY>(4 * j) >> 2];
+            v.x *= scale * __uint_as_float(gj.x << 16);
+            v.y *= scale * __uint_as_float(gj.x & 0xffff0000u);
+            v.z *= scale * __uint_as_float(gj.y << 16);
+            v.w *= scale * __uint_as_float(gj.y & 0xffff0000u);
+            qg_xs4[qg_slot<TY>(4 * j) >> 2] = v;
         }
     }
     __syncthreads();
