@@ -24,11 +24,13 @@ __device__ __forceinline__ void mbar_arrive_n(u64* bar, u32 n) {
 
 // A page goes back to the loader when its two consumer warps are done with it. Normally one
 // lane of each arrives on its "empty" barrier after a __syncwarp (MK_EMPTY_ARRIVALS = 2).
-// MK_LANE_ARRIVALS=1, for compute-sanitizer's racecheck only, has every lane arrive for its
-// own reads (64 arrivals): racecheck does not carry the warp barrier's ordering over to the
-// loader's copy into the page, and reports each earlier read of it as a hazard.
+// MK_LANE_ARRIVALS=1, for compute-sanitizer's racecheck only, has every thread that read the
+// page arrive for its own reads: racecheck does not carry a warp or named barrier's ordering
+// over to the loader's copy into the page, and reports each earlier read of it as a hazard. A
+// page is read by its warp pair (a tile: 64 lanes, 4 arrivals each) or by every consumer (an
+// attention round's pages: 256 threads, one each), so the barrier counts 256.
 #if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
-#define MK_EMPTY_ARRIVALS 64
+#define MK_EMPTY_ARRIVALS 256
 #else
 #define MK_EMPTY_ARRIVALS 2
 #endif
@@ -37,7 +39,7 @@ __device__ __forceinline__ void mbar_arrive_n(u64* bar, u32 n) {
 __device__ __forceinline__ void release_page(u64* empty, int lane) {
 #if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
     (void)lane;
-    mbar_arrive(empty);
+    mbar_arrive_n(empty, MK_EMPTY_ARRIVALS / 64);
 #else
     __syncwarp();
     if (lane == 0) mbar_arrive(empty);
@@ -45,14 +47,11 @@ __device__ __forceinline__ void release_page(u64* empty, int lane) {
 }
 
 // Both consumer warps done with the page `empty` guards, ordered by a barrier of theirs before
-// the one thread that calls this.
+// the one thread that calls this (racecheck's build arrives from every reader instead: see the
+// attention rounds).
 __device__ __forceinline__ void release_page_for_both(u64* empty) {
-#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
-    mbar_arrive_n(empty, MK_EMPTY_ARRIVALS);
-#else
     mbar_arrive(empty);
     mbar_arrive(empty);
-#endif
 }
 
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {

@@ -15,6 +15,10 @@
 // thread have 168 registers; with more warps (fewer registers each) the interpreter loop
 // spills, and the reloads go to L2.
 #define CONSUMERS (CONSUMER_WARPS * 32)
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+static_assert(MK_EMPTY_ARRIVALS == CONSUMERS && MK_EMPTY_ARRIVALS % 64 == 0,
+              "racecheck's build: a page's arrivals are every consumer's, or 64 lanes' equal shares");
+#endif
 #define MK_THREADS (CONSUMERS + 32)
 // Each tile is consumed by a pair of warps splitting its columns; tile t goes to group
 // t % TILE_GROUPS and the host makes the page count a multiple of TILE_GROUPS, so a page is

@@ -63,7 +63,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
       log="$OUT/sanitize-$tool-$path.log"
       start=$(date +%s)
       # The tools slow the megakernel far past its 2 s stall limit; racecheck gets mk_instr as
-      # atomics (MK_INSTR_ATOMIC, runtime.cuh), every lane's own page release (MK_LANE_ARRIVALS,
+      # atomics (MK_INSTR_ATOMIC, runtime.cuh), every reader's own page release (MK_LANE_ARRIVALS,
       # pipeline.cuh) and line numbers in its reports.
       defines=""; [ "$tool" = racecheck ] && defines="-lineinfo -DMK_INSTR_ATOMIC=1 -DMK_LANE_ARRIVALS=1"
       MEGAINFER_WAIT_TIMEOUT_MS=${SANITIZE_WAIT_MS:-600000} MEGAINFER_MK_DEFINES="$defines" \

@@ -69,7 +69,7 @@ fn megakernel_compiles_for_sm90a() {
 }
 
 /// The megakernel as compute-sanitizer's racecheck runs it (scripts/gpu-check.sh, SANITIZE=1):
-/// the current-instruction word as atomics, every lane's own page release, line numbers.
+/// the current-instruction word as atomics, every reader's own page release, line numbers.
 #[test]
 fn megakernel_compiles_for_racecheck() {
     require_nvrtc();

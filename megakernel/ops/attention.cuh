@@ -584,8 +584,12 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         consumers_sync();
         if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
         // The round's pages go back to the loader, every consumer past the barrier above: one
-        // thread a page.
+        // thread a page (racecheck's build: every consumer on every page, for its own reads).
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+        for (int i = 0; i < (int)(t1 - t0); i++) mbar_arrive(&empty[(seq + t0 + i) % p.pages]);
+#else
         if (ct < t1 - t0) release_page_for_both(&empty[(seq + t0 + ct) % p.pages]);
+#endif
         // The running output takes this round's values; after the last round it is divided by
         // the sum and stored.
         const bool last = t1 >= ntiles;
