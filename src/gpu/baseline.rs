@@ -1138,11 +1138,7 @@ impl MatVec {
         for k in &kernels {
             k.allow_smem(dynamic)?;
         }
-        let evict_first = match std::env::var("MEGAINFER_BASELINE_EVICT_FIRST").as_deref() {
-            Err(_) | Ok("1") => true,
-            Ok("0") => false,
-            Ok(other) => bail!("MEGAINFER_BASELINE_EVICT_FIRST: '{other}' is not 0 or 1"),
-        };
+        let evict_first = super::switches::switch("MEGAINFER_BASELINE_EVICT_FIRST", true)?;
         Ok(Self {
             kernels,
             sm_count: gpu.sm_count,

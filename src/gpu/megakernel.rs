@@ -695,12 +695,7 @@ impl Steps for MegakernelPath<'_> {
 
 /// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch; unset or 0 after it.
 fn draw_in_launch_requested() -> Result<bool> {
-    parse_switch(
-        "MEGAINFER_MK_DRAW_IN_LAUNCH",
-        std::env::var("MEGAINFER_MK_DRAW_IN_LAUNCH").ok().as_deref(),
-        false,
-    )
-    .map_err(|e| anyhow::anyhow!(e))
+    super::switches::switch("MEGAINFER_MK_DRAW_IN_LAUNCH", false)
 }
 
 /// Whether sampled steps can draw inside the launch (megakernel/ops/sample.cuh): the draw
@@ -741,24 +736,14 @@ fn last_kv_writers(words: &[u32], sm_offsets: &[u32], qk_norm: bool) -> Vec<u32>
 fn sampler_pdl() -> Result<bool> {
     static PDL: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
     PDL.get_or_init(|| {
-        parse_switch(
+        super::switches::parse_switch(
             "MEGAINFER_SAMPLER_PDL",
             std::env::var("MEGAINFER_SAMPLER_PDL").ok().as_deref(),
             true,
         )
     })
     .clone()
-    .map_err(|e| anyhow::anyhow!(e))
-}
-
-/// An on/off variable: unset is `default`, else 0 or 1; anything else names the variable.
-fn parse_switch(name: &str, v: Option<&str>, default: bool) -> Result<bool, String> {
-    match v.map(str::trim) {
-        None => Ok(default),
-        Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(other) => Err(format!("{name}: '{other}' is not 0 or 1")),
-    }
+    .map_err(anyhow::Error::msg)
 }
 
 // ---- the schedule the megakernel runs (shared with `megainfer schedule`) ----
@@ -898,8 +883,8 @@ mod tests {
     use scheduler::encode::opcode;
 
     #[test]
-    fn environment_switches_are_parsed_strictly() {
-        use super::{parse_switch, parse_wait_timeout_ms, DEFAULT_WAIT_TIMEOUT_MS};
+    fn the_wait_timeout_is_parsed_strictly() {
+        use super::{parse_wait_timeout_ms, DEFAULT_WAIT_TIMEOUT_MS};
         assert_eq!(
             parse_wait_timeout_ms(None).unwrap(),
             DEFAULT_WAIT_TIMEOUT_MS
@@ -913,13 +898,6 @@ mod tests {
                 "{e}"
             );
         }
-        assert_eq!(parse_switch("X", None, true), Ok(true));
-        assert_eq!(parse_switch("X", Some("0"), true), Ok(false));
-        assert_eq!(parse_switch("X", Some("1"), false), Ok(true));
-        assert_eq!(
-            parse_switch("X", Some("off"), true),
-            Err("X: 'off' is not 0 or 1".into())
-        );
     }
 
     #[test]

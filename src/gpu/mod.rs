@@ -39,3 +39,4 @@ pub mod paths;
 pub mod prefill;
 pub mod sources;
 pub mod stepping;
+pub mod switches;

@@ -302,11 +302,7 @@ impl Prefill {
         let attn = AttentionKernel::choose(c.head_dim, &gpu.arch())?;
         let attention = Kernel::load(&module, attn.name)?;
         attention.allow_smem(attn.smem as usize)?;
-        let use_graphs = match std::env::var("MEGAINFER_PREFILL_GRAPH").as_deref() {
-            Ok("1") | Err(_) => true,
-            Ok("0") => false,
-            Ok(other) => bail!("MEGAINFER_PREFILL_GRAPH must be 0 or 1, not {other:?}"),
-        };
+        let use_graphs = super::switches::switch("MEGAINFER_PREFILL_GRAPH", true)?;
         Ok(Self {
             graphs: Vec::new(),
             products,
