@@ -512,10 +512,13 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
     pdl_launch_next();
     const int h = blockIdx.x, kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
-    // meta changes only at the end of a step (the argmax), so it may be read before the wait.
-    const int len = meta->pos + 1;
-    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, 0, len - 1);
+    // Before the wait, the position only sizes the prefetch: with PDL the previous step's argmax
+    // may still be running (this grid can start once the QKV grid has started), so it may be a
+    // step behind. The length attended over is read after the wait, beside q.
+    prefetch_kv(k_cache + kvh * head_dim, v_cache + kvh * head_dim, kv_stride, head_dim, 0,
+                meta->pos);
     pdl_wait();
+    const int len = meta->pos + 1;
     float* qs = st + nwarps * (2 + head_dim);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = q[h * head_dim + i];
     __syncthreads();
@@ -542,9 +545,9 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS)
     bl_attention_kv(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* part_st, u32* done,
                     float* out, const TokenMeta* meta, int n_heads, int n_kv, int head_dim, int parts) {
     pdl_launch_next();
-    // meta changes only at the end of a step (the argmax), so it may be read before the wait.
-    const int len = meta->pos + 1;
+    // After the wait: with PDL the previous step's argmax may still be running before it.
     pdl_wait();
+    const int len = meta->pos + 1;
     if (head_dim == 64) gqa_part<64>(q, k_cache, v_cache, part_st, done, out, len, n_heads, n_kv, parts);
     else gqa_part<128>(q, k_cache, v_cache, part_st, done, out, len, n_heads, n_kv, parts);
 }
