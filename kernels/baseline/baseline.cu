@@ -31,6 +31,15 @@ __device__ __forceinline__ float block_inv_rms(float ss, int n, float eps, float
     return partial[0];
 }
 
+// Four normalised inputs: v scaled by the norm's scale and its four bf16 weights g.
+__device__ __forceinline__ float4 norm4(float4 v, uint2 g, float scale) {
+    v.x *= scale * __uint_as_float(g.x << 16);
+    v.y *= scale * __uint_as_float(g.x & 0xffff0000u);
+    v.z *= scale * __uint_as_float(g.y << 16);
+    v.w *= scale * __uint_as_float(g.y & 0xffff0000u);
+    return v;
+}
+
 // One block: out = x / rms(x) * w (when the norm is not folded into bl_gemv).
 extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
     __shared__ float partial[32];
@@ -307,27 +316,14 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
 #pragma unroll
             for (int k = 0; k < SB; k++) {
                 const int i = k * MV_THREADS + threadIdx.x;
-                if (i < n4) {
-                    v[k].x *= scale * __uint_as_float(g[k].x << 16);
-                    v[k].y *= scale * __uint_as_float(g[k].x & 0xffff0000u);
-                    v[k].z *= scale * __uint_as_float(g[k].y << 16);
-                    v[k].w *= scale * __uint_as_float(g[k].y & 0xffff0000u);
-                    mv_xs4[i] = v[k];
-                }
+                if (i < n4) mv_xs4[i] = norm4(v[k], g[k], scale);
             }
         }
     }
     if (norm && !(SB > 0 && one_batch)) {
         const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
-        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-            const uint2 gi = *(const uint2*)(p.norm + 4 * i);
-            float4 v = mv_xs4[i];
-            v.x *= scale * __uint_as_float(gi.x << 16);
-            v.y *= scale * __uint_as_float(gi.x & 0xffff0000u);
-            v.z *= scale * __uint_as_float(gi.y << 16);
-            v.w *= scale * __uint_as_float(gi.y & 0xffff0000u);
-            mv_xs4[i] = v;
-        }
+        for (int i = threadIdx.x; i < n4; i += blockDim.x)
+            mv_xs4[i] = norm4(mv_xs4[i], *(const uint2*)(p.norm + 4 * i), scale);
     }
     u32 pos = 0;
     if (p.out_mode == MV_OUT_ROPE_KV) pos = p.meta->pos;
