@@ -324,8 +324,12 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
     const u64 t0 = global_ns();
     for (int spins = 1;; spins++) {
         if (mbar_try_wait(bar, parity)) return true;
+        // Checked at every spin (a shared-memory word): a try_wait may suspend the thread for
+        // microseconds, and when a generation stops early the loader is waiting for pages of
+        // a step no consumer will run, so the launch ends only once it sees the stop.
+        if (stopping()) return false;
         if (spins % ABORT_CHECK_SPINS == 0) {
-            if (aborted(p) || stopping()) return false;
+            if (aborted(p)) return false;
             if (global_ns() - t0 > p.timeout_ns) {
                 raise_error(p, kind, instr, tile, parity, 0);
                 return false;

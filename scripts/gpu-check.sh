@@ -101,6 +101,7 @@ fi
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
+# BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
@@ -217,6 +218,21 @@ if [ "${BENCH:-0}" != 0 ]; then
             echo "run $path $(basename "$bin") [$v] round $round: $(grep -E 'decode:' "$log" | tail -1)"
           done
         done
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",chat,"* ]]; then
+    # `megainfer chat -v` on the default model, the turns of CHAT_INPUT (lines; default three
+    # short questions) piped in: OLD_BIN (if given) and this build on each path of CHAT_PATHS,
+    # CHAT_TOKENS new tokens at most (default 24); prints each turn's stats line.
+    printf '%s\n' "${CHAT_INPUT:-What is the capital of France?
+And of Spain?
+Name three colours.}" > "$OUT/chat-input.txt"
+    for path in ${CHAT_PATHS:-megakernel}; do
+      for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+        echo "chat $path $(basename "$bin"):"
+        "$bin" chat -v --device cuda --path "$path" -n "${CHAT_TOKENS:-24}" < "$OUT/chat-input.txt" 2>&1 |
+          grep -E 'generated at' | sed 's/^/  /'
       done
     done
   fi

@@ -99,8 +99,9 @@ pub struct MegakernelPath<'g> {
     gen: CudaSlice<u64>,
     /// The tokens a generation stops after (`MkParams::stop_ids`).
     stop_ids: CudaSlice<u32>,
-    /// Made by the first generation: word 0 the host's stop request, then each step's token.
-    gen_io: Option<super::device::MappedWords>,
+    /// Word 0 the host's stop request, then each step's token. Allocated with the path: a
+    /// page-locked allocation made by the first generation would count as its decoding time.
+    gen_io: super::device::MappedWords,
     /// Whether sampled steps draw inside the launch (`MkParams::sampling`, megakernel/ops/
     /// sample.cuh), which lets them run as generations: where the schedule allows it
     /// ([`draws_in_launch`]) and it was asked for (`MEGAINFER_MK_DRAW_IN_LAUNCH=1` or
@@ -458,7 +459,7 @@ impl<'g> MegakernelPath<'g> {
             sampler: None,
             gen,
             stop_ids,
-            gen_io: None,
+            gen_io: super::device::MappedWords::new(gpu, 1 + max_seq.max(1), "generated tokens")?,
         };
         // The sampled variant is compiled now, with the model's load, rather than by the first
         // sampled step (where its seconds would count as decoding time).

@@ -9,7 +9,6 @@ use cudarc::driver::sys::{self, CUlaunchAttributeID};
 
 use super::abi::{MkParams, THREADS};
 use super::MegakernelPath;
-use crate::gpu::device::MappedWords;
 use crate::gpu::stepping::GenerationRun;
 
 /// The most stop tokens a generation checks on the device.
@@ -135,10 +134,6 @@ impl MegakernelPath<'_> {
                 self.seq.max_seq
             );
         }
-        if self.gen_io.is_none() {
-            let words = 1 + self.seq.max_seq.max(1);
-            self.gen_io = Some(MappedWords::new(self.gpu, words, "generated tokens")?);
-        }
         if !stop.is_empty() {
             let mut dst = self.stop_ids.slice_mut(0..stop.len());
             self.gpu.stream.memcpy_htod(stop, &mut dst)?;
@@ -158,7 +153,7 @@ impl MegakernelPath<'_> {
             let b = self.bucket_at(pos);
             let bucket_end = (b + 1 < self.buckets.len()).then(|| self.buckets[b].upto);
             let steps = launch_size(n - run.ran, per_launch, pos, bucket_end, self.params.epoch);
-            let io = self.gen_io.as_ref().expect("made above");
+            let io = &self.gen_io;
             io.write(0, 0);
             for i in 0..steps {
                 io.write(1 + i, UNSET);
@@ -170,7 +165,7 @@ impl MegakernelPath<'_> {
             self.params.gen_out = 0;
             launched?;
             let done = self.gpu.stream.record_event(None)?;
-            let io = self.gen_io.as_ref().expect("made above");
+            let io = &self.gen_io;
             let mut got = 0;
             let mut idle = 0u32;
             while got < steps {

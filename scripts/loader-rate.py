@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Per instruction type, how fast the megakernel's loader streamed weights, from a
+`megainfer bench --profile --timeline FILE` CSV (optionally gzipped):
+
+    scripts/loader-rate.py FILE HIDDEN INTERMEDIATE
+
+Medians over steps 4-15 of: the loader's issue window (first page wait to last tile issued),
+the consumers' wait for inputs (start to prepared) and their tiles (prepared to tiles done),
+and for the mat-vecs with a known row size the bytes over the issue window (GB/s per SM;
+x 132 for the whole GPU). QKV rows vary by head and are left without a rate.
+"""
+import csv
+import gzip
+import re
+import statistics as st
+import sys
+from collections import defaultdict
+
+
+def main(path, hidden, inter):
+    opener = gzip.open if path.endswith(".gz") else open
+    kinds = defaultdict(list)
+    with opener(path, "rt") as f:
+        for r in csv.DictReader(f):
+            if not 4 <= int(r["step"]) <= 15:
+                continue
+            kind, desc = r["kind"], r["desc"]
+
+            def field(name):
+                return int(re.search(name + r": (\d+)", desc).group(1))
+
+            if kind == "RmsUpGateSilu":
+                size = field("row_count") * 2 * hidden * 2
+            elif kind == "DownProjPartial":
+                size = field("row_count") * field("col_count") * 2
+            elif kind == "OProjResidual":
+                size = field("row_count") * hidden * 2
+            elif kind == "RmsQkvRope":
+                size = None
+            else:
+                continue
+            t = [int(r[k]) for k in ("start", "prepared", "tiles", "stored", "extra1", "extra2")]
+            kinds[kind].append((size, t))
+    for kind, rows in kinds.items():
+        issue = st.median(t[5] - t[4] for _, t in rows) / 1000
+        wait = st.median(t[1] - t[0] for _, t in rows) / 1000
+        tiles = st.median(t[2] - t[1] for _, t in rows) / 1000
+        line = f"{kind:16s} n={len(rows):6d}  loader issue {issue:5.1f} us  inputs {wait:4.1f} us  tiles {tiles:5.1f} us"
+        size = rows[0][0]
+        if size:
+            rate = st.median(b / (t[5] - t[4]) for b, t in rows if t[5] > t[4])
+            line += f"  {size / 1024:.0f} KiB  {rate:.1f} GB/s per SM"
+        print(line)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
