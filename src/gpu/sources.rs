@@ -82,6 +82,22 @@ pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
     ]
 }
 
+/// The loader's bound on copies in flight while the consumers work on the instruction being
+/// loaded (`MK_INFLIGHT_STREAM`, runtime.cuh), when a shape needs another than the kernel's
+/// default of 4 tiles: none but the ring's (any value of at least the page count) where a
+/// bf16 up-gate tile fills at most three quarters of its page. Measured on the H100
+/// (BENCHMARKS.md, 2026-11-26, "the bigger shapes' streaming"): Llama-3.2-3B's 6 KiB rows fill
+/// 12 of 16 KiB and decode 6.0% faster without the bound (2.636 -> 2.478 ms); the shapes whose
+/// tiles fill 87.5% or more were as fast or slower without it (Qwen2.5-7B +1.0%, Llama-3.1-8B
+/// +3.5%, Llama-3.2-1B +1.3%, Qwen3-4B -0.3%, Qwen3-1.7B 0%, SmolLM2 -0.3%).
+pub fn stream_bound(config: &crate::model::Config, formats: &MatrixFormats) -> Option<String> {
+    let row = 2 * config.hidden_size;
+    let page = abi::PAGE_BYTES;
+    let fill = (page / row).max(1) * row;
+    (formats.gate_up == 0 && row <= page && 4 * fill <= 3 * page)
+        .then(|| "-DMK_INFLIGHT_STREAM=1024".to_string())
+}
+
 /// The storage format of each kind of matrix the megakernel reads, as quant.cu's `WEIGHT_*`
 /// codes (bf16 0, Q8_0 1, Q4_0 2, Q4_1 3): one per kind, so the tiles' decoding compiles to
 /// the formats the model has and nothing else.
@@ -130,4 +146,33 @@ pub fn megakernel() -> String {
     parts.extend(OPS);
     parts.extend([TABLE, LOADER, MEGAKERNEL, &checks]);
     parts.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::presets;
+
+    /// Of the presets, only Llama-3.2-3B's bf16 up-gate tiles (two 6 KiB rows in a 16 KiB
+    /// page) fill three quarters of a page or less; quantised up-gate rows keep the default.
+    #[test]
+    fn only_underfilled_bf16_tiles_stream_without_the_bound() {
+        let bf16 = MatrixFormats::default();
+        for name in presets::NAMES {
+            let cfg = presets::by_name(name).unwrap();
+            let bound = stream_bound(&cfg, &bf16);
+            assert_eq!(
+                bound.is_some(),
+                *name == "llama-3.2-3b",
+                "{name}: {bound:?}"
+            );
+        }
+        let cfg = presets::by_name("llama-3.2-3b").unwrap();
+        assert_eq!(
+            stream_bound(&cfg, &bf16).as_deref(),
+            Some("-DMK_INFLIGHT_STREAM=1024")
+        );
+        let q8 = MatrixFormats { gate_up: 1, ..bf16 };
+        assert_eq!(stream_bound(&cfg, &q8), None);
+    }
 }

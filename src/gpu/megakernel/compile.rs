@@ -32,10 +32,13 @@ pub(super) fn load(
         defines.push(format!("-DMK_DOWN_COLS={down_cols}"));
     }
     // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
-    // MK_ATT_BY_WARPS among them overrides the choice.
+    // MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them overrides the choice.
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
     if !extra.contains("MK_ATT_BY_WARPS") {
         defines.push(format!("-DMK_ATT_BY_WARPS={}", u8::from(attn_by_warps)));
+    }
+    if !extra.contains("MK_INFLIGHT_STREAM") {
+        defines.extend(sources::stream_bound(config, formats));
     }
     defines.extend(extra.split_whitespace().map(String::from));
     let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;

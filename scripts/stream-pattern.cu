@@ -1,0 +1,108 @@
+// How fast every SM can stream weights with the megakernel loader's pattern, with nothing else
+// running: one CTA per SM, one thread issuing bulk copies (cp.async.bulk, global -> shared) of
+// `tile` bytes into a ring of `pages` 16 KB-or-larger slots, at most `inflight` copies not yet
+// landed, through a region of `rows` rows of `row` bytes per CTA (the CTAs' regions follow each
+// other, as an instruction's rows do), a tile being `tile / row` whole rows; every launch moves
+// to fresh regions so nothing comes from L2 (a launch streams about 1 GB). Prints GB/s over all
+// SMs and per SM.
+// On the GPU machine:
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/sp scripts/stream-pattern.cu && /tmp/sp
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define RING_BYTES (192 * 1024)
+#define MAX_PAGES 24
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+
+// Grid: one CTA per SM. base: this launch's first byte; rows of `row` bytes, `per_cta` rows a CTA
+// in each of `regions` consecutive instructions (as over a model's layers).
+__global__ void stream(const unsigned char* base, int row, int rows_per_tile, int per_cta, int regions, int pages,
+                       int inflight) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    u64* full = (u64*)(smem + RING_BYTES);
+    if (threadIdx.x != 0) return;
+    for (int i = 0; i < pages; i++)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const int page = RING_BYTES / pages, tile = row * rows_per_tile;
+    const int per_region = per_cta / rows_per_tile, tiles = per_region * regions;
+    for (int t = 0; t < tiles; t++) {
+        const int r = t / per_region;
+        const unsigned char* src = base + ((size_t)r * gridDim.x + blockIdx.x) * per_cta * row;
+        // The copy `inflight` tiles back has landed (and the ring slot t reuses is free).
+        const int back = t - (inflight < pages ? inflight : pages);
+        if (back >= 0)
+            while (!mbar_try_wait(&full[back % pages], (back / pages) & 1)) {
+            }
+        u64* bar = &full[t % pages];
+        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)),
+                     "r"(tile) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_addr(smem + (t % pages) * page)), "l"(src + (size_t)(t - r * per_region) * tile), "r"(tile),
+                     "r"(smem_addr(bar)) : "memory");
+    }
+    for (int b = tiles - pages > 0 ? tiles - pages : 0; b < tiles; b++)
+        while (!mbar_try_wait(&full[b % pages], (b / pages) & 1)) {
+        }
+}
+
+int main() {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    const size_t bytes = (size_t)6 << 30;
+    unsigned char* buf;
+    if (cudaMalloc(&buf, bytes) != cudaSuccess) return 1;
+    cudaMemset(buf, 1, bytes);
+    const int smem = RING_BYTES + MAX_PAGES * 8;
+    cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    struct Case {
+        const char* what;
+        int row, rows_per_tile, per_cta, pages, inflight;
+    } cases[] = {
+        {"Llama-1B up-gate: 4 KB rows, 4 a tile (16 KB)", 4096, 4, 128, 12, 4},
+        {"Llama-3B up-gate: 6 KB rows, 2 a tile (12 KB)", 6144, 2, 128, 12, 4},
+        {"Llama-3B up-gate, 8 in flight", 6144, 2, 128, 12, 8},
+        {"Llama-8B up-gate: 8 KB rows, 2 a tile (16 KB)", 8192, 2, 224, 12, 4},
+        {"Qwen3-4B up-gate: 5 KB rows, 3 a tile (15 KB)", 5120, 3, 152, 12, 4},
+        {"6 KB rows, 1 a tile (6 KB)", 6144, 1, 128, 24, 8},
+        {"12 KB rows, 1 a tile (12 KB)", 12288, 1, 64, 12, 4},
+        {"16 KB rows, 1 a tile", 16384, 1, 64, 12, 4},
+        {"16 KB rows, 1 a tile, 8 in flight", 16384, 1, 64, 12, 8},
+    };
+    for (const Case& c : cases) {
+        const size_t per_region = (size_t)sms * c.per_cta * c.row;
+        const int regions = (int)(((size_t)1 << 30) / per_region);
+        const size_t per_launch = per_region * regions;
+        const int launches = (int)(bytes / per_launch);
+        cudaEvent_t a, b;
+        cudaEventCreate(&a);
+        cudaEventCreate(&b);
+        stream<<<sms, 32, smem>>>(buf, c.row, c.rows_per_tile, c.per_cta, regions, c.pages, c.inflight);
+        cudaEventRecord(a);
+        for (int l = 0; l < launches; l++)
+            stream<<<sms, 32, smem>>>(buf + l * per_launch, c.row, c.rows_per_tile, c.per_cta, regions, c.pages,
+                                      c.inflight);
+        cudaEventRecord(b);
+        if (cudaEventSynchronize(b) != cudaSuccess) {
+            printf("%s: %s\n", c.what, cudaGetErrorString(cudaGetLastError()));
+            return 1;
+        }
+        float ms = 0;
+        cudaEventElapsedTime(&ms, a, b);
+        const double gbs = (double)per_launch * launches / (ms * 1e-3) / 1e9;
+        printf("%-50s %2d in flight: %7.0f GB/s, %5.1f GB/s per SM (%d launches of %.0f MB)\n", c.what, c.inflight,
+               gbs, gbs / sms, launches, per_launch / 1e6);
+    }
+    return 0;
+}
