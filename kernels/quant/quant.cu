@@ -98,7 +98,9 @@ __device__ __forceinline__ float q_warp_sum(float v) {
 __device__ __forceinline__ float q_silu(float x) { return x / (1.f + __expf(-x)); }
 
 // The block's sum of every thread's ss, as the RMS norm's scale 1 / sqrt(mean + eps), returned to
-// every thread (partial: 32 floats of shared memory; the block's threads all call it).
+// every thread (partial: 32 floats of shared memory; the block's threads all call it). This and
+// q_norm4 mirror baseline.cu's block_inv_rms and norm4: this file is self-contained, since the
+// prefill unit includes it without baseline.cu.
 __device__ __forceinline__ float q_block_inv_rms(float ss, int cols, float eps, float* partial) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     ss = q_warp_sum(ss);
