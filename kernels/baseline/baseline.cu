@@ -15,31 +15,6 @@ extern "C" __global__ void bl_embed(const bf16_t* embed, const TokenMeta* meta, 
         x[i] = bf16_to_f32(row[i]);
 }
 
-// 1 / sqrt(mean of squares + eps) over n elements, from each thread's partial sum of squares
-// `ss`: warp sums, then the first warp over them; every thread gets the result. `partial`: 32
-// floats of shared memory.
-__device__ __forceinline__ float block_inv_rms(float ss, int n, float eps, float* partial) {
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = rsqrtf(v / n + eps);
-    }
-    __syncthreads();
-    return partial[0];
-}
-
-// Four normalised inputs: v scaled by the norm's scale and its four bf16 weights g.
-__device__ __forceinline__ float4 norm4(float4 v, uint2 g, float scale) {
-    v.x *= scale * __uint_as_float(g.x << 16);
-    v.y *= scale * __uint_as_float(g.x & 0xffff0000u);
-    v.z *= scale * __uint_as_float(g.y << 16);
-    v.w *= scale * __uint_as_float(g.y & 0xffff0000u);
-    return v;
-}
-
 // One block: out = x / rms(x) * w (when the norm is not folded into bl_gemv).
 extern "C" __global__ void bl_rmsnorm(const float* x, const bf16_t* w, float* out, int n, float eps) {
     __shared__ float partial[32];

@@ -97,33 +97,6 @@ __device__ __forceinline__ float q_warp_sum(float v) {
 
 __device__ __forceinline__ float q_silu(float x) { return x / (1.f + __expf(-x)); }
 
-// The block's sum of every thread's ss, as the RMS norm's scale 1 / sqrt(mean + eps), returned to
-// every thread (partial: 32 floats of shared memory; the block's threads all call it). This and
-// q_norm4 mirror baseline.cu's block_inv_rms and norm4: this file is self-contained, since the
-// prefill unit includes it without baseline.cu.
-__device__ __forceinline__ float q_block_inv_rms(float ss, int cols, float eps, float* partial) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    ss = q_warp_sum(ss);
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        v = q_warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = rsqrtf(v / cols + eps);
-    }
-    __syncthreads();
-    return partial[0];
-}
-
-// Four normalised inputs: v scaled by the norm's scale and its four bf16 weights g.
-__device__ __forceinline__ float4 q_norm4(float4 v, uint2 g, float scale) {
-    v.x *= scale * __uint_as_float(g.x << 16);
-    v.y *= scale * __uint_as_float(g.x & 0xffff0000u);
-    v.z *= scale * __uint_as_float(g.y << 16);
-    v.w *= scale * __uint_as_float(g.y & 0xffff0000u);
-    return v;
-}
-
 // Decode: x = row meta[0] (the step's token; TokenMeta starts with it) of the embedding.
 extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u32* meta, float* x, int hidden) {
     q_pdl_launch_next();
@@ -252,21 +225,21 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const float* x, 
             else qg_xs4[qg_slot<TY>(4 * j) >> 2] = v;
         }
         if (mode == QG_IN_NORM && one_batch) {
-            const float scale = q_block_inv_rms(ss, cols, eps, partial);
+            const float scale = block_inv_rms(ss, cols, eps, partial);
 #pragma unroll
             for (int k = 0; k < QG_STAGE; k++) {
                 const int j = k * nt + threadIdx.x;
-                if (j < n4) qg_xs4[qg_slot<TY>(4 * j) >> 2] = q_norm4(a[k], g[k], scale);
+                if (j < n4) qg_xs4[qg_slot<TY>(4 * j) >> 2] = norm4(a[k], g[k], scale);
             }
         }
     }
     if (mode == QG_IN_NORM && !one_batch) {
-        const float scale = q_block_inv_rms(ss, cols, eps, partial);
+        const float scale = block_inv_rms(ss, cols, eps, partial);
         // Each thread rescales the float4s it wrote itself (the reduction's barriers are after
         // every store anyway).
         for (int j = threadIdx.x; j < n4; j += nt) {
             float4* slot = &qg_xs4[qg_slot<TY>(4 * j) >> 2];
-            *slot = q_norm4(*slot, *(const uint2*)(norm + 4 * j), scale);
+            *slot = norm4(*slot, *(const uint2*)(norm + 4 * j), scale);
         }
     }
     __syncthreads();

@@ -13,6 +13,8 @@ const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const PREFILL_WGMMA: &str = include_str!("../../kernels/prefill/attention_wgmma.cuh");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
+/// The folded RMS norm's block reduction and scaling, shared by baseline.cu and quant.cu.
+const NORM: &str = include_str!("../../kernels/norm.cuh");
 /// The quantised formats' decoding, shared by quant.cu and the megakernel's tiles.
 const QUANT_DECODE: &str = include_str!("../../kernels/quant/decode.cuh");
 const QUANT_KERNELS: &str = include_str!("../../kernels/quant/quant.cu");
@@ -44,6 +46,7 @@ pub fn baseline() -> String {
         QKV_EXTRAS,
         CP_ASYNC,
         BASELINE_ATTENTION,
+        NORM,
         BASELINE,
         &quant(),
     ]
@@ -53,7 +56,7 @@ pub fn baseline() -> String {
 /// Quantised weights' mat-vec, embedding and dequantisation (self-contained: both the
 /// baseline and the prefill units include it).
 pub fn quant() -> String {
-    [QUANT_DECODE, QUANT_KERNELS].join("\n")
+    [NORM, QUANT_DECODE, QUANT_KERNELS].join("\n")
 }
 
 /// Batched prefill's kernels (src/gpu/prefill.rs).
@@ -93,7 +96,7 @@ pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
 pub fn stream_bound(config: &crate::model::Config, formats: &MatrixFormats) -> Option<String> {
     let row = 2 * config.hidden_size;
     let page = abi::PAGE_BYTES;
-    let fill = (page / row).max(1) * row;
+    let fill = (page / row) * row;
     (formats.gate_up == 0 && row <= page && 4 * fill <= 3 * page)
         .then(|| "-DMK_INFLIGHT_STREAM=1024".to_string())
 }
