@@ -98,6 +98,7 @@ fi
 # BENCH=qwen (not in BENCH=1): the Qwen3-0.6B and Qwen2.5-0.5B shapes on every path.
 # BENCH=parts (not in BENCH=1): the megakernel's split-KV parts, OLD_BIN against this build on
 # PARTS_CASES, and forced part counts (PARTS_SWEEP); see the section below.
+# BENCH=presets (not in BENCH=1): every preset on the megakernel, graph + PDL and graph.
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
@@ -180,6 +181,14 @@ if [ "${BENCH:-0}" != 0 ]; then
       MEGAINFER_MK_ATTN_PARTS=$parts "$MEGAINFER_BIN" bench --preset "$preset" \
         --prompt-len "$len" --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
       echo "parts $preset $len forced $parts: $(row "$log" megakernel)"
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",presets,"* ]]; then
+    # Every preset on every decode path, one build: the README's table (PRESETS to narrow).
+    for preset in ${PRESETS:-llama-3.2-1b smollm2-135m qwen3-0.6b qwen2.5-0.5b llama-3.2-3b llama-3.1-8b qwen3-1.7b qwen3-4b qwen3-8b qwen2.5-7b}; do
+      log="$OUT/bench-presets-$preset.log"
+      "$MEGAINFER_BIN" bench --preset "$preset" --reps 3 --paths megakernel,graph-pdl,graph > "$log" 2>&1
+      for p in megakernel graph-pdl graph; do echo "presets $preset: $(row "$log" "$p")"; done
     done
   fi
   if [[ ",${BENCH:-}," == *",defines,"* ]]; then
