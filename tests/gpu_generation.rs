@@ -26,7 +26,7 @@ fn path_after<'g>(
     max_seq: usize,
     prompt: &[u32],
 ) -> (MegakernelPath<'g>, u32) {
-    let mut mk = MegakernelPath::bucketed(gpu, dm, max_seq, None).unwrap();
+    let mut mk = MegakernelPath::bucketed(gpu, dm, max_seq, &Default::default()).unwrap();
     let first = argmax(&mk.feed(prompt).unwrap());
     (mk, first)
 }

@@ -820,22 +820,18 @@ pub fn schedule_for(
 }
 
 /// One schedule per context bucket for sequences of up to `max_seq` positions on `gpu`
-/// (`scheduler::plan_buckets` with the megakernel's cost model), `attn_parts` overriding the
-/// split-KV partitions of every bucket (then there is one).
+/// (`scheduler::plan_buckets` with the megakernel's cost model), `overrides` replacing the
+/// cost model's choices (an override of the split-KV partitions makes one bucket).
 pub fn buckets_for(
     config: &crate::model::Config,
     gpu: &Gpu,
     max_seq: usize,
-    attn_parts: Option<usize>,
+    overrides: &scheduler::Overrides,
 ) -> Result<Vec<scheduler::Bucket>> {
     let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
-    let overrides = scheduler::Overrides {
-        attn_parts,
-        ..Default::default()
-    };
     let model = crate::reference::sliced::shape_of(config);
     let cost = scheduler::CostModel::megakernel(max_seq.max(1));
-    scheduler::plan_buckets(&model, &shape, &cost, &overrides, max_seq)
+    scheduler::plan_buckets(&model, &shape, &cost, overrides, max_seq)
         .map_err(|e| anyhow::anyhow!("scheduler: {e}"))
 }
 
@@ -870,9 +866,9 @@ impl<'g> MegakernelPath<'g> {
         gpu: &'g Gpu,
         model: &'g DeviceModel,
         max_seq: usize,
-        attn_parts: Option<usize>,
+        overrides: &scheduler::Overrides,
     ) -> Result<Self> {
-        let buckets = buckets_for(&model.config, gpu, max_seq, attn_parts)?;
+        let buckets = buckets_for(&model.config, gpu, max_seq, overrides)?;
         let list: Vec<(usize, &Schedule)> = buckets.iter().map(|b| (b.upto, &b.schedule)).collect();
         Self::with_buckets(gpu, model, &list, max_seq)
     }
