@@ -1,6 +1,6 @@
 //! The GPU decode paths behind one type, for `run` and `bench`.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 use super::baseline::{BaselinePath, Mode};
 use super::device::Gpu;
@@ -111,8 +111,8 @@ impl<'g> GpuPath<'g> {
                 // MEGAINFER_MK_ATTN_PARTS sets the parts per KV head (in one bucket) and
                 // MEGAINFER_MK_QKV_PAIRS the RoPE pairs per RmsQkvRope.
                 let overrides = scheduler::Overrides {
-                    attn_parts: env_count("MEGAINFER_MK_ATTN_PARTS")?,
-                    qkv_pairs: env_count("MEGAINFER_MK_QKV_PAIRS")?,
+                    attn_parts: super::switches::count("MEGAINFER_MK_ATTN_PARTS")?,
+                    qkv_pairs: super::switches::count("MEGAINFER_MK_QKV_PAIRS")?,
                     ..Default::default()
                 };
                 return Ok(Self::Megakernel(Box::new(MegakernelPath::bucketed(
@@ -280,42 +280,5 @@ impl Backend for GpuPath<'_> {
                 super::stepping::decode_stream(p.as_mut(), first, max, stop, sampler, on)
             }
         }
-    }
-}
-
-/// A positive count from the environment variable `name`, if set.
-fn env_count(name: &str) -> Result<Option<usize>> {
-    match std::env::var(name) {
-        Err(_) => Ok(None),
-        Ok(v) => Ok(Some(
-            v.parse::<usize>()
-                .ok()
-                .filter(|&n| n >= 1)
-                .with_context(|| format!("{name}: '{v}' is not a positive count"))?,
-        )),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::env_count;
-
-    #[test]
-    fn env_count_takes_positive_counts_and_names_the_variable_otherwise() {
-        // A name no other test or tool sets, so the process-wide environment is not shared.
-        const NAME: &str = "MEGAINFER_TEST_ENV_COUNT_ONLY";
-        std::env::remove_var(NAME);
-        assert_eq!(env_count(NAME).unwrap(), None);
-        std::env::set_var(NAME, "8");
-        assert_eq!(env_count(NAME).unwrap(), Some(8));
-        for bad in ["0", "-1", "eight", ""] {
-            std::env::set_var(NAME, bad);
-            let err = env_count(NAME).unwrap_err().to_string();
-            assert!(
-                err.contains(NAME) && err.contains("not a positive count"),
-                "{bad}: {err}"
-            );
-        }
-        std::env::remove_var(NAME);
     }
 }
