@@ -1,6 +1,6 @@
 //! The GPU decode paths behind one type, for `run` and `bench`.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use super::baseline::{BaselinePath, Mode};
 use super::device::Gpu;
@@ -115,9 +115,16 @@ impl<'g> GpuPath<'g> {
                     qkv_pairs: super::switches::count("MEGAINFER_MK_QKV_PAIRS")?,
                     ..Default::default()
                 };
-                return Ok(Self::Megakernel(Box::new(MegakernelPath::bucketed(
-                    gpu, model, max_seq, &overrides,
-                )?)));
+                let path = MegakernelPath::bucketed(gpu, model, max_seq, &overrides);
+                // The scheduler names the option it refuses; say which variable set it.
+                let path = if overrides.attn_parts.is_some() || overrides.qkv_pairs.is_some() {
+                    path.context(
+                        "the megakernel's streams, with MEGAINFER_MK_ATTN_PARTS or MEGAINFER_MK_QKV_PAIRS set",
+                    )
+                } else {
+                    path
+                };
+                return Ok(Self::Megakernel(Box::new(path?)));
             }
             PathKind::GraphPdl => Mode::GraphPdl,
             PathKind::Graph => Mode::Graph,
