@@ -478,7 +478,9 @@ __device__ __forceinline__ void consumers_partial_sum(float v, float* ss) {
 
 // Copies n tagged values into shared memory as floats, every read of a thread's batch issued
 // before it waits on any of them.
+#ifndef COPY_MAX
 #define COPY_MAX 8
+#endif
 __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
     const int ct = threadIdx.x - 32;
     for (int i0 = 0; i0 < n; i0 += COPY_MAX * CONSUMERS) {

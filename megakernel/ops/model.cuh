@@ -15,12 +15,24 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
     return rsqrtf(t / p.hidden + p.eps);
 }
 
+// How many of the residual's sources (the attention residual and the down projection's
+// k-chunks) a thread reads at once: all four where there are four (Qwen3-4B and Qwen3-8B: one
+// round trip instead of two took Qwen3-4B from 3.335 to 3.230 ms), else three. Five at once
+// spill (local loads and stores on Llama-3.1-8B 25/31 -> 40/77 SASS instructions), and more
+// sources than four take as many groups at three as at four (Qwen2.5-7B: 0.4% slower at four).
+#ifndef MK_DOWN_CHUNKS
+#define MK_DOWN_CHUNKS 0
+#endif
+#define SOURCES_AT_ONCE (MK_DOWN_CHUNKS + 1 == 4 ? 4 : 3)
+
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
 // Its parts are read at once (one round trip, not one each) when there are few enough, else
 // RESID_GROUP at a time; summed in order either way.
 #define PREP_CHUNKS 2
-#define RESID_GROUP 3
+#ifndef RESID_GROUP
+#define RESID_GROUP SOURCES_AT_ONCE
+#endif
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return embed_at(p, token, i);
     const int l = layer - 1;
@@ -57,12 +69,14 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 // s·W(x·g)), so the tiles need not wait for the sum to be reduced.
 // The sources are the residual entering the layer and the down projection's k-chunk partial
 // sums. A thread takes PREP_MAX elements at a time (a round: PREP_MAX * CONSUMERS elements of
-// the vector) and PREP_SRC sources at a time, and issues every L2 load of a round's sources
+// the vector) and PREP_SRC sources at a time (a group), and issues every L2 load of a group
 // before it waits for any: one round trip for hidden sizes up to 2048 and three sources, where
-// a round trip per element would add up on the critical path of every layer (hidden 3072 and
-// 4096 take two rounds, four k-chunks two trips a round).
+// a round trip per element would add up on the critical path of every layer (hidden 2560 to
+// 4096 take two rounds; five or six sources two groups a round).
 #define PREP_MAX 8
-#define PREP_SRC 3
+#ifndef PREP_SRC
+#define PREP_SRC SOURCES_AT_ONCE
+#endif
 // For hidden sizes of one round: every load of the residual, up to PREP_CHUNKS partial
 // sums and g issued at once, a round trip per element past that (more k-chunks).
 __device__ __forceinline__ void prepare_normed_small(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,

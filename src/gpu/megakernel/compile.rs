@@ -31,6 +31,12 @@ pub(super) fn load(
     if down_cols != config.hidden_size && down_cols != config.q_dim() {
         defines.push(format!("-DMK_DOWN_COLS={down_cols}"));
     }
+    // The down projection's k-chunks: the residual entering a layer is read from as many
+    // partial sums (ops/model.cuh sizes its loads in flight by them).
+    if down_cols > 0 {
+        let chunks = config.intermediate_size.div_ceil(down_cols);
+        defines.push(format!("-DMK_DOWN_CHUNKS={chunks}"));
+    }
     // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
     // MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them overrides the choice.
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
