@@ -59,9 +59,14 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
     // normalises it. On hidden sizes over one round of prepare_normed that input is the
     // previous layer's residual and every down-projection chunk, read from L2 (5 x 4096 words
     // on Llama-3.1-8B) by each of the two to three QKV instructions an SM runs a layer:
-    // sharing it took Llama-3.1-8B from 5.69 to 5.30 ms. Smaller models compile it out: there
-    // it cost 0.3-1.6% (Llama-3.2-1B, SmolLM2), where the one-round read is cheap.
+    // sharing it took Llama-3.1-8B from 5.69 to 5.30 ms. Models read in one round compile it
+    // out: there it cost 0.3-1.6% (Llama-3.2-1B, SmolLM2) and 0.4% on Qwen3-4B (Llama-3.2-3B:
+    // 0.15% faster with it). MK_SHARE_NORMED=0|1 forces the choice, for measuring.
+#ifdef MK_SHARE_NORMED
+    constexpr bool share_normed = MK_SHARE_NORMED;
+#else
     constexpr bool share_normed = MK_HIDDEN > PREP_MAX * CONSUMERS;
+#endif
     u32 normed = ~0u;
     u64* draws = nullptr;
     for (const u32* wg = p.instrs + (size_t)p.sm_offsets[blockIdx.x] * MK_WORDS; wg < end; wg += MK_WORDS, buf ^= 1) {

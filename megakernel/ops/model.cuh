@@ -15,21 +15,35 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
     return rsqrtf(t / p.hidden + p.eps);
 }
 
-// How many of the residual's sources (the attention residual and the down projection's
-// k-chunks) a thread reads at once: all four where there are four (Qwen3-4B and Qwen3-8B: one
-// round trip instead of two took Qwen3-4B from 3.335 to 3.230 ms), else three. Five at once
-// spill (local loads and stores on Llama-3.1-8B 25/31 -> 40/77 SASS instructions), and more
-// sources than four take as many groups at three as at four (Qwen2.5-7B: 0.4% slower at four).
+// How the residual entering a layer is read (resid_in, prepare_normed): its sources are the
+// attention residual and the down projection's MK_DOWN_CHUNKS k-chunks (the schedule's; 0 if
+// not given), and every group of loads a thread waits for is a dependent L2 round trip, about
+// 1 µs while every SM streams (measured on the H100: BENCHMARKS.md, c1f090b and after).
+// - One round: a thread holds PREP_MAX elements of every source in flight at once. Hidden
+//   sizes up to 2048 take 8 a thread; larger ones take their whole share (ceil(hidden / 256))
+//   when that is at most 40 loads with every source (Llama-3.2-3B 12 x 3, Qwen3-4B 10 x 4:
+//   2.478 -> 2.436 and 3.236 -> 3.141 ms against two rounds); more spills (Qwen3-8B's 16 x 4:
+//   local stores / loads 37 / 73 -> 207 / 334 SASS instructions).
+// - Otherwise rounds of 8 elements, SOURCES_AT_ONCE sources a group: all four where there are
+//   four (Qwen3-8B: 5.371 -> 5.304 ms against 3 + 1), else three. Five at once spill, and five
+//   or six sources take two groups at three or at four (Qwen2.5-7B: 0.4% slower at four).
 #ifndef MK_DOWN_CHUNKS
 #define MK_DOWN_CHUNKS 0
 #endif
 #define SOURCES_AT_ONCE (MK_DOWN_CHUNKS + 1 == 4 ? 4 : 3)
+#define PREP_SHARE ((MK_HIDDEN + CONSUMERS - 1) / CONSUMERS)
+#define PREP_WHOLE (MK_HIDDEN > 8 * CONSUMERS && MK_DOWN_CHUNKS > 0 && PREP_SHARE * (MK_DOWN_CHUNKS + 1) <= 40)
+#ifndef PREP_MAX
+#define PREP_MAX (PREP_WHOLE ? PREP_SHARE : 8)
+#endif
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
-// Its parts are read at once (one round trip, not one each) when there are few enough, else
-// RESID_GROUP at a time; summed in order either way.
-#define PREP_CHUNKS 2
+// Its parts are read at once (one round trip, not one each) when there are at most
+// PREP_CHUNKS k-chunks, else RESID_GROUP at a time; summed in order either way.
+#ifndef PREP_CHUNKS
+#define PREP_CHUNKS (PREP_WHOLE && MK_DOWN_CHUNKS > 2 ? MK_DOWN_CHUNKS : 2)
+#endif
 #ifndef RESID_GROUP
 #define RESID_GROUP SOURCES_AT_ONCE
 #endif
@@ -70,10 +84,7 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 // The sources are the residual entering the layer and the down projection's k-chunk partial
 // sums. A thread takes PREP_MAX elements at a time (a round: PREP_MAX * CONSUMERS elements of
 // the vector) and PREP_SRC sources at a time (a group), and issues every L2 load of a group
-// before it waits for any: one round trip for hidden sizes up to 2048 and three sources, where
-// a round trip per element would add up on the critical path of every layer (hidden 2560 to
-// 4096 take two rounds; five or six sources two groups a round).
-#define PREP_MAX 8
+// before it waits for any (see MK_DOWN_CHUNKS above for the sizes).
 #ifndef PREP_SRC
 #define PREP_SRC SOURCES_AT_ONCE
 #endif
