@@ -164,6 +164,38 @@ __device__ __forceinline__ void prepare_normed_rounds(const MkParams& p, int lay
         return base ? (s == 0 ? base : parts + (size_t)(s - 1) * p.hidden) : parts + (size_t)s * p.hidden;
     };
     float sq = 0.f;
+    // One source (up-gate's attention residual; layer 0's QKV reads only the embedding): a
+    // thread's whole share at once, one round trip rather than one a round. Measured on the
+    // H100 (BENCHMARKS.md, against rounds): Qwen2.5-7B 5.440 -> 5.369 ms, Llama-3.1-8B 5.242
+    // -> 5.217; Qwen3-8B, whose four-source groups already hold 32 loads, 5.302 -> 5.319
+    // (local loads and stores 19 / 23 -> 21 / 27), so not there.
+#ifndef PREP_ONE_SOURCE
+#define PREP_ONE_SOURCE (PREP_SHARE <= 16 && SOURCES_AT_ONCE == 3)
+#endif
+#if PREP_ONE_SOURCE
+    if (nsrc <= 1) {
+        u64 raw[PREP_SHARE];
+        float gw[PREP_SHARE], v[PREP_SHARE];
+        const int mine = p.hidden > ct ? (p.hidden - ct + CONSUMERS - 1) / CONSUMERS : 0;
+#pragma unroll
+        for (int k = 0; k < PREP_SHARE; k++) {
+            const int i = ct + k * CONSUMERS;
+            v[k] = k < mine && !base ? embed_at(p, token, i) : 0.f;
+            gw[k] = k < mine ? bf16_to_f32(g[i]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < PREP_SHARE; k++) raw[k] = k < mine && base ? ld_tagged(base + ct + k * CONSUMERS) : 0;
+        if (base) settle<PREP_SHARE>(p, raw, [&](int k) { return base + ct + k * CONSUMERS; }, mine);
+#pragma unroll
+        for (int k = 0; k < PREP_SHARE; k++) {
+            if (k < mine && base) v[k] = tagged_float(raw[k]);
+            sq += v[k] * v[k];
+            if (k < mine) xs[ct + k * CONSUMERS] = v[k] * gw[k];
+        }
+        consumers_partial_sum(sq, ss);
+        return;
+    }
+#endif
     for (int first = ct; first - ct < p.hidden; first += PREP_MAX * CONSUMERS) {
         const int mine = p.hidden > first ? min(PREP_MAX, (p.hidden - first + CONSUMERS - 1) / CONSUMERS) : 0;
         float gw[PREP_MAX], v[PREP_MAX];
