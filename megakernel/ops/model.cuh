@@ -36,6 +36,14 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 #ifndef PREP_MAX
 #define PREP_MAX (PREP_WHOLE ? PREP_SHARE : 8)
 #endif
+// - In rounds, a single source (up-gate's attention residual; layer 0's QKV reads only the
+//   embedding) is still read in one trip, a thread's whole share at once: Qwen2.5-7B 5.440 ->
+//   5.369 ms, Llama-3.1-8B 5.242 -> 5.217 against a trip a round. Not where the groups are of
+//   four (Qwen3-8B, whose groups already hold 32 loads: 5.302 -> 5.319, local loads and
+//   stores 19 / 23 -> 21 / 27).
+#ifndef PREP_ONE_SOURCE
+#define PREP_ONE_SOURCE (PREP_SHARE <= 16 && SOURCES_AT_ONCE == 3)
+#endif
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
@@ -164,14 +172,6 @@ __device__ __forceinline__ void prepare_normed_rounds(const MkParams& p, int lay
         return base ? (s == 0 ? base : parts + (size_t)(s - 1) * p.hidden) : parts + (size_t)s * p.hidden;
     };
     float sq = 0.f;
-    // One source (up-gate's attention residual; layer 0's QKV reads only the embedding): a
-    // thread's whole share at once, one round trip rather than one a round. Measured on the
-    // H100 (BENCHMARKS.md, against rounds): Qwen2.5-7B 5.440 -> 5.369 ms, Llama-3.1-8B 5.242
-    // -> 5.217; Qwen3-8B, whose four-source groups already hold 32 loads, 5.302 -> 5.319
-    // (local loads and stores 19 / 23 -> 21 / 27), so not there.
-#ifndef PREP_ONE_SOURCE
-#define PREP_ONE_SOURCE (PREP_SHARE <= 16 && SOURCES_AT_ONCE == 3)
-#endif
 #if PREP_ONE_SOURCE
     if (nsrc <= 1) {
         u64 raw[PREP_SHARE];
