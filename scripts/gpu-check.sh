@@ -101,6 +101,8 @@ fi
 # BENCH=presets (not in BENCH=1): every preset on the megakernel, graph + PDL and graph.
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
+# BENCH=timeline (not in BENCH=1): a profiled step's per-instruction table and a layer's
+#   critical path (scripts/timeline.py) for each preset of TIMELINE_PRESETS.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
@@ -191,16 +193,33 @@ if [ "${BENCH:-0}" != 0 ]; then
       for p in megakernel graph-pdl graph; do echo "presets $preset: $(row "$log" "$p")"; done
     done
   fi
+  if [[ ",${BENCH:-}," == *",timeline,"* ]]; then
+    # Where a layer's time goes: each preset of TIMELINE_PRESETS profiled (`bench --profile
+    # --timeline`, 20 new tokens), its per-instruction table and scripts/timeline.py's
+    # critical path.
+    for preset in ${TIMELINE_PRESETS:-llama-3.2-1b}; do
+      log="$OUT/bench-timeline-$preset.log"
+      "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len 32 --gen 20 --reps 1 --paths megakernel \
+        --profile --timeline "$OUT/timeline-$preset.csv" > "$log" 2>&1
+      echo "timeline $preset:"
+      grep -E "^\| (megakernel|Rms|Attention|AttnReduce|OProj|Down)" "$log"
+      if [ -f "$OUT/timeline-$preset.csv" ]; then python3 scripts/timeline.py "$OUT/timeline-$preset.csv"
+      else echo "  no timeline written; the end of $log:"; tail -3 "$log"; fi
+    done
+  fi
   if [[ ",${BENCH:-}," == *",defines,"* ]]; then
     # Megakernel variants of this build: each entry of DEFINES (separated by ';', an empty
     # entry is the default build) as MEGAINFER_MK_DEFINES on each PRESET:PROMPT of
     # DEFINES_CASES (64 new tokens), DEFINES_ROUNDS rounds (default 2).
+    # Logs are named by the variant's index (v0 is the first entry): a file name holding '=' or
+    # spaces may not come back from the GPU machine.
     IFS=';' read -r -a variants <<< "${DEFINES:-}"
     for round in $(seq "${DEFINES_ROUNDS:-2}"); do
       for spec in ${DEFINES_CASES:-llama-3.2-1b:8127}; do
         preset=${spec%%:*}; len=${spec##*:}
-        for v in "${variants[@]}"; do
-          log="$OUT/bench-defines-$preset-$len-$(echo "$v" | tr -c 'A-Za-z0-9_=\n' _)-$round.log"
+        for i in "${!variants[@]}"; do
+          v=${variants[$i]}
+          log="$OUT/bench-defines-$preset-$len-v$i-$round.log"
           MEGAINFER_MK_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len "$len" \
             --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
           echo "defines $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
