@@ -119,6 +119,7 @@ pub struct MegakernelPath<'g> {
 struct KernelBuild {
     formats: sources::MatrixFormats,
     down_cols: usize,
+    down_chunks: usize,
     /// Per variant: attention by warps.
     by_warps: Vec<bool>,
     /// The static shared memory the layout left room for.
@@ -302,7 +303,8 @@ impl<'g> MegakernelPath<'g> {
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
-                let (module, kernel) = compile::load(gpu, c, &formats, down_cols, w, false)?;
+                let (module, kernel) =
+                    compile::load(gpu, c, &formats, down_cols, chunks, w, false)?;
                 kernels.push((w, module, kernel));
             }
         }
@@ -436,6 +438,7 @@ impl<'g> MegakernelPath<'g> {
             kernel_build: KernelBuild {
                 formats,
                 down_cols,
+                down_chunks: chunks,
                 by_warps: kernels.iter().map(|k| k.0).collect(),
                 static_smem,
             },
@@ -848,6 +851,7 @@ impl<'g> MegakernelPath<'g> {
                 &self.model.config,
                 &b.formats,
                 b.down_cols,
+                b.down_chunks,
                 b.by_warps[i],
                 true,
             )?;

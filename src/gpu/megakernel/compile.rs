@@ -14,12 +14,14 @@ use crate::gpu::sources;
 /// The megakernel compiled (or taken from the disk cache) for `config` and its matrices'
 /// `formats` on `gpu`, its attention by warps where the shape allows it (`attn_by_warps`) or by
 /// rounds, with the draw inside the launch (`sampled`) or the greedy argmax only. `down_cols`: the schedule's down-projection chunk width, whose rows then get the
-/// tiles' loop for a known length (as the model's dimensions do).
+/// tiles' loop for a known length (as the model's dimensions do); `down_chunks`: its k-chunk
+/// count.
 pub(super) fn load(
     gpu: &Gpu,
     config: &crate::model::Config,
     formats: &sources::MatrixFormats,
     down_cols: usize,
+    down_chunks: usize,
     attn_by_warps: bool,
     sampled: bool,
 ) -> Result<(Arc<CudaModule>, Kernel)> {
@@ -31,12 +33,9 @@ pub(super) fn load(
     if down_cols != config.hidden_size && down_cols != config.q_dim() {
         defines.push(format!("-DMK_DOWN_COLS={down_cols}"));
     }
-    // The down projection's k-chunks: the residual entering a layer is read from as many
-    // partial sums (ops/model.cuh sizes its loads in flight by them).
-    if down_cols > 0 {
-        let chunks = config.intermediate_size.div_ceil(down_cols);
-        defines.push(format!("-DMK_DOWN_CHUNKS={chunks}"));
-    }
+    // The residual entering a layer is read from as many partial sums (ops/model.cuh sizes its
+    // loads in flight by them).
+    defines.push(format!("-DMK_DOWN_CHUNKS={down_chunks}"));
     // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
     // MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them overrides the choice.
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
