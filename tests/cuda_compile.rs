@@ -68,6 +68,44 @@ fn megakernel_compiles_for_sm90a() {
     }
 }
 
+/// The megakernel as `run` and `bench` compile it (`kernel_defines`) for the presets of hidden
+/// size over 2048, on an H100's schedule: the residual entering a layer read in one round
+/// (Llama-3.2-3B, Qwen3-4B), in rounds with groups of four sources (Qwen3-8B) and of three
+/// with up-gate's input in one trip (Qwen2.5-7B, Llama-3.1-8B). Only a GPU with these shapes
+/// would compile them otherwise.
+#[test]
+fn megakernel_compiles_for_the_wider_presets() {
+    use megainfer::gpu::megakernel::{
+        down_chunk_cols, kernel_defines, megakernel_gpu_shape, megakernel_schedule,
+    };
+    require_nvrtc();
+    for name in [
+        "llama-3.2-3b",
+        "qwen3-4b",
+        "qwen3-8b",
+        "qwen2.5-7b",
+        "llama-3.1-8b",
+    ] {
+        let cfg = presets::by_name(name).unwrap();
+        let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
+        let cost = scheduler::CostModel::megakernel(64);
+        let sched = megakernel_schedule(&cfg, &shape, &cost, &Default::default()).unwrap();
+        let chunks = sched.options.down_chunks;
+        let formats = sources::MatrixFormats::default();
+        let defines = kernel_defines(
+            &cfg,
+            &formats,
+            down_chunk_cols(&sched),
+            chunks,
+            false,
+            false,
+            "",
+        );
+        let what = format!(" ({name}, {chunks} k-chunks)");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
 /// The megakernel as compute-sanitizer's racecheck runs it (scripts/gpu-check.sh, SANITIZE=1):
 /// the current-instruction word as atomics, every reader's own page release, line numbers.
 #[test]

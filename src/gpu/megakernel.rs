@@ -30,6 +30,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
+pub use compile::defines as kernel_defines;
 pub use launch::{MAX_EPOCH, MAX_STOP_TOKENS};
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
@@ -229,9 +230,7 @@ impl<'g> MegakernelPath<'g> {
             );
         }
         let mut max_cols = c.hidden_size.max(c.q_dim());
-        // The first bucket's first down-projection chunk width (the chunks are equal but for
-        // an intermediate size the count does not divide).
-        let mut down_cols = 0;
+        let down_cols = down_chunk_cols(first);
         let mut encoded = Vec::new();
         for &(upto, schedule) in buckets {
             let enc = schedule.encode();
@@ -258,9 +257,6 @@ impl<'g> MegakernelPath<'g> {
                             bail!("schedule: {op:?} cuts the quantised down projection's 32-column blocks (choose down_chunks so that intermediate / down_chunks is a multiple of 32)");
                         }
                         max_cols = max_cols.max(col_count as usize);
-                        if down_cols == 0 {
-                            down_cols = col_count as usize;
-                        }
                         row_count as usize
                     }
                     _ => 0,
@@ -788,6 +784,21 @@ pub fn megakernel_gpu_shape(
         .unwrap_or(0),
         page_bytes: PAGE_BYTES,
     }
+}
+
+/// The down-projection chunk width the kernel is compiled for ([`kernel_defines`]): the first
+/// `DownProjPartial`'s in the schedule's streams (the chunks are equal but for an intermediate
+/// size the count does not divide); 0 without one.
+pub fn down_chunk_cols(schedule: &Schedule) -> usize {
+    schedule
+        .streams
+        .iter()
+        .flatten()
+        .find_map(|&k| match schedule.instrs[k as usize] {
+            Op::DownProjPartial { col_count, .. } => Some(col_count as usize),
+            _ => None,
+        })
+        .unwrap_or(0)
 }
 
 /// A schedule of the megakernel for `config` on a GPU of shape `gpu` with `cost`, granularity

@@ -11,20 +11,22 @@ use crate::gpu::device::Gpu;
 use crate::gpu::launch::Kernel;
 use crate::gpu::sources;
 
-/// The megakernel compiled (or taken from the disk cache) for `config` and its matrices'
-/// `formats` on `gpu`, its attention by warps where the shape allows it (`attn_by_warps`) or by
-/// rounds, with the draw inside the launch (`sampled`) or the greedy argmax only. `down_cols`: the schedule's down-projection chunk width, whose rows then get the
-/// tiles' loop for a known length (as the model's dimensions do); `down_chunks`: its k-chunk
-/// count.
-pub(super) fn load(
-    gpu: &Gpu,
+/// The NVRTC options the megakernel is compiled with for `config` and its matrices' `formats`:
+/// its attention by warps (`attn_by_warps`) or by rounds, with the draw inside the launch
+/// (`sampled`) or the greedy argmax only, specialised on the schedule's down-projection chunk
+/// width (`down_cols`, whose rows then get the tiles' loop for a known length, as the model's
+/// dimensions do) and k-chunk count (`down_chunks`). `extra`: further options for measuring
+/// variants (`MEGAINFER_MK_DEFINES`, e.g. `-DMK_INFLIGHT_STREAM=3`), added last; an
+/// MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice.
+pub fn defines(
     config: &crate::model::Config,
     formats: &sources::MatrixFormats,
     down_cols: usize,
     down_chunks: usize,
     attn_by_warps: bool,
     sampled: bool,
-) -> Result<(Arc<CudaModule>, Kernel)> {
+    extra: &str,
+) -> Vec<String> {
     let mut defines = sources::megakernel_defines(config);
     defines.extend(formats.defines());
     // The draw inside the launch (ops/sample.cuh) is compiled only into the kernel that
@@ -36,9 +38,6 @@ pub(super) fn load(
     // The residual entering a layer is read from as many partial sums (ops/model.cuh sizes its
     // loads in flight by them).
     defines.push(format!("-DMK_DOWN_CHUNKS={down_chunks}"));
-    // Extra NVRTC options (e.g. `-DMK_INFLIGHT_STREAM=3`), for measuring variants; an
-    // MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them overrides the choice.
-    let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
     if !extra.contains("MK_ATT_BY_WARPS") {
         defines.push(format!("-DMK_ATT_BY_WARPS={}", u8::from(attn_by_warps)));
     }
@@ -46,6 +45,30 @@ pub(super) fn load(
         defines.extend(sources::stream_bound(config, formats));
     }
     defines.extend(extra.split_whitespace().map(String::from));
+    defines
+}
+
+/// The megakernel compiled (or taken from the disk cache) for [`defines`] with
+/// `MEGAINFER_MK_DEFINES` as the extra options, loaded on `gpu`.
+pub(super) fn load(
+    gpu: &Gpu,
+    config: &crate::model::Config,
+    formats: &sources::MatrixFormats,
+    down_cols: usize,
+    down_chunks: usize,
+    attn_by_warps: bool,
+    sampled: bool,
+) -> Result<(Arc<CudaModule>, Kernel)> {
+    let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
+    let defines = defines(
+        config,
+        formats,
+        down_cols,
+        down_chunks,
+        attn_by_warps,
+        sampled,
+        &extra,
+    );
     let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
     let module = gpu
         .ctx
