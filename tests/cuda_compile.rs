@@ -75,9 +75,6 @@ fn megakernel_compiles_for_sm90a() {
 /// would compile them otherwise.
 #[test]
 fn megakernel_compiles_for_the_wider_presets() {
-    use megainfer::gpu::megakernel::{
-        down_chunk_cols, kernel_defines, megakernel_gpu_shape, megakernel_schedule,
-    };
     require_nvrtc();
     for name in [
         "llama-3.2-3b",
@@ -86,24 +83,40 @@ fn megakernel_compiles_for_the_wider_presets() {
         "qwen2.5-7b",
         "llama-3.1-8b",
     ] {
-        let cfg = presets::by_name(name).unwrap();
-        let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
-        let cost = scheduler::CostModel::megakernel(64);
-        let sched = megakernel_schedule(&cfg, &shape, &cost, &Default::default()).unwrap();
-        let chunks = sched.options.down_chunks;
-        let formats = sources::MatrixFormats::default();
-        let defines = kernel_defines(
-            &cfg,
-            &formats,
-            down_chunk_cols(&sched),
-            chunks,
-            false,
-            false,
-            "",
-        );
+        let (defines, chunks) = preset_kernel_defines(name, false);
         let what = format!(" ({name}, {chunks} k-chunks)");
         assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
     }
+}
+
+/// The kernel variant sampled launches run with the draw inside the launch (`MK_SAMPLING=1`,
+/// ops/sample.cuh), which only a sampled GPU run would compile otherwise: the default model's
+/// shape, Llama-1B's vocabulary and a wider preset.
+#[test]
+fn megakernel_sampled_variant_compiles() {
+    require_nvrtc();
+    for name in ["smollm2-135m", "llama-3.2-1b", "qwen3-4b"] {
+        let (defines, _) = preset_kernel_defines(name, true);
+        let what = format!(" ({name}, MK_SAMPLING=1)");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
+/// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
+/// H100's schedule, attention by rounds, and the schedule's k-chunk count.
+fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
+    use megainfer::gpu::megakernel::{
+        down_chunk_cols, kernel_defines, megakernel_gpu_shape, megakernel_schedule,
+    };
+    let cfg = presets::by_name(name).unwrap();
+    let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
+    let cost = scheduler::CostModel::megakernel(64);
+    let sched = megakernel_schedule(&cfg, &shape, &cost, &Default::default()).unwrap();
+    let chunks = sched.options.down_chunks;
+    let formats = sources::MatrixFormats::default();
+    let cols = down_chunk_cols(&sched);
+    let defines = kernel_defines(&cfg, &formats, cols, chunks, false, sampled, "");
+    (defines, chunks)
 }
 
 /// The megakernel as compute-sanitizer's racecheck runs it (scripts/gpu-check.sh, SANITIZE=1):
