@@ -106,17 +106,21 @@ fn megakernel_sampled_variant_compiles() {
 /// H100's schedule, attention by rounds, and the schedule's k-chunk count.
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
     use megainfer::gpu::megakernel::{
-        down_chunk_cols, kernel_defines, megakernel_gpu_shape, megakernel_schedule,
+        down_chunk_cols, kernel_defines, megakernel_gpu_shape, megakernel_schedule, KernelSpec,
     };
     let cfg = presets::by_name(name).unwrap();
     let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
     let cost = scheduler::CostModel::megakernel(64);
     let sched = megakernel_schedule(&cfg, &shape, &cost, &Default::default()).unwrap();
     let chunks = sched.options.down_chunks;
-    let formats = sources::MatrixFormats::default();
-    let cols = down_chunk_cols(&sched);
-    let defines = kernel_defines(&cfg, &formats, cols, chunks, false, sampled, "");
-    (defines, chunks)
+    let spec = KernelSpec {
+        formats: sources::MatrixFormats::default(),
+        down_cols: down_chunk_cols(&sched),
+        down_chunks: chunks,
+        attn_by_warps: false,
+        sampled,
+    };
+    (kernel_defines(&cfg, &spec, ""), chunks)
 }
 
 /// The megakernel as compute-sanitizer's racecheck runs it (scripts/gpu-check.sh, SANITIZE=1):

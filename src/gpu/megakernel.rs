@@ -30,7 +30,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
-pub use compile::defines as kernel_defines;
+pub use compile::{defines as kernel_defines, KernelSpec};
 pub use launch::{MAX_EPOCH, MAX_STOP_TOKENS};
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
@@ -299,8 +299,14 @@ impl<'g> MegakernelPath<'g> {
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
-                let (module, kernel) =
-                    compile::load(gpu, c, &formats, down_cols, chunks, w, false)?;
+                let spec = KernelSpec {
+                    formats,
+                    down_cols,
+                    down_chunks: chunks,
+                    attn_by_warps: w,
+                    sampled: false,
+                };
+                let (module, kernel) = compile::load(gpu, c, &spec)?;
                 kernels.push((w, module, kernel));
             }
         }
@@ -857,15 +863,14 @@ impl<'g> MegakernelPath<'g> {
             if slot.is_some() {
                 continue;
             }
-            let (module, kernel) = compile::load(
-                self.gpu,
-                &self.model.config,
-                &b.formats,
-                b.down_cols,
-                b.down_chunks,
-                b.by_warps[i],
-                true,
-            )?;
+            let spec = KernelSpec {
+                formats: b.formats,
+                down_cols: b.down_cols,
+                down_chunks: b.down_chunks,
+                attn_by_warps: b.by_warps[i],
+                sampled: true,
+            };
+            let (module, kernel) = compile::load(self.gpu, &self.model.config, &spec)?;
             if kernel.static_smem()? > b.static_smem {
                 bail!("megakernel: the sampled variant needs more static shared memory than was planned");
             }

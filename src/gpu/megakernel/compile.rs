@@ -11,38 +11,43 @@ use crate::gpu::device::Gpu;
 use crate::gpu::launch::Kernel;
 use crate::gpu::sources;
 
-/// The NVRTC options the megakernel is compiled with for `config` and its matrices' `formats`:
-/// its attention by warps (`attn_by_warps`) or by rounds, with the draw inside the launch
-/// (`sampled`) or the greedy argmax only, specialised on the schedule's down-projection chunk
-/// width (`down_cols`, whose rows then get the tiles' loop for a known length, as the model's
-/// dimensions do) and k-chunk count (`down_chunks`). `extra`: further options for measuring
-/// variants (`MEGAINFER_MK_DEFINES`, e.g. `-DMK_INFLIGHT_STREAM=3`), added last; an
-/// MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice.
-pub fn defines(
-    config: &crate::model::Config,
-    formats: &sources::MatrixFormats,
-    down_cols: usize,
-    down_chunks: usize,
-    attn_by_warps: bool,
-    sampled: bool,
-    extra: &str,
-) -> Vec<String> {
+/// What one megakernel binary is specialised on besides the model's dimensions: its matrices'
+/// `formats`, the schedule's down-projection chunk width (`down_cols`, whose rows then get the
+/// tiles' loop for a known length, as the model's dimensions do) and k-chunk count
+/// (`down_chunks`), attention by warps (`attn_by_warps`) or by rounds, and the draw inside the
+/// launch (`sampled`) or the greedy argmax only.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSpec {
+    pub formats: sources::MatrixFormats,
+    pub down_cols: usize,
+    pub down_chunks: usize,
+    pub attn_by_warps: bool,
+    pub sampled: bool,
+}
+
+/// The NVRTC options the megakernel is compiled with for `config` and `spec`. `extra`: further
+/// options for measuring variants (`MEGAINFER_MK_DEFINES`, e.g. `-DMK_INFLIGHT_STREAM=3`),
+/// added last; an MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice.
+pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) -> Vec<String> {
     let mut defines = sources::megakernel_defines(config);
-    defines.extend(formats.defines());
+    defines.extend(spec.formats.defines());
     // The draw inside the launch (ops/sample.cuh) is compiled only into the kernel that
     // sampled launches run: its calls cost the greedy kernel's loop spilled registers.
-    defines.push(format!("-DMK_SAMPLING={}", u8::from(sampled)));
-    if down_cols != config.hidden_size && down_cols != config.q_dim() {
-        defines.push(format!("-DMK_DOWN_COLS={down_cols}"));
+    defines.push(format!("-DMK_SAMPLING={}", u8::from(spec.sampled)));
+    if spec.down_cols != config.hidden_size && spec.down_cols != config.q_dim() {
+        defines.push(format!("-DMK_DOWN_COLS={}", spec.down_cols));
     }
     // The residual entering a layer is read from as many partial sums (ops/model.cuh sizes its
     // loads in flight by them).
-    defines.push(format!("-DMK_DOWN_CHUNKS={down_chunks}"));
+    defines.push(format!("-DMK_DOWN_CHUNKS={}", spec.down_chunks));
     if !extra.contains("MK_ATT_BY_WARPS") {
-        defines.push(format!("-DMK_ATT_BY_WARPS={}", u8::from(attn_by_warps)));
+        defines.push(format!(
+            "-DMK_ATT_BY_WARPS={}",
+            u8::from(spec.attn_by_warps)
+        ));
     }
     if !extra.contains("MK_INFLIGHT_STREAM") {
-        defines.extend(sources::stream_bound(config, formats));
+        defines.extend(sources::stream_bound(config, &spec.formats));
     }
     defines.extend(extra.split_whitespace().map(String::from));
     defines
@@ -53,22 +58,10 @@ pub fn defines(
 pub(super) fn load(
     gpu: &Gpu,
     config: &crate::model::Config,
-    formats: &sources::MatrixFormats,
-    down_cols: usize,
-    down_chunks: usize,
-    attn_by_warps: bool,
-    sampled: bool,
+    spec: &KernelSpec,
 ) -> Result<(Arc<CudaModule>, Kernel)> {
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
-    let defines = defines(
-        config,
-        formats,
-        down_cols,
-        down_chunks,
-        attn_by_warps,
-        sampled,
-        &extra,
-    );
+    let defines = defines(config, spec, &extra);
     let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
     let module = gpu
         .ctx
