@@ -70,3 +70,58 @@ pub(super) fn load(
     let kernel = Kernel::load(&module, "megakernel")?;
     Ok((module, kernel))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{defines, KernelSpec};
+
+    fn spec(sampled: bool) -> KernelSpec {
+        KernelSpec {
+            formats: Default::default(),
+            down_cols: 1536,
+            down_chunks: 1,
+            attn_by_warps: true,
+            sampled,
+        }
+    }
+
+    #[test]
+    fn the_spec_reaches_the_options_and_extras_replace_the_choices() {
+        let cfg = crate::model::presets::by_name("smollm2-135m").unwrap();
+        let d = defines(&cfg, &spec(false), "");
+        for want in [
+            "-DMK_SAMPLING=0",
+            "-DMK_DOWN_CHUNKS=1",
+            "-DMK_ATT_BY_WARPS=1",
+        ] {
+            assert!(d.iter().any(|x| x == want), "{want} missing from {d:?}");
+        }
+        // A chunk width the model's dimensions do not already give is passed; hidden (576) is not.
+        assert!(d.iter().any(|x| x == "-DMK_DOWN_COLS=1536"));
+        let hidden_wide = KernelSpec {
+            down_cols: 576,
+            ..spec(false)
+        };
+        let d = defines(&cfg, &hidden_wide, "");
+        assert!(!d.iter().any(|x| x.starts_with("-DMK_DOWN_COLS")));
+        let d = defines(
+            &cfg,
+            &spec(true),
+            "-DMK_ATT_BY_WARPS=0 -DMK_INFLIGHT_STREAM=3",
+        );
+        assert!(d.iter().any(|x| x == "-DMK_SAMPLING=1"));
+        assert_eq!(
+            d.iter()
+                .filter(|x| x.starts_with("-DMK_ATT_BY_WARPS"))
+                .count(),
+            1
+        );
+        assert_eq!(d.last().map(String::as_str), Some("-DMK_INFLIGHT_STREAM=3"));
+        assert_eq!(
+            d.iter()
+                .filter(|x| x.starts_with("-DMK_INFLIGHT_STREAM"))
+                .count(),
+            1
+        );
+    }
+}
