@@ -24,13 +24,15 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 //   when that is at most 40 loads with every source (Llama-3.2-3B 12 x 3, Qwen3-4B 10 x 4:
 //   2.478 -> 2.436 and 3.236 -> 3.141 ms against two rounds); more spills (Qwen3-8B's 16 x 4:
 //   local stores / loads 37 / 73 -> 207 / 334 SASS instructions).
-// - Otherwise rounds of 8 elements, SOURCES_AT_ONCE sources a group: all four where there are
+// - Otherwise rounds of 8 elements, PREP_SRC sources a group: all four where there are
 //   four (Qwen3-8B: 5.371 -> 5.304 ms against 3 + 1), else three. Five at once spill, and five
 //   or six sources take two groups at three or at four (Qwen2.5-7B: 0.4% slower at four).
 #ifndef MK_DOWN_CHUNKS
 #define MK_DOWN_CHUNKS 0
 #endif
-#define SOURCES_AT_ONCE (MK_DOWN_CHUNKS + 1 == 4 ? 4 : 3)
+#ifndef PREP_SRC
+#define PREP_SRC (MK_DOWN_CHUNKS + 1 == 4 ? 4 : 3)
+#endif
 #define PREP_SHARE ((MK_HIDDEN + CONSUMERS - 1) / CONSUMERS)
 #define PREP_WHOLE (MK_HIDDEN > 8 * CONSUMERS && MK_DOWN_CHUNKS > 0 && PREP_SHARE * (MK_DOWN_CHUNKS + 1) <= 40)
 #ifndef PREP_MAX
@@ -42,18 +44,15 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 //   four (Qwen3-8B, whose groups already hold 32 loads: 5.302 -> 5.319, local loads and
 //   stores 19 / 23 -> 21 / 27).
 #ifndef PREP_ONE_SOURCE
-#define PREP_ONE_SOURCE (PREP_SHARE <= 16 && SOURCES_AT_ONCE == 3)
+#define PREP_ONE_SOURCE (PREP_SHARE <= 16 && PREP_SRC == 3)
 #endif
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
 // attention residual plus its down-projection partial sums (each written once per token).
 // Its parts are read at once (one round trip, not one each) when there are at most
-// PREP_CHUNKS k-chunks, else RESID_GROUP at a time; summed in order either way.
+// PREP_CHUNKS k-chunks, else PREP_SRC at a time; summed in order either way.
 #ifndef PREP_CHUNKS
 #define PREP_CHUNKS (PREP_WHOLE && MK_DOWN_CHUNKS > 2 ? MK_DOWN_CHUNKS : 2)
-#endif
-#ifndef RESID_GROUP
-#define RESID_GROUP SOURCES_AT_ONCE
 #endif
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return embed_at(p, token, i);
@@ -73,14 +72,14 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
         return v;
     }
     float v = 0.f;
-    for (int k0 = 0; k0 <= p.chunks; k0 += RESID_GROUP) {
-        const int n = min(RESID_GROUP, p.chunks + 1 - k0);
-        u64 raw[RESID_GROUP];
+    for (int k0 = 0; k0 <= p.chunks; k0 += PREP_SRC) {
+        const int n = min(PREP_SRC, p.chunks + 1 - k0);
+        u64 raw[PREP_SRC];
 #pragma unroll
-        for (int k = 0; k < RESID_GROUP; k++) raw[k] = k < n ? ld_tagged(addr(k0 + k)) : 0;
-        settle<RESID_GROUP>(p, raw, [&](int k) { return addr(k0 + k); }, n);
+        for (int k = 0; k < PREP_SRC; k++) raw[k] = k < n ? ld_tagged(addr(k0 + k)) : 0;
+        settle<PREP_SRC>(p, raw, [&](int k) { return addr(k0 + k); }, n);
 #pragma unroll
-        for (int k = 0; k < RESID_GROUP; k++)
+        for (int k = 0; k < PREP_SRC; k++)
             if (k < n) v += tagged_float(raw[k]);
     }
     return v;
@@ -93,9 +92,6 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 // sums. A thread takes PREP_MAX elements at a time (a round: PREP_MAX * CONSUMERS elements of
 // the vector) and PREP_SRC sources at a time (a group), and issues every L2 load of a group
 // before it waits for any (see MK_DOWN_CHUNKS above for the sizes).
-#ifndef PREP_SRC
-#define PREP_SRC SOURCES_AT_ONCE
-#endif
 // For hidden sizes of one round: every load of the residual, up to PREP_CHUNKS partial
 // sums and g issued at once, a round trip per element past that (more k-chunks).
 __device__ __forceinline__ void prepare_normed_small(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,

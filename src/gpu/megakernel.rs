@@ -17,7 +17,6 @@ use scheduler::{ArenaLayout, Op, Schedule};
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
-use super::sources;
 use super::stepping::{self, GenerationRun, Sequence, Steps};
 use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
@@ -118,9 +117,8 @@ pub struct MegakernelPath<'g> {
 
 /// What compiling the interpreter's variants took, for the sampled ones made later.
 struct KernelBuild {
-    formats: sources::MatrixFormats,
-    down_cols: usize,
-    down_chunks: usize,
+    /// The greedy kernels' specialisation (attention as in `by_warps`).
+    spec: KernelSpec,
     /// Per variant: attention by warps.
     by_warps: Vec<bool>,
     /// The static shared memory the layout left room for.
@@ -297,14 +295,18 @@ impl<'g> MegakernelPath<'g> {
             .map(|(_, schedule, ..)| schedule.options.attn_parts > 1)
             .collect();
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
+        let spec = KernelSpec {
+            formats,
+            down_cols,
+            down_chunks: chunks,
+            attn_by_warps: false,
+            sampled: false,
+        };
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
                 let spec = KernelSpec {
-                    formats,
-                    down_cols,
-                    down_chunks: chunks,
                     attn_by_warps: w,
-                    sampled: false,
+                    ..spec
                 };
                 let (module, kernel) = compile::load(gpu, c, &spec)?;
                 kernels.push((w, module, kernel));
@@ -438,9 +440,7 @@ impl<'g> MegakernelPath<'g> {
             model,
             sampled_kernels: kernels.iter().map(|_| None).collect(),
             kernel_build: KernelBuild {
-                formats,
-                down_cols,
-                down_chunks: chunks,
+                spec,
                 by_warps: kernels.iter().map(|k| k.0).collect(),
                 static_smem,
             },
@@ -864,11 +864,9 @@ impl<'g> MegakernelPath<'g> {
                 continue;
             }
             let spec = KernelSpec {
-                formats: b.formats,
-                down_cols: b.down_cols,
-                down_chunks: b.down_chunks,
                 attn_by_warps: b.by_warps[i],
                 sampled: true,
+                ..b.spec
             };
             let (module, kernel) = compile::load(self.gpu, &self.model.config, &spec)?;
             if kernel.static_smem()? > b.static_smem {
