@@ -109,7 +109,8 @@ fi
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
-# AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths.
+# AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths;
+# AB_PRESETS, AB_ROUNDS and AB_FUSION are described at the loop.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
 bench_on() { [ "${BENCH:-0}" = 1 ] || [[ ",${BENCH:-}," == *",$1,"* ]]; }
 if [ "${BENCH:-0}" != 0 ]; then
@@ -117,14 +118,25 @@ if [ "${BENCH:-0}" != 0 ]; then
   echo "=== benchmarks ==="
   row() { grep -E "^\| *$2 " "$1" | head -1; }
   AB_PATHS=${AB_PATHS:-megakernel}
-  for preset in llama-3.2-1b smollm2-135m; do
+  # AB_PRESETS picks the presets, AB_ROUNDS the rounds (default 2); AB_FUSION (';'-separated
+  # MEGAINFER_BASELINE_FUSION values) adds this build with those graph-path fusions to each round.
+  IFS=';' read -r -a ab_fusions <<< "${AB_FUSION:-}"
+  for preset in ${AB_PRESETS:-llama-3.2-1b smollm2-135m}; do
     bench_on ab || continue
-    for i in 1 2; do
+    for i in $(seq "${AB_ROUNDS:-2}"); do
       for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
         log="$OUT/bench-ab-$preset-$(basename "$bin")-$i.log"
         "$bin" bench --preset "$preset" --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
         for p in ${AB_PATHS//,/ }; do
           echo "$preset $(basename "$bin") run $i: $(row "$log" "$p")"
+        done
+      done
+      for j in "${!ab_fusions[@]}"; do
+        log="$OUT/bench-ab-$preset-fusion$j-$i.log"
+        MEGAINFER_BASELINE_FUSION="${ab_fusions[$j]}" "$MEGAINFER_BIN" bench --preset "$preset" \
+          --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
+        for p in ${AB_PATHS//,/ }; do
+          echo "$preset fusion ${ab_fusions[$j]} run $i: $(row "$log" "$p")"
         done
       done
     done

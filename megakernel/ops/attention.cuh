@@ -103,7 +103,12 @@ constexpr int ATT_OFF_STATS = ATT_OFF_VN + ATT_HD;
 static_assert(ATT_OFF_STATS + 3 * ATT_G == MK_ATT_SCRATCH_FLOATS,
               "attention scratch: the host (attention_scratch in src/gpu/megakernel/layout.rs) sizes it differently");
 
-#define ATT_IN_MAX 4
+// Tagged inputs a consumer thread reads per batch: the queries of the group and this token's K
+// and V in one batch (one round trip) on every shape, at least 4 (Qwen2.5-7B's 7 query heads of
+// 128 need 5).
+#ifndef ATT_IN_MAX
+#define ATT_IN_MAX ((ATT_G + 2) * ATT_HD > 4 * CONSUMERS ? ((ATT_G + 2) * ATT_HD + CONSUMERS - 1) / CONSUMERS : 4)
+#endif
 
 // The positions of one round: j < nr are staged rows (tile j / ATT_TR of the round, row
 // j % ATT_TR), and, when has_new, j == nr is this token's.
