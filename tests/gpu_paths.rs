@@ -163,9 +163,13 @@ fn split_kv_attention_with_empty_parts_matches_reference() {
     );
 }
 
-fn qwen_cases() -> [(&'static str, Config); 3] {
+fn qwen_cases() -> [(&'static str, Config); 4] {
     let mut qwen3 = tiny(256, 4, 2, 64, 520);
     qwen3.qk_norm = true;
+    // Nine query heads a KV head: the megakernel's attention norms the ninth head and K in a
+    // second pass of its eight warps.
+    let mut qwen3_g9 = tiny(576, 9, 1, 64, 520);
+    qwen3_g9.qk_norm = true;
     let mut qwen2 = tiny(192, 3, 1, 64, 520);
     qwen2.qkv_bias = true;
     let mut both = tiny(256, 2, 1, 128, 520);
@@ -173,6 +177,7 @@ fn qwen_cases() -> [(&'static str, Config); 3] {
     both.qkv_bias = true;
     [
         ("qwen3-qknorm", qwen3),
+        ("qwen3-qknorm-g9", qwen3_g9),
         ("qwen2-bias", qwen2),
         ("both-hd128", both),
     ]

@@ -459,13 +459,24 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
 // this launch reads that copy (this step's attention has it in kn).
 #if MK_QK_NORM
 constexpr int ATT_NORM_PAIRS = ATT_HD / 64;  // rotation pairs per lane
+// What a lane needs besides the inputs, worked out before they arrive: the rotation angles of
+// its pairs, and the norm weights of the head its warp takes first (its q head, or this
+// token's K as head G). Read after the inputs, the weights were two dependent global reads
+// (LayerW's pointer, then the weights) on every layer's critical path.
 struct QkRope {
     float s[ATT_NORM_PAIRS], c[ATT_NORM_PAIRS];
+    float wx[ATT_NORM_PAIRS], wy[ATT_NORM_PAIRS];  // weights of rows lane + 32k, half + lane + 32k
 };
 
-__device__ __forceinline__ QkRope qk_rope_of(const MkParams& p, u32 pos) {
+__device__ __forceinline__ QkRope qk_rope_of(const MkParams& p, const LayerW& L, u32 pos) {
     QkRope r;
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, cw = (threadIdx.x - 32) >> 5;
+    const bf16_t* weight = cw < ATT_G ? L.q_norm : L.k_norm;
+#pragma unroll
+    for (int k = 0; k < ATT_NORM_PAIRS; k++) {
+        r.wx[k] = bf16_to_f32(weight[lane + 32 * k]);
+        r.wy[k] = bf16_to_f32(weight[ATT_HD / 2 + lane + 32 * k]);
+    }
 #pragma unroll
     for (int k = 0; k < ATT_NORM_PAIRS; k++) rope_sincos(pos, p.inv_freq[lane + 32 * k], &r.s[k], &r.c[k]);
     return r;
@@ -491,8 +502,9 @@ __device__ __forceinline__ void attn_qk_norm(const MkParams& p, const LayerW& L,
 #pragma unroll
         for (int k = 0; k < ATT_NORM_PAIRS; k++) {
             const int i = lane + 32 * k;
-            const float xn = x[k] * inv_rms * bf16_to_f32(weight[i]);
-            const float yn = y[k] * inv_rms * bf16_to_f32(weight[half + i]);
+            // The warp's first head (g == cw) has its weights in r; heads past the eighth read them.
+            const float xn = x[k] * inv_rms * (g == cw ? r.wx[k] : bf16_to_f32(weight[i]));
+            const float yn = y[k] * inv_rms * (g == cw ? r.wy[k] : bf16_to_f32(weight[half + i]));
             float a = xn * r.c[k] - yn * r.s[k], b = yn * r.c[k] + xn * r.s[k];
             if (is_k) {
                 // The cache keeps bf16; this step uses the same rounded values.
@@ -518,7 +530,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     const int layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, m.pos);
 #if MK_QK_NORM
-    const QkRope qk_rope = qk_rope_of(p, m.pos);
+    const QkRope qk_rope = qk_rope_of(p, p.layers[layer], m.pos);
 #endif
     float* S = scratch;
     float* partial = scratch + ATT_OFF_PART;
