@@ -8,15 +8,21 @@
 //   1. every (head, part)'s max and sum into shared memory, all threads at once;
 //   2. a warp per head turns them into the weights w_k;
 //   3. thread (head, dim) reads its parts' values, ATT_RED_BATCH at a time, and sums.
-// A thread's first batch of values is read with its maxes and sums and waited for with them:
-// the values do not depend on the weights, and waited for after them they were a second round
-// trip after the last part landed, on every layer's critical path (SmolLM2 at 8K: 4% a token).
+// A thread's first batch of values is read with its maxes and sums and waited for with them
+// (MK_RED_EARLY): the values do not depend on the weights, and waited for after them they were
+// a second round trip after the last part landed, on every layer's critical path (SmolLM2 at
+// 8K: 4% a token). Only the kernel that split-KV schedules run (compiled by warps) has it: in
+// the other, which never runs AttnReduce, its code alone cost 0.5-2.5% a token on the small
+// shapes at short contexts (code layout; BENCHMARKS.md).
 // The two tables of step 1 take the S region of the attention scratch (G * ATT_S_STRIDE
 // floats): the host keeps parts <= MK_ATT_ROUND / 2 (MAX_REDUCE_PARTS in megakernel.rs).
 
 static_assert(ATT_ROUND / 2 * 2 <= ATT_S_STRIDE, "AttnReduce's tables must fit S");
 constexpr int ATT_RED_BATCH = 16;
 constexpr int ATT_RED_STATS = 4;  // (max, sum) pairs a thread reads per batch
+#ifndef MK_RED_EARLY
+#define MK_RED_EARLY MK_ATT_BY_WARPS
+#endif
 
 __device__ void op_attn_reduce(const MkParams& p, const u32* w, float* scratch) {
     constexpr int hd = ATT_HD, G = ATT_G, stride = hd + 2;
@@ -30,7 +36,7 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float* scratch) 
     // This thread's first output (head g0, dim d0) and its first batch of values.
     const int g0 = ct / hd, d0 = ct % hd;
     const u64* src0 = base + (size_t)g0 * parts * stride + d0;
-    const int mine0 = ct < G * hd ? min(ATT_RED_BATCH, parts) : 0;
+    const int mine0 = MK_RED_EARLY && ct < G * hd ? min(ATT_RED_BATCH, parts) : 0;
     u64 val0[ATT_RED_BATCH];
 #pragma unroll
     for (int k = 0; k < ATT_RED_BATCH; k++) val0[k] = k < mine0 ? ld_tagged(src0 + (size_t)k * stride) : 0;
