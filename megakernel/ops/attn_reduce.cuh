@@ -36,10 +36,11 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float* scratch) 
     // This thread's first output (head g0, dim d0) and its first batch of values.
     const int g0 = ct / hd, d0 = ct % hd;
     const u64* src0 = base + (size_t)g0 * parts * stride + d0;
+    auto vaddr = [&](int k) { return src0 + (size_t)k * stride; };  // part k's value
     const int mine0 = MK_RED_EARLY && ct < G * hd ? min(ATT_RED_BATCH, parts) : 0;
     u64 val0[ATT_RED_BATCH];
 #pragma unroll
-    for (int k = 0; k < ATT_RED_BATCH; k++) val0[k] = k < mine0 ? ld_tagged(src0 + (size_t)k * stride) : 0;
+    for (int k = 0; k < ATT_RED_BATCH; k++) val0[k] = k < mine0 ? ld_tagged(vaddr(k)) : 0;
     for (int s0 = 0; s0 < slots; s0 += ATT_RED_STATS * CONSUMERS) {
         const int first = s0 + ct, mine = slots > first ? min(ATT_RED_STATS, (slots - first + CONSUMERS - 1) / CONSUMERS) : 0;
         // Element e = 2k + {0: max, 1: sum} of slot first + k * CONSUMERS.
@@ -60,9 +61,9 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float* scratch) 
                 },
                 [&](int e) {
                     if (e < NS) raw[e] = ld_tagged(addr(e));
-                    else val0[e - NS] = ld_tagged(src0 + (size_t)(e - NS) * stride);
+                    else val0[e - NS] = ld_tagged(vaddr(e - NS));
                 },
-                [&](int e) { return e < NS ? addr(e) : src0 + (size_t)(e - NS) * stride; }, NS + ATT_RED_BATCH);
+                [&](int e) { return e < NS ? addr(e) : vaddr(e - NS); }, NS + ATT_RED_BATCH);
         } else {
             settle<2 * ATT_RED_STATS>(p, raw, addr, 2 * mine);
         }
