@@ -144,6 +144,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     }
     for (int i = threadIdx.x; i < p.n_layers * (int)(sizeof(LayerW) / 8); i += MK_THREADS)
         ((u64*)sm.lw)[i] = ((const u64*)p.layers)[i];
+    for (int i = threadIdx.x; i < MK_HEAD_DIM / 2; i += MK_THREADS) mk_inv_freq[i] = p.inv_freq[i];
     if (threadIdx.x < MK_WORDS && begin < end) sm.iws[threadIdx.x] = begin[threadIdx.x];
     __syncthreads();
     // An SM without instructions takes no part in any step (a generation's SMs wait only for

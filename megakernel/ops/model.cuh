@@ -7,6 +7,12 @@ __device__ __forceinline__ float embed_at(const MkParams& p, u32 token, int i) {
     else return q_element(MK_WT_EMB, p.embed, token, i, p.hidden);
 }
 
+// RoPE's frequencies (head_dim / 2), copied into shared memory when the kernel starts. QKV
+// (rope_of) and Qwen3's attention (qk_rope_of) work out their rotations when they start, and
+// an instruction that starts after its inputs have arrived has that on its critical path: read
+// from L2 there, the frequency was one more round trip before the sine and cosine.
+__shared__ float mk_inv_freq[MK_HEAD_DIM / 2];
+
 // The RMS norm's scale from the sums of squares prepare_normed left in ss.
 __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
     float t = 0.f;

@@ -23,7 +23,8 @@ __device__ __forceinline__ void prepare_qkv(const MkParams& p, const u32* w, con
 #endif
 
 // Thread j's rotation, worked out when the instruction starts (it depends only on the
-// position), so that the sine, cosine and inv_freq load are off the critical path.
+// position), so that the sine and cosine are off the critical path wherever the instruction
+// starts before its inputs arrive (the frequency comes from shared memory, mk_inv_freq).
 struct Rope {
     float s, c;
 };
@@ -32,7 +33,7 @@ __device__ __forceinline__ Rope rope_of(const MkParams& p, const u32* w, u32 pos
     const int ct = threadIdx.x - 32;
     Rope r = {0.f, 1.f};
     if (!MK_QK_NORM && ct < (int)w[W_C] && (int)w[W_A] < p.heads + p.kv_heads)
-        rope_sincos(pos, p.inv_freq[w[W_B] + ct], &r.s, &r.c);
+        rope_sincos(pos, mk_inv_freq[w[W_B] + ct], &r.s, &r.c);
     return r;
 }
 
