@@ -79,6 +79,8 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         if (MK_SAMPLING && op == OP_ARGMAX) draws = prof ? prof : (u64*)1;
         const TileGeom g = tile_geom(w, p, sm.lw);
         const OpEarly early = op_early(op, p, w, m.pos);
+        if (MK_PREP_STAMPS && ct == 0) mk_prof = prof;
+        prep_stamp(PROF_EXTRA1);
         if (ct == 0) {
             if (prof) prof[PROF_START] = global_ns();
             set_current_instr(instr);

@@ -127,6 +127,18 @@ struct Smem {
     u64* empty;     // per page: the consumers released it
 };
 
+// MK_PREP_STAMPS=1 (for measuring, through MEGAINFER_MK_DEFINES; scripts/timeline.py --prep
+// reads it): in a profiled step, consumer thread 0 stamps the profile's two extra words of a
+// mat-vec instruction (the loader's otherwise) when its prepare starts and when its own inputs
+// have settled (prepare_normed_small, copy_in), splitting an instruction's wait for its inputs
+// from the work around it.
+#ifndef MK_PREP_STAMPS
+#define MK_PREP_STAMPS 0
+#endif
+__shared__ u64* mk_prof;  // the current instruction's profile words (MK_PREP_STAMPS only)
+__device__ __forceinline__ void prep_stamp(int w) {
+    if (MK_PREP_STAMPS && threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
+}
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
 __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
@@ -492,6 +504,7 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
         }
         const int first = i0 + ct, mine = n > first ? (n - first + CONSUMERS - 1) / CONSUMERS : 0;
         settle<COPY_MAX>(p, raw, [&](int k) { return src + first + k * CONSUMERS; }, mine);
+        if (i0 == 0) prep_stamp(PROF_EXTRA2);
 #pragma unroll
         for (int k = 0; k < COPY_MAX; k++)
             if (k < mine) dst[first + k * CONSUMERS] = tagged_float(raw[k]);

@@ -9,6 +9,11 @@ Prints, as medians over steps 4-15:
 - each hop between consecutive stages of a layer: when the first, the median and the last
   consumer instance had its inputs after the producing stage's last store, and the share of
   consumer instances that started after that store (their SM was busy until then).
+
+With --prep, for a run with MEGAINFER_MK_DEFINES=-DMK_PREP_STAMPS=1 (whose consumer thread 0
+stamps the extra words: before the prepare, and once its own inputs have settled), the
+prepare of each mat-vec instruction, split by whether it started before or after its
+producers' last store: start to thread 0's inputs settled, and from there to prepared.
 """
 import csv
 import gzip
@@ -29,7 +34,28 @@ def rows(path):
                 yield r
 
 
-def main(path):
+def prep(by_layer):
+    """The MK_PREP_STAMPS split of each mat-vec instruction's prepare (see the module doc)."""
+    producer = {"RmsQkvRope": "DownProjPartial", "OProjResidual": "Attention",
+                "RmsUpGateSilu": "OProjResidual", "DownProjPartial": "RmsUpGateSilu"}
+    print("prepare (µs; started before / after the producers' last store: instances, "
+          "start to settled, settled to prepared):")
+    for cons, prod in producer.items():
+        split = {"before": ([], []), "after": ([], [])}
+        for (step, layer), kinds in by_layer.items():
+            src = by_layer.get((step, layer - 1), {}) if cons == "RmsQkvRope" else kinds
+            if prod not in src or cons not in kinds:
+                continue
+            t0 = max(x[3] for x in src[prod])
+            for x in kinds[cons]:
+                a, b = split["after" if x[0] > t0 else "before"]
+                a.append(x[5] - x[0])
+                b.append(x[1] - x[5])
+        cols = [f"{len(a):6d} {st.median(a):5.2f} {st.median(b):5.2f}" if a else "     0" for a, b in split.values()]
+        print(f"  {cons:16s} {cols[0]}  |  {cols[1]}")
+
+
+def main(path, with_prep=False):
     by_layer = defaultdict(lambda: defaultdict(list))
     attention = []
     for r in rows(path):
@@ -60,6 +86,8 @@ def main(path):
                            ("combine + output", 5, 2), ("store", 2, 3)]:
             print(f"  {name:18s} {st.median(x[b] - x[a] for x in attention):6.2f}")
     hops(by_layer)
+    if with_prep:
+        prep(by_layer)
 
 
 def hops(by_layer):
@@ -88,6 +116,7 @@ def hops(by_layer):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: timeline.py TIMELINE.csv[.gz]")
-    main(sys.argv[1])
+    args = [a for a in sys.argv[1:] if a != "--prep"]
+    if len(args) != 1:
+        sys.exit("usage: timeline.py [--prep] TIMELINE.csv[.gz]")
+    main(args[0], "--prep" in sys.argv[1:])

@@ -25,8 +25,14 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 // attention residual and the down projection's MK_DOWN_CHUNKS k-chunks (the schedule's; 0 if
 // not given), and every group of loads a thread waits for is a dependent L2 round trip, about
 // 1 µs while every SM streams (measured on the H100: BENCHMARKS.md, c1f090b and after).
-// - One round: a thread holds PREP_MAX elements of every source in flight at once. Hidden
-//   sizes up to 2048 take 8 a thread; larger ones take their whole share (ceil(hidden / 256))
+// - One round: a thread holds PREP_MAX elements of every source in flight at once: its whole
+//   share (ceil(hidden / 256)) for hidden sizes up to 2048, and PREP_CHUNKS the schedule's
+//   k-chunks (up to two there). The loops are unrolled to those counts and no further: this
+//   code runs once per instruction, and on the small shapes fetching it is much of an
+//   instruction's time once its inputs are there (8 elements and 2 chunks for every shape
+//   made it 2.7x as long on SmolLM2, whose QKV instructions took 1.22 µs from their start to
+//   their inputs where they found them waiting; 0.61 µs sized to the shape: BENCHMARKS.md,
+//   COMMIT_PREP). Larger sizes take their whole share
 //   when that is at most 40 loads with every source (Llama-3.2-3B 12 x 3, Qwen3-4B 10 x 4:
 //   2.478 -> 2.436 and 3.236 -> 3.141 ms against two rounds); more spills (Qwen3-8B's 16 x 4:
 //   local stores / loads 37 / 73 -> 207 / 334 SASS instructions).
@@ -42,7 +48,7 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 #define PREP_SHARE ((MK_HIDDEN + CONSUMERS - 1) / CONSUMERS)
 #define PREP_WHOLE (MK_HIDDEN > 8 * CONSUMERS && MK_DOWN_CHUNKS > 0 && PREP_SHARE * (MK_DOWN_CHUNKS + 1) <= 40)
 #ifndef PREP_MAX
-#define PREP_MAX (PREP_WHOLE ? PREP_SHARE : 8)
+#define PREP_MAX (PREP_WHOLE || MK_HIDDEN <= 8 * CONSUMERS ? PREP_SHARE : 8)
 #endif
 // - In rounds, a single source (up-gate's attention residual; layer 0's QKV reads only the
 //   embedding) is still read in one trip, a thread's whole share at once: Qwen2.5-7B 5.440 ->
@@ -58,7 +64,7 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 // Its parts are read at once (one round trip, not one each) when there are at most
 // PREP_CHUNKS k-chunks, else PREP_SRC at a time; summed in order either way.
 #ifndef PREP_CHUNKS
-#define PREP_CHUNKS (PREP_WHOLE && MK_DOWN_CHUNKS > 2 ? MK_DOWN_CHUNKS : 2)
+#define PREP_CHUNKS (MK_DOWN_CHUNKS > 0 && (PREP_WHOLE || MK_DOWN_CHUNKS <= 2) ? MK_DOWN_CHUNKS : 2)
 #endif
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return embed_at(p, token, i);
@@ -134,6 +140,7 @@ __device__ __forceinline__ void prepare_normed_small(const MkParams& p, int laye
         for (int c = 0; c < PREP_CHUNKS; c++)
             if (c < nparts)
                 settle<PREP_MAX>(p, rawp[c], [&](int k) { return parts + (size_t)c * p.hidden + ct + k * CONSUMERS; }, mine);
+        prep_stamp(PROF_EXTRA2);
         float sq = 0.f;
 #pragma unroll
         for (int k = 0; k < PREP_MAX; k++) {
