@@ -32,7 +32,7 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 //   instruction's time once its inputs are there (8 elements and 2 chunks for every shape
 //   made it 2.7x as long on SmolLM2, whose QKV instructions took 1.22 µs from their start to
 //   their inputs where they found them waiting; 0.61 µs sized to the shape: BENCHMARKS.md,
-//   COMMIT_PREP). Larger sizes take their whole share
+//   7cfe179). Larger sizes take their whole share
 //   when that is at most 40 loads with every source (Llama-3.2-3B 12 x 3, Qwen3-4B 10 x 4:
 //   2.478 -> 2.436 and 3.236 -> 3.141 ms against two rounds); more spills (Qwen3-8B's 16 x 4:
 //   local stores / loads 37 / 73 -> 207 / 334 SASS instructions).
