@@ -489,9 +489,17 @@ __device__ __forceinline__ void consumers_partial_sum(float v, float* ss) {
 }
 
 // Copies n tagged values into shared memory as floats, every read of a thread's batch issued
-// before it waits on any of them.
+// before it waits on any of them. A batch is at most 8 a thread, and no more than the longest
+// input the kernel copies (O-proj's q_dim, a down-projection chunk) needs: this code runs once
+// per instruction, and unrolled further than used it is only longer to fetch (SmolLM2, 6
+// instead of 8: 1.1% a token, BENCHMARKS.md).
+#ifdef MK_DOWN_COLS
+#define COPY_LONGEST (MK_DOWN_COLS > MK_Q_DIM ? MK_DOWN_COLS : MK_Q_DIM)
+#else
+#define COPY_LONGEST (MK_HIDDEN > MK_Q_DIM ? MK_HIDDEN : MK_Q_DIM)
+#endif
 #ifndef COPY_MAX
-#define COPY_MAX 8
+#define COPY_MAX ((COPY_LONGEST + CONSUMERS - 1) / CONSUMERS < 8 ? (COPY_LONGEST + CONSUMERS - 1) / CONSUMERS : 8)
 #endif
 __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
     const int ct = threadIdx.x - 32;
