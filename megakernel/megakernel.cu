@@ -79,7 +79,7 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         if (MK_SAMPLING && op == OP_ARGMAX) draws = prof ? prof : (u64*)1;
         const TileGeom g = tile_geom(w, p, sm.lw);
         const OpEarly early = op_early(op, p, w, m.pos);
-        if (MK_PREP_STAMPS && ct == 0) mk_prof = prof;
+        if (ct == 0) PREP_SET_PROF(prof);
         prep_stamp(PROF_EXTRA1);
         if (ct == 0) {
             if (prof) prof[PROF_START] = global_ns();
@@ -146,7 +146,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     }
     for (int i = threadIdx.x; i < p.n_layers * (int)(sizeof(LayerW) / 8); i += MK_THREADS)
         ((u64*)sm.lw)[i] = ((const u64*)p.layers)[i];
+#if MK_FREQ_SMEM
     for (int i = threadIdx.x; i < MK_HEAD_DIM / 2; i += MK_THREADS) mk_inv_freq[i] = p.inv_freq[i];
+#endif
     if (threadIdx.x < MK_WORDS && begin < end) sm.iws[threadIdx.x] = begin[threadIdx.x];
     __syncthreads();
     // An SM without instructions takes no part in any step (a generation's SMs wait only for

@@ -135,10 +135,16 @@ struct Smem {
 #ifndef MK_PREP_STAMPS
 #define MK_PREP_STAMPS 0
 #endif
-__shared__ u64* mk_prof;  // the current instruction's profile words (MK_PREP_STAMPS only)
+#if MK_PREP_STAMPS
+__shared__ u64* mk_prof;  // the current instruction's profile words
 __device__ __forceinline__ void prep_stamp(int w) {
-    if (MK_PREP_STAMPS && threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
+    if (threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
 }
+#define PREP_SET_PROF(prof) (mk_prof = (prof))
+#else
+__device__ __forceinline__ void prep_stamp(int) {}
+#define PREP_SET_PROF(prof) ((void)0)
+#endif
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
 __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {

@@ -119,6 +119,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         down_chunks: chunks,
         attn_by_warps: false,
         sampled,
+        freq_in_smem: true,
     };
     (kernel_defines(&cfg, &spec, ""), chunks)
 }

@@ -478,7 +478,7 @@ __device__ __forceinline__ QkRope qk_rope_of(const MkParams& p, const LayerW& L,
         r.wy[k] = bf16_to_f32(weight[ATT_HD / 2 + lane + 32 * k]);
     }
 #pragma unroll
-    for (int k = 0; k < ATT_NORM_PAIRS; k++) rope_sincos(pos, mk_inv_freq[lane + 32 * k], &r.s[k], &r.c[k]);
+    for (int k = 0; k < ATT_NORM_PAIRS; k++) rope_sincos(pos, MK_FREQ(p, lane + 32 * k), &r.s[k], &r.c[k]);
     return r;
 }
 

@@ -7,11 +7,21 @@ __device__ __forceinline__ float embed_at(const MkParams& p, u32 token, int i) {
     else return q_element(MK_WT_EMB, p.embed, token, i, p.hidden);
 }
 
-// RoPE's frequencies (head_dim / 2), copied into shared memory when the kernel starts. QKV
-// (rope_of) and Qwen3's attention (qk_rope_of) work out their rotations when they start, and
-// an instruction that starts after its inputs have arrived has that on its critical path: read
-// from L2 there, the frequency was one more round trip before the sine and cosine.
+// RoPE's frequencies (head_dim / 2), copied into shared memory when the kernel starts, where
+// the host finds room for them beside the ring (MK_FREQ_SMEM, freq_table_fits in
+// src/gpu/megakernel/compile.rs). QKV (rope_of) and Qwen3's attention (qk_rope_of) work out
+// their rotations when they start, and an instruction that starts after its inputs have
+// arrived has that on its critical path: read from L2 there, the frequency was one more round
+// trip before the sine and cosine.
+#ifndef MK_FREQ_SMEM
+#define MK_FREQ_SMEM 0
+#endif
+#if MK_FREQ_SMEM
 __shared__ float mk_inv_freq[MK_HEAD_DIM / 2];
+#define MK_FREQ(p, i) mk_inv_freq[i]
+#else
+#define MK_FREQ(p, i) (p).inv_freq[i]
+#endif
 
 // The RMS norm's scale from the sums of squares prepare_normed left in ss.
 __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {

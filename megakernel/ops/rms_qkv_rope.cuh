@@ -33,7 +33,7 @@ __device__ __forceinline__ Rope rope_of(const MkParams& p, const u32* w, u32 pos
     const int ct = threadIdx.x - 32;
     Rope r = {0.f, 1.f};
     if (!MK_QK_NORM && ct < (int)w[W_C] && (int)w[W_A] < p.heads + p.kv_heads)
-        rope_sincos(pos, mk_inv_freq[w[W_B] + ct], &r.s, &r.c);
+        rope_sincos(pos, MK_FREQ(p, w[W_B] + ct), &r.s, &r.c);
     return r;
 }
 

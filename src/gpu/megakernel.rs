@@ -301,6 +301,7 @@ impl<'g> MegakernelPath<'g> {
             down_chunks: chunks,
             attn_by_warps: false,
             sampled: false,
+            freq_in_smem: compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats),
         };
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {

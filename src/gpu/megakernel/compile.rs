@@ -14,8 +14,9 @@ use crate::gpu::sources;
 /// What one megakernel binary is specialised on besides the model's dimensions: its matrices'
 /// `formats`, the schedule's down-projection chunk width (`down_cols`, whose rows then get the
 /// tiles' loop for a known length, as the model's dimensions do) and k-chunk count
-/// (`down_chunks`), attention by warps (`attn_by_warps`) or by rounds, and the draw inside the
-/// launch (`sampled`) or the greedy argmax only.
+/// (`down_chunks`), attention by warps (`attn_by_warps`) or by rounds, the draw inside the
+/// launch (`sampled`) or the greedy argmax only, and RoPE's frequencies in shared memory
+/// (`freq_in_smem`, where they cost no page of the ring: [`freq_table_fits`]).
 #[derive(Clone, Copy, Debug)]
 pub struct KernelSpec {
     pub formats: sources::MatrixFormats,
@@ -23,6 +24,29 @@ pub struct KernelSpec {
     pub down_chunks: usize,
     pub attn_by_warps: bool,
     pub sampled: bool,
+    pub freq_in_smem: bool,
+}
+
+/// Bytes of the kernel's static shared memory besides the frequency table (its flags and
+/// words, about 20 bytes), with room to spare.
+const STATIC_SMEM_BOUND: usize = 64;
+
+/// Whether RoPE's head_dim / 2 frequencies fit in shared memory beside a ring of as many pages
+/// as without them (`xs_floats`: the plan's input vector). Qwen3-4B and Qwen3-8B have 112
+/// bytes to spare on an H100: the 256-byte table took them from 12 pages to 8 (3.1608 ->
+/// 3.3236 and 5.3530 -> 5.5206 ms a token, BENCHMARKS.md).
+pub fn freq_table_fits(
+    config: &crate::model::Config,
+    max_smem_per_block: usize,
+    xs_floats: usize,
+) -> bool {
+    use super::layout::SmemLayout;
+    let pages = |bytes| {
+        SmemLayout::plan(max_smem_per_block, bytes, xs_floats, config.num_layers)
+            .map_or(0, |l| l.pages)
+    };
+    let table = 4 * config.head_dim / 2;
+    pages(STATIC_SMEM_BOUND + table) == pages(STATIC_SMEM_BOUND)
 }
 
 /// The NVRTC options the megakernel is compiled with for `config` and `spec`. `extra`: further
@@ -34,6 +58,7 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     // The draw inside the launch (ops/sample.cuh) is compiled only into the kernel that
     // sampled launches run: its calls cost the greedy kernel's loop spilled registers.
     defines.push(format!("-DMK_SAMPLING={}", u8::from(spec.sampled)));
+    defines.push(format!("-DMK_FREQ_SMEM={}", u8::from(spec.freq_in_smem)));
     if spec.down_cols != config.hidden_size && spec.down_cols != config.q_dim() {
         defines.push(format!("-DMK_DOWN_COLS={}", spec.down_cols));
     }
@@ -75,6 +100,21 @@ pub(super) fn load(
 mod tests {
     use super::{defines, KernelSpec};
 
+    /// On an H100 the frequency table fits beside the ring of every preset but Qwen3-4B and
+    /// Qwen3-8B, whose 12 pages leave 112 bytes (the Llama-3.2-1B plan measured 1,552).
+    #[test]
+    fn frequency_table_only_where_it_costs_no_page() {
+        use crate::gpu::megakernel::layout::{attention_scratch, xs_floats};
+        use crate::model::presets;
+        for name in presets::NAMES {
+            let c = presets::by_name(name).unwrap();
+            let scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
+            let xs = xs_floats(c.hidden_size.max(c.q_dim()).max(4096), scratch);
+            let fits = super::freq_table_fits(&c, 232_448, xs);
+            assert_eq!(fits, !matches!(*name, "qwen3-4b" | "qwen3-8b"), "{name}");
+        }
+    }
+
     fn spec(sampled: bool) -> KernelSpec {
         KernelSpec {
             formats: Default::default(),
@@ -82,6 +122,7 @@ mod tests {
             down_chunks: 1,
             attn_by_warps: true,
             sampled,
+            freq_in_smem: true,
         }
     }
 
