@@ -24,7 +24,7 @@ __device__ __forceinline__ void prepare_qkv(const MkParams& p, const u32* w, con
 
 // Thread j's rotation, worked out when the instruction starts (it depends only on the
 // position), so that the sine and cosine are off the critical path wherever the instruction
-// starts before its inputs arrive (the frequency comes from shared memory, mk_inv_freq).
+// starts before its inputs arrive (the frequency from shared memory where it fits, MK_FREQ).
 struct Rope {
     float s, c;
 };

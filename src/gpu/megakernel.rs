@@ -29,7 +29,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
-pub use compile::{defines as kernel_defines, KernelSpec};
+pub use compile::{defines as kernel_defines, freq_table_fits, KernelSpec};
 pub use launch::{MAX_EPOCH, MAX_STOP_TOKENS};
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
