@@ -34,6 +34,13 @@ def rows(path):
                 yield r
 
 
+def last_store(by_layer, step, layer, kinds, prod, previous_layer):
+    """When the producing stage's last instance stored (the previous layer's, for a stage that
+    reads the layer before), or None where the layer has no such stage."""
+    src = by_layer.get((step, layer - 1), {}) if previous_layer else kinds
+    return max(x[3] for x in src[prod]) if prod in src else None
+
+
 def prep(by_layer):
     """The MK_PREP_STAMPS split of each mat-vec instruction's prepare (see the module doc)."""
     producer = {"RmsQkvRope": "DownProjPartial", "OProjResidual": "Attention",
@@ -43,10 +50,9 @@ def prep(by_layer):
     for cons, prod in producer.items():
         split = {"before": ([], []), "after": ([], [])}
         for (step, layer), kinds in by_layer.items():
-            src = by_layer.get((step, layer - 1), {}) if cons == "RmsQkvRope" else kinds
-            if prod not in src or cons not in kinds:
+            t0 = last_store(by_layer, step, layer, kinds, prod, cons == "RmsQkvRope")
+            if t0 is None or cons not in kinds:
                 continue
-            t0 = max(x[3] for x in src[prod])
             for x in kinds[cons]:
                 a, b = split["after" if x[0] > t0 else "before"]
                 a.append(x[5] - x[0])
@@ -100,11 +106,9 @@ def hops(by_layer):
     for prod, cons in pairs:
         first, med, last, late = [], [], [], []
         for (step, layer), kinds in by_layer.items():
-            wrap = prod == present[-1]
-            src = by_layer.get((step, layer - 1), {}) if wrap else kinds
-            if prod not in src or cons not in kinds:
+            t0 = last_store(by_layer, step, layer, kinds, prod, prod == present[-1])
+            if t0 is None or cons not in kinds:
                 continue
-            t0 = max(x[3] for x in src[prod])
             ready = sorted(x[1] - t0 for x in kinds[cons])
             first.append(ready[0])
             med.append(st.median(ready))

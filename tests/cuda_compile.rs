@@ -105,10 +105,9 @@ fn megakernel_sampled_variant_compiles() {
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
 /// H100's schedule, attention by rounds, and the schedule's k-chunk count.
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
-    use megainfer::gpu::megakernel::layout::{attention_scratch, xs_floats};
     use megainfer::gpu::megakernel::{
         down_chunk_cols, freq_table_fits, kernel_defines, megakernel_gpu_shape,
-        megakernel_schedule, KernelSpec,
+        megakernel_schedule, widest_xs_floats, KernelSpec,
     };
     let cfg = presets::by_name(name).unwrap();
     let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
@@ -122,14 +121,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         attn_by_warps: false,
         sampled,
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
-        freq_in_smem: freq_table_fits(
-            &cfg,
-            232_448,
-            xs_floats(
-                cfg.hidden_size.max(cfg.q_dim()).max(4096),
-                attention_scratch(cfg.num_heads / cfg.num_kv_heads, cfg.head_dim),
-            ),
-        ),
+        freq_in_smem: freq_table_fits(&cfg, 232_448, widest_xs_floats(&cfg)),
     };
     (kernel_defines(&cfg, &spec, ""), chunks)
 }

@@ -772,11 +772,7 @@ pub fn megakernel_gpu_shape(
     sm_count: usize,
     max_smem_per_block: usize,
 ) -> scheduler::GpuShape {
-    let scratch = attention_scratch(config.num_heads / config.num_kv_heads, config.head_dim);
-    let xs = xs_floats(
-        config.hidden_size.max(config.q_dim()).max(PAGE_BYTES / 4),
-        scratch,
-    );
+    let xs = widest_xs_floats(config);
     scheduler::GpuShape {
         sm_count,
         // The kernel's static shared memory (two flags, a few bytes) is not known before its
@@ -791,6 +787,17 @@ pub fn megakernel_gpu_shape(
         .unwrap_or(0),
         page_bytes: PAGE_BYTES,
     }
+}
+
+/// The input vector's floats (`xs_floats`) for the widest input an auto-granularity schedule
+/// of `config` can have (a down-projection chunk is at most a page of f32): what plans made
+/// before a schedule exists take.
+pub fn widest_xs_floats(config: &crate::model::Config) -> usize {
+    let scratch = attention_scratch(config.num_heads / config.num_kv_heads, config.head_dim);
+    xs_floats(
+        config.hidden_size.max(config.q_dim()).max(PAGE_BYTES / 4),
+        scratch,
+    )
 }
 
 /// The down-projection chunk width the kernel is compiled for ([`kernel_defines`]): the first

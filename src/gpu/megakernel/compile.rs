@@ -104,12 +104,10 @@ mod tests {
     /// Qwen3-8B, whose 12 pages leave 112 bytes (the Llama-3.2-1B plan measured 1,552).
     #[test]
     fn frequency_table_only_where_it_costs_no_page() {
-        use crate::gpu::megakernel::layout::{attention_scratch, xs_floats};
         use crate::model::presets;
         for name in presets::NAMES {
             let c = presets::by_name(name).unwrap();
-            let scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
-            let xs = xs_floats(c.hidden_size.max(c.q_dim()).max(4096), scratch);
+            let xs = crate::gpu::megakernel::widest_xs_floats(&c);
             let fits = super::freq_table_fits(&c, 232_448, xs);
             assert_eq!(fits, !matches!(*name, "qwen3-4b" | "qwen3-8b"), "{name}");
         }
