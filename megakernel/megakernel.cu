@@ -89,14 +89,15 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         }
         const bool shares_input = op == OP_QKV || op == OP_UPGATE;
         const u32 key = op << 16 | w[W_LAYER];
-        if (!(share_normed && shares_input && key == normed)) seq += op_prepare(op, p, w, m, instr, seq, sm, prof);
+        const bool fresh = !(share_normed && shares_input && key == normed);
+        if (fresh) seq += op_prepare(op, p, w, m, instr, seq, sm, prof);
         if (share_normed) normed = shares_input ? key : ~0u;
         if (consumers_failed()) return {seq, buf, draws, true};
         if (ct == 0 && prof) prof[op_stamps_inputs(op) ? PROF_TILES : PROF_PREPARED] = global_ns();
         if (g.tiles > 0) {
             const float scale = op_scale(op, p, sm.ss);
             if (ct == 0) note(p, 1, ST_TILES);
-            if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, sm.res)) set_failed(1);
+            if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, fresh, sm.res)) set_failed(1);
             seq += g.tiles;
             if (consumers_failed()) return {seq, buf, draws, true};
             if (ct == 0 && prof) prof[PROF_TILES] = global_ns();

@@ -73,10 +73,10 @@ __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, c
 // The instruction's tiles (runtime.cuh, tiles_of_format), in its matrix's format: only the
 // formats the kernel is compiled for are instantiated.
 __device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages, u64* full,
-                              u64* empty, const float* xs, float* res) {
+                              u64* empty, float* xs, bool fresh, float* res) {
 #define MK_TILES_OF(t)                                                                              \
     if constexpr (MK_WT_USED(t))                                                                    \
-        if (g.wt == (t)) return tiles_of_format<t>(p, g, instr, seq, pages, full, empty, xs, res);
+        if (g.wt == (t)) return tiles_of_format<t>(p, g, instr, seq, pages, full, empty, xs, fresh, res);
     MK_TILES_OF(WEIGHT_BF16)
     MK_TILES_OF(WEIGHT_Q8_0)
     MK_TILES_OF(WEIGHT_Q4_0)

@@ -595,46 +595,82 @@ __device__ __forceinline__ int pack_low_bytes(u32 a, u32 b, u32 c, u32 d) {
     return (int)__byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 
-// The digits of the block of 32 inputs at xs + c (zeros when !in).
+// Block lanes read their inputs as digits, made once per instruction (digitize_xs) in place of
+// the floats: block b's 72 bytes (h[0..3], h[4..7], l[0..3], l[4..7], then s and sum) take five
+// of the eight 16-byte slots of the block's own 128 bytes of xs, slot j at (j + b) % 8, so the
+// eight lanes of a quarter warp, which read consecutive blocks, read different banks. Each
+// lane digitising its own blocks at every step, as before, cost a few hundred instructions
+// per block on the critical path of every instruction (BENCHMARKS.md).
+__device__ __forceinline__ XB xb_at(const float* xs, int b) {
+    const uint4* r = (const uint4*)(xs + 32 * b);
+    const int sw = b & 7;
+    const uint4 h0 = r[sw], h1 = r[(sw + 1) & 7], l0 = r[(sw + 2) & 7], l1 = r[(sw + 3) & 7];
+    const float2 ss = *(const float2*)&r[(sw + 4) & 7];
+    return {{(int)h0.x, (int)h0.y, (int)h0.z, (int)h0.w, (int)h1.x, (int)h1.y, (int)h1.z, (int)h1.w},
+            {(int)l0.x, (int)l0.y, (int)l0.z, (int)l0.w, (int)l1.x, (int)l1.y, (int)l1.z, (int)l1.w},
+            ss.x,
+            ss.y};
+}
+
+// The digits of block b of xs for a lane whose block may lie past the row's end (zeros there).
+__device__ __forceinline__ XB xb_or_zero(const float* xs, int b, bool in) {
+    return in ? xb_at(xs, b) : XB{{0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}, 0.f, 0.f};
+}
+
+// xs[0, cols) (cols a multiple of 32) to digits, in place, by every consumer thread: four
+// threads a block, 8 inputs each, the block's maximum and sum over the four by shuffles. A
+// block's floats are read only by its own four lanes before they overwrite them, so a warp
+// barrier suffices between the two; the caller's consumers_sync publishes the digits.
 template <int WT>
-__device__ __forceinline__ XB quantize_block(const float* xs, int c, bool in) {
-    float x[32];
-    const float4* src = (const float4*)(xs + (in ? c : 0));
+__device__ __forceinline__ void digitize_xs(float* xs, int cols) {
+    const int ct = threadIdx.x - 32, j = ct & 3, nb = cols >> 5;
+    // The loop runs the same number of times on every lane of a warp (the shuffles need them
+    // all): a warp takes 8 blocks a pass.
+    for (int b0 = (ct >> 5) * 8; b0 < nb; b0 += CONSUMERS / 4) {
+        const int b = b0 + ((ct & 31) >> 2);
+        const bool in = b < nb;
+        const float4* src = (const float4*)(xs + 32 * (in ? b : 0) + 8 * j);
+        const float4 v0 = src[0], v1 = src[1];
+        const float x[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        float m = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const float4 v = src[k];
-        x[4 * k] = in ? v.x : 0.f;
-        x[4 * k + 1] = in ? v.y : 0.f;
-        x[4 * k + 2] = in ? v.z : 0.f;
-        x[4 * k + 3] = in ? v.w : 0.f;
-    }
-    float m = 0.f;
+        for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(in ? x[k] : 0.f));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float inv = m > 0.f ? 127.f / m : 0.f;
+        u32 hw[2], lw[2];
+        float sum = 0.f;
+        // The _rn intrinsics keep the compiler (fast math) from folding (v + M) - M into v,
+        // which would make every remainder 0.
 #pragma unroll
-    for (int k = 0; k < 32; k++) m = fmaxf(m, fabsf(x[k]));
-    const float inv = m > 0.f ? 127.f / m : 0.f;
-    XB q;
-    float sum = 0.f;
-    // The _rn intrinsics keep the compiler (fast math) from folding (v + M) - M into v, which
-    // would make every remainder 0.
+        for (int w = 0; w < 2; w++) {
+            u32 hb[4], lb[4];
 #pragma unroll
-    for (int w = 0; w < 8; w++) {
-        u32 hb[4], lb[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float v = __fmul_rn(x[4 * w + j], inv);
-            const float th = __fadd_rn(v, Q_MAGIC), h = __fsub_rn(th, Q_MAGIC);
-            // The remainder in 256ths, at most 127 (an int8): 128 would need v - h = 0.5 exactly.
-            const float tl = __fadd_rn(fminf(__fmul_rn(__fsub_rn(v, h), 256.f), 127.f), Q_MAGIC);
-            hb[j] = __float_as_uint(th);
-            lb[j] = __float_as_uint(tl);
-            sum += fmaf(h, 256.f, tl - Q_MAGIC);
+            for (int k = 0; k < 4; k++) {
+                const float v = __fmul_rn(in ? x[4 * w + k] : 0.f, inv);
+                const float th = __fadd_rn(v, Q_MAGIC), h = __fsub_rn(th, Q_MAGIC);
+                // The remainder in 256ths, at most 127 (an int8): 128 would need v - h = 0.5.
+                const float tl = __fadd_rn(fminf(__fmul_rn(__fsub_rn(v, h), 256.f), 127.f), Q_MAGIC);
+                hb[k] = __float_as_uint(th);
+                lb[k] = __float_as_uint(tl);
+                sum += fmaf(h, 256.f, tl - Q_MAGIC);
+            }
+            hw[w] = (u32)pack_low_bytes(hb[0], hb[1], hb[2], hb[3]);
+            lw[w] = (u32)pack_low_bytes(lb[0], lb[1], lb[2], lb[3]);
         }
-        q.h[w] = pack_low_bytes(hb[0], hb[1], hb[2], hb[3]);
-        q.l[w] = pack_low_bytes(lb[0], lb[1], lb[2], lb[3]);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        __syncwarp();
+        if (in) {
+            // This thread's words are h[2j], h[2j + 1] (and l's): slot j / 2, its half j % 2.
+            uint4* r = (uint4*)(xs + 32 * b);
+            const int sw = b & 7;
+            ((uint2*)&r[((j >> 1) + sw) & 7])[j & 1] = make_uint2(hw[0], hw[1]);
+            ((uint2*)&r[((j >> 1) + 2 + sw) & 7])[j & 1] = make_uint2(lw[0], lw[1]);
+            const float s = m * (1.f / (127.f * 256.f));
+            if (j == 0) *(float2*)&r[(4 + sw) & 7] = make_float2(s, WT == WEIGHT_Q4_0 ? -8.f * sum : s * sum);
+        }
     }
-    q.s = m * (1.f / (127.f * 256.f));
-    q.sum = WT == WEIGHT_Q4_0 ? -8.f * sum : q.s * sum;
-    return q;
 }
 
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
@@ -788,7 +824,7 @@ __device__ __forceinline__ void dot_rows_xs(const unsigned char* rows, int slot,
         }
     } else {
         for (int c = c0; c < cols; c += 2048) {
-            const XB q = quantize_block<WT>(xs, c, true);
+            const XB q = xb_at(xs, c >> 5);
             BlockQ wv[R];
 #pragma unroll
             for (int k = 0; k < R; k++) wv[k] = block_quants<WT>(rows, slot, k, c);
@@ -866,7 +902,7 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
     } else {
         XB q[S];
 #pragma unroll
-        for (int i = 0; i < S; i++) q[i] = quantize_block<WT>(xs, c0 + 2048 * i, c0 + 2048 * i < g.cols);
+        for (int i = 0; i < S; i++) q[i] = xb_or_zero(xs, (c0 >> 5) + 64 * i, c0 + 2048 * i < g.cols);
         return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, q, res);
     }
 }
@@ -880,32 +916,48 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
 #ifndef MK_XQ_REG_STEPS
 #define MK_XQ_REG_STEPS 2
 #endif
+template <int WT, bool BL>
+__device__ __forceinline__ void digits_ready(float* xs, int cols, bool fresh) {
+    if constexpr (BL) {
+        if (fresh) {
+            digitize_xs<WT>(xs, cols);
+            consumers_sync();
+        }
+    }
+}
+
 template <int WT, int COLS>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
-                                               const bf16_t* pages, u64* full, u64* empty, const float* xs,
+                                               const bf16_t* pages, u64* full, u64* empty, float* xs, bool fresh,
                                                float* res) {
     constexpr bool BL = block_lanes<WT, COLS>();
     constexpr int STEP = 64 * lane_cols<BL>(), S = (COLS + STEP - 1) / STEP;
+    digits_ready<WT, BL>(xs, g.cols, fresh);
     if constexpr (S <= (BL ? MK_XQ_REG_STEPS : MK_X_REG_STEPS))
         return tiles_x_in_registers<WT, BL, S>(p, instr, seq, g, pages, full, empty, xs, res);
-    else return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, xs, res);
+    else return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, (const float*)xs, res);
 }
 
 // Dot products of the instruction's weight rows (from the paged ring) with xs, for a matrix
 // of format WT: the two column halves of row j land in res[2j] and res[2j + 1] (summed in that
 // order by res_at). The row length is one of the model's dimensions or a down-projection
 // chunk: compile-time branches, not a jump table (an indirect branch here is on the critical
-// path). False when a page wait failed (the error is raised).
+// path). Block lanes turn xs into digits first, unless `fresh` is false: xs is then the one a
+// previous instruction of the same kind turned (the normed input shared, see megakernel.cu).
+// False when a page wait failed (the error is raised).
 template <int WT>
 __device__ bool tiles_of_format(const MkParams& p, const TileGeom& g, u32 instr, u32 seq, const bf16_t* pages,
-                                u64* full, u64* empty, const float* xs, float* res) {
-    if (g.cols == MK_HIDDEN) return tiles_of_width<WT, MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, res);
-    if (g.cols == MK_Q_DIM) return tiles_of_width<WT, MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, res);
+                                u64* full, u64* empty, float* xs, bool fresh, float* res) {
+    if (g.cols == MK_HIDDEN)
+        return tiles_of_width<WT, MK_HIDDEN>(p, instr, seq, g, pages, full, empty, xs, fresh, res);
+    if (g.cols == MK_Q_DIM) return tiles_of_width<WT, MK_Q_DIM>(p, instr, seq, g, pages, full, empty, xs, fresh, res);
 #ifdef MK_DOWN_COLS
     if (g.cols == MK_DOWN_COLS)
-        return tiles_of_width<WT, MK_DOWN_COLS>(p, instr, seq, g, pages, full, empty, xs, res);
+        return tiles_of_width<WT, MK_DOWN_COLS>(p, instr, seq, g, pages, full, empty, xs, fresh, res);
 #endif
-    return tiles_to_res<WT, block_lanes<WT, 0>()>(p, instr, seq, g, pages, full, empty, xs, res);
+    constexpr bool BL = block_lanes<WT, 0>();
+    digits_ready<WT, BL>(xs, g.cols, fresh);
+    return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, (const float*)xs, res);
 }
 
 __device__ __forceinline__ float res_at(const float* res, int j) { return res[2 * j] + res[2 * j + 1]; }
