@@ -107,20 +107,41 @@ impl<'g> GpuPath<'g> {
         let mode = match kind {
             PathKind::Megakernel => {
                 // One set of streams per context bucket up to max_seq: the split-KV parts
-                // follow the sequence as it grows. For measuring other granularities,
-                // MEGAINFER_MK_ATTN_PARTS sets the parts per KV head (in one bucket) and
-                // MEGAINFER_MK_QKV_PAIRS the RoPE pairs per RmsQkvRope.
+                // follow the sequence as it grows. For measuring other granularities, each of
+                // the scheduler's choices can be set (MEGAINFER_MK_ATTN_PARTS: split-KV parts
+                // per KV head, in one bucket; MEGAINFER_MK_QKV_PAIRS: RoPE pairs per
+                // RmsQkvRope; MEGAINFER_MK_OPROJ_ROWS, _UPGATE_ROWS, _DOWN_ROWS, _DOWN_CHUNKS,
+                // _LMHEAD_ROWS: rows per instruction and the down projection's k-chunks).
+                const VARS: [&str; 7] = [
+                    "MEGAINFER_MK_ATTN_PARTS",
+                    "MEGAINFER_MK_QKV_PAIRS",
+                    "MEGAINFER_MK_OPROJ_ROWS",
+                    "MEGAINFER_MK_UPGATE_ROWS",
+                    "MEGAINFER_MK_DOWN_ROWS",
+                    "MEGAINFER_MK_DOWN_CHUNKS",
+                    "MEGAINFER_MK_LMHEAD_ROWS",
+                ];
+                let [attn_parts, qkv_pairs, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows] =
+                    VARS.map(super::switches::count);
                 let overrides = scheduler::Overrides {
-                    attn_parts: super::switches::count("MEGAINFER_MK_ATTN_PARTS")?,
-                    qkv_pairs: super::switches::count("MEGAINFER_MK_QKV_PAIRS")?,
-                    ..Default::default()
+                    attn_parts: attn_parts?,
+                    qkv_pairs: qkv_pairs?,
+                    oproj_rows: oproj_rows?,
+                    upgate_rows: upgate_rows?,
+                    down_rows: down_rows?,
+                    down_chunks: down_chunks?,
+                    lmhead_rows: lmhead_rows?,
                 };
                 let path = MegakernelPath::bucketed(gpu, model, max_seq, &overrides);
                 // The scheduler names the option it refuses; say which variable set it.
-                let path = if overrides.attn_parts.is_some() || overrides.qkv_pairs.is_some() {
-                    path.context(
-                        "the megakernel's streams, with MEGAINFER_MK_ATTN_PARTS or MEGAINFER_MK_QKV_PAIRS set",
-                    )
+                let path = if overrides != scheduler::Overrides::default() {
+                    let set: Vec<&str> = VARS
+                        .into_iter()
+                        .filter(|v| std::env::var_os(v).is_some())
+                        .collect();
+                    path.with_context(|| {
+                        format!("the megakernel's streams, with {} set", set.join(", "))
+                    })
                 } else {
                     path
                 };
