@@ -547,11 +547,15 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 //   input (bf16 would round each to 1/256 of itself) and Σ q x = s Σ q (256 h + l) is exact in
 //   int32.
 
-// Which rows take block lanes (MK_XQ: 0 none; 1, unless set, quantised rows of a known length
-// that is a multiple of 2048 columns, which keep every lane busy; 2 every quantised row); the
-// others decode every weight to f32 and keep the inputs exact. Measured on the H100
-// (BENCHMARKS.md): block lanes make Llama-1B Q4_0 3% and Q4_1 5% faster than f32 decode, Q8_0
-// 6%; SmolLM2's 576-column rows (18 busy lanes of 64) 17% slower. The digits' error is that
+// Which rows take block lanes (MK_XQ: 0 none; 2 every quantised row; 1, unless set, quantised
+// rows of a known length that is a multiple of 2048 columns (a step of a warp pair: every lane
+// busy), or longer than 2048 in a model at least 2048 wide); the others decode every weight to
+// f32 and keep the inputs exact. Measured on the H100 (BENCHMARKS.md), with the digits made
+// once per instruction: block lanes on the longer rows make Llama-3.2-3B Q4_0 (3072 columns)
+// 13%, Qwen3-4B (2560) 13% and Qwen2.5-7B (3584) 15% faster than f32 decode; on the small
+// models, whose instructions have few rows to spread the digits over, they made Qwen3-0.6B's
+// down projection (3072 columns, 8 rows an instruction) 2% slower, and rows shorter than 2048
+// keep lanes idle (SmolLM2's 576: 18 busy lanes of 64, 3% slower). The digits' error is that
 // of the inputs to 1/65,000 of their block's largest, amplified like any other rounding: the
 // tiny random models' logits move by ~1e-3 (2.5e-5 with exact inputs).
 #ifndef MK_XQ
@@ -560,7 +564,8 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 // COLS: the rows' length, 0 when not known at compile time.
 template <int WT, int COLS>
 __device__ __forceinline__ constexpr bool block_lanes() {
-    return WT != WEIGHT_BF16 && (MK_XQ == 2 || (MK_XQ == 1 && COLS > 0 && COLS % 2048 == 0));
+    return WT != WEIGHT_BF16 &&
+           (MK_XQ == 2 || (MK_XQ == 1 && COLS > 0 && (COLS % 2048 == 0 || (COLS > 2048 && MK_HIDDEN >= 2048))));
 }
 // Columns per lane per step, and per step of a warp pair.
 template <bool BL>
