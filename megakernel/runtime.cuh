@@ -914,9 +914,13 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
 
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
 // they are at most MK_X_REG_STEPS steps long (block lanes: MK_XQ_REG_STEPS steps of 2048
-// columns, 18 registers of digits each), else read from shared memory.
+// columns, 18 registers of digits each), else read from shared memory. Four steps in
+// registers suit the small models, whose 2048-column rows are short latency-bound
+// instructions (Qwen3-0.6B's O projection: 1.7% slower from shared memory); in models at
+// least 2048 wide, whose 2048-column rows include the long LM head and up-gate instructions,
+// Llama-1B is 1.1% faster with them read from shared memory (BENCHMARKS.md).
 #ifndef MK_X_REG_STEPS
-#define MK_X_REG_STEPS 4
+#define MK_X_REG_STEPS (MK_HIDDEN >= 2048 ? 3 : 4)
 #endif
 #ifndef MK_XQ_REG_STEPS
 #define MK_XQ_REG_STEPS 2
