@@ -526,10 +526,10 @@ __device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
 }
 
 // A warp covers columns c0 + 512 i of every row (c0: its lane's 8 columns within its half of a
-// 512-column step). With rows of at most MK_X_REG_STEPS steps (4 unless set), x stays in
+// 512-column step). With rows of at most MK_X_REG_STEPS steps (defined below), x stays in
 // registers for all the tiles of an instruction and the tiles' loop reads only weights from
-// shared memory: x read there as well would double the traffic, and one chain at a time would
-// serialise the rows.
+// shared memory: x read there as well doubles the shared-memory traffic, which the short
+// instructions of the small models feel.
 //
 // Quantised rows, two ways (MK_XQ selects per format):
 // - Decoded to f32 (the 8-column lanes above): a lane's 8 columns are a quarter of a 32-column
