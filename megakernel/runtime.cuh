@@ -634,12 +634,14 @@ __device__ __forceinline__ void digitize_xs(float* xs, int cols) {
     for (int b0 = (ct >> 5) * 8; b0 < nb; b0 += CONSUMERS / 4) {
         const int b = b0 + ((ct & 31) >> 2);
         const bool in = b < nb;
-        const float4* src = (const float4*)(xs + 32 * (in ? b : 0) + 8 * j);
-        const float4 v0 = src[0], v1 = src[1];
+        // A lane past the row's end reads nothing: another warp may be writing the digits of
+        // any block it could read.
+        const float4* src = (const float4*)(xs + 32 * b + 8 * j);
+        const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f), v0 = in ? src[0] : z4, v1 = in ? src[1] : z4;
         const float x[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
         float m = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(in ? x[k] : 0.f));
+        for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(x[k]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         const float inv = m > 0.f ? 127.f / m : 0.f;
@@ -652,7 +654,7 @@ __device__ __forceinline__ void digitize_xs(float* xs, int cols) {
             u32 hb[4], lb[4];
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                const float v = __fmul_rn(in ? x[4 * w + k] : 0.f, inv);
+                const float v = __fmul_rn(x[4 * w + k], inv);
                 const float th = __fadd_rn(v, Q_MAGIC), h = __fsub_rn(th, Q_MAGIC);
                 // The remainder in 256ths, at most 127 (an int8): 128 would need v - h = 0.5.
                 const float tl = __fadd_rn(fminf(__fmul_rn(__fsub_rn(v, h), 256.f), 127.f), Q_MAGIC);
