@@ -98,7 +98,9 @@ fi
 # BENCH=qwen (not in BENCH=1): the Qwen3-0.6B and Qwen2.5-0.5B shapes on every path.
 # BENCH=parts (not in BENCH=1): the megakernel's split-KV parts, OLD_BIN against this build on
 # PARTS_CASES, and forced part counts (PARTS_SWEEP); see the section below.
-# BENCH=presets (not in BENCH=1): every preset on the megakernel, graph + PDL and graph.
+# BENCH=presets (not in BENCH=1): every preset on the megakernel, graph + PDL and graph
+#   (PRESETS narrows them; e.g. PRESETS="llama-3.2-1b@q4_0 llama-3.2-3b@q8_0" for quantised
+#   weights, see preset_args).
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
 # BENCH=timeline (not in BENCH=1): a profiled step's per-instruction table and a layer's
@@ -117,6 +119,9 @@ if [ "${BENCH:-0}" != 0 ]; then
   echo
   echo "=== benchmarks ==="
   row() { grep -E "^\| *$2 " "$1" | head -1; }
+  # A preset of AB_PRESETS, PRESETS or TIMELINE_PRESETS may name the weights' storage after an
+  # '@' (llama-3.2-1b@q4_0: the random weights quantised, `bench --dtype q4_0`).
+  preset_args() { if [[ "$1" == *@* ]]; then echo "--preset ${1%@*} --dtype ${1#*@}"; else echo "--preset $1"; fi; }
   AB_PATHS=${AB_PATHS:-megakernel}
   # AB_PRESETS picks the presets, AB_ROUNDS the rounds (default 2); AB_FUSION (';'-separated
   # MEGAINFER_BASELINE_FUSION values) adds this build with those graph-path fusions to each round.
@@ -125,15 +130,17 @@ if [ "${BENCH:-0}" != 0 ]; then
     bench_on ab || continue
     for i in $(seq "${AB_ROUNDS:-2}"); do
       for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
-        log="$OUT/bench-ab-$preset-$(basename "$bin")-$i.log"
-        "$bin" bench --preset "$preset" --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
+        log="$OUT/bench-ab-${preset/@/-}-$(basename "$bin")-$i.log"
+        # shellcheck disable=SC2046 # preset_args is two or four words
+        "$bin" bench $(preset_args "$preset") --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
         for p in ${AB_PATHS//,/ }; do
           echo "$preset $(basename "$bin") run $i: $(row "$log" "$p")"
         done
       done
       for j in "${!ab_fusions[@]}"; do
-        log="$OUT/bench-ab-$preset-fusion$j-$i.log"
-        MEGAINFER_BASELINE_FUSION="${ab_fusions[$j]}" "$MEGAINFER_BIN" bench --preset "$preset" \
+        log="$OUT/bench-ab-${preset/@/-}-fusion$j-$i.log"
+        # shellcheck disable=SC2046
+        MEGAINFER_BASELINE_FUSION="${ab_fusions[$j]}" "$MEGAINFER_BIN" bench $(preset_args "$preset") \
           --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
         for p in ${AB_PATHS//,/ }; do
           echo "$preset fusion ${ab_fusions[$j]} run $i: $(row "$log" "$p")"
@@ -200,8 +207,9 @@ if [ "${BENCH:-0}" != 0 ]; then
   if [[ ",${BENCH:-}," == *",presets,"* ]]; then
     # Every preset on every decode path, one build: the README's table (PRESETS to narrow).
     for preset in ${PRESETS:-llama-3.2-1b smollm2-135m qwen3-0.6b qwen2.5-0.5b llama-3.2-3b llama-3.1-8b qwen3-1.7b qwen3-4b qwen3-8b qwen2.5-7b}; do
-      log="$OUT/bench-presets-$preset.log"
-      "$MEGAINFER_BIN" bench --preset "$preset" --reps 3 --paths megakernel,graph-pdl,graph > "$log" 2>&1
+      log="$OUT/bench-presets-${preset/@/-}.log"
+      # shellcheck disable=SC2046
+      "$MEGAINFER_BIN" bench $(preset_args "$preset") --reps 3 --paths megakernel,graph-pdl,graph > "$log" 2>&1
       for p in megakernel graph-pdl graph; do echo "presets $preset: $(row "$log" "$p")"; done
     done
   fi
@@ -210,12 +218,14 @@ if [ "${BENCH:-0}" != 0 ]; then
     # --timeline`, 20 new tokens), its per-instruction table and scripts/timeline.py's
     # critical path.
     for preset in ${TIMELINE_PRESETS:-llama-3.2-1b}; do
-      log="$OUT/bench-timeline-$preset.log"
-      "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len 32 --gen 20 --reps 1 --paths megakernel \
-        --profile --timeline "$OUT/timeline-$preset.csv" > "$log" 2>&1
+      name=${preset/@/-}
+      log="$OUT/bench-timeline-$name.log"
+      # shellcheck disable=SC2046
+      "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len 32 --gen 20 --reps 1 --paths megakernel \
+        --profile --timeline "$OUT/timeline-$name.csv" > "$log" 2>&1
       echo "timeline $preset:"
       grep -E "^\| (megakernel|Rms|Attention|AttnReduce|OProj|Down)" "$log"
-      if [ -f "$OUT/timeline-$preset.csv" ]; then python3 scripts/timeline.py "$OUT/timeline-$preset.csv"
+      if [ -f "$OUT/timeline-$name.csv" ]; then python3 scripts/timeline.py "$OUT/timeline-$name.csv"
       else echo "  no timeline written; the end of $log:"; tail -3 "$log"; fi
     done
   fi
