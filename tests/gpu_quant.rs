@@ -72,31 +72,44 @@ fn check_decode(
     let mut worst_all = 0f64;
     for &kind in paths {
         let mut path = GpuPath::new(kind, gpu, &dm, 64, 64).unwrap();
-        let mut worst = 0f64;
-        for (i, t) in tokens.iter().enumerate() {
-            let got = path.feed(&[*t]).unwrap();
-            let err = rel_l2(&got, &want[i]);
-            worst = worst.max(err);
-            assert!(
-                err <= tol,
-                "{label} {}: step {i} rel L2 {err:.2e} > {tol:.0e}",
-                kind.name()
-            );
-            assert_eq!(
-                argmax(&got),
-                argmax(&want[i]),
-                "{label} {}: argmax differs at step {i}",
-                kind.name()
-            );
-        }
-        println!(
-            "{label} {}: decode worst rel L2 {worst:.2e} over {} steps (tolerance {tol:.0e})",
-            kind.name(),
-            tokens.len()
+        let worst = teacher_forced(
+            &mut path,
+            tokens,
+            &want,
+            &format!("{label} {}", kind.name()),
+            tol,
         );
         worst_all = worst_all.max(worst);
     }
     worst_all
+}
+
+/// `tokens` fed one a step to `backend`, each step's logits against the reference's `want`
+/// (rel L2 within `tol`, the same argmax); returns the worst error.
+fn teacher_forced(
+    backend: &mut impl Backend,
+    tokens: &[u32],
+    want: &[Vec<f32>],
+    label: &str,
+    tol: f64,
+) -> f64 {
+    let mut worst = 0f64;
+    for (i, t) in tokens.iter().enumerate() {
+        let got = backend.feed(&[*t]).unwrap();
+        let err = rel_l2(&got, &want[i]);
+        worst = worst.max(err);
+        assert!(err <= tol, "{label}: step {i} rel L2 {err:.2e} > {tol:.0e}");
+        assert_eq!(
+            argmax(&got),
+            argmax(&want[i]),
+            "{label}: argmax differs at step {i}"
+        );
+    }
+    println!(
+        "{label}: decode worst rel L2 {worst:.2e} over {} steps (tolerance {tol:.0e})",
+        tokens.len()
+    );
+    worst
 }
 
 #[test]
@@ -228,24 +241,12 @@ fn quantized_wide_rows_match_reference() {
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
         let want = CpuForward::new(&cfg, &w, 64).forward_all(&tokens).unwrap();
         let mut mk = MegakernelPath::new(&gpu, &dm, &sched, 64).unwrap();
-        let mut worst = 0f64;
-        for (i, t) in tokens.iter().enumerate() {
-            let got = mk.feed(&[*t]).unwrap();
-            let err = rel_l2(&got, &want[i]);
-            worst = worst.max(err);
-            assert!(
-                err <= TOL_LLAMA_1B,
-                "{label} megakernel, shared inputs: step {i} rel L2 {err:.2e} > {TOL_LLAMA_1B:.0e}"
-            );
-            assert_eq!(
-                argmax(&got),
-                argmax(&want[i]),
-                "{label} megakernel, shared inputs: argmax differs at step {i}"
-            );
-        }
-        println!(
-            "{label} megakernel, shared inputs: decode worst rel L2 {worst:.2e} over {} steps",
-            tokens.len()
+        teacher_forced(
+            &mut mk,
+            &tokens,
+            &want,
+            &format!("{label} megakernel, shared inputs"),
+            TOL_LLAMA_1B,
         );
     }
 }
