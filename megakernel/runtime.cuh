@@ -851,9 +851,49 @@ struct is_ptr<T*> {
     static constexpr bool value = true;
 };
 
+// The warp's sums of R rows (R = 2 or 4) into out[2k] for row k, the rows reduced together:
+// the first exchanges split the rows between the lanes (each lane sends the rows its partner
+// keeps), so four rows take 6 shuffles and 6 adds instead of 20 and 20, and lane k < R ends
+// with a row's total. It pays where a lane's products for a row are few next to the
+// reductions: Q4 block lanes (16 bytes of quants a lane and row: Qwen3-4B Q4_0 −1.2%, Llama-1B
+// Q4_0 −1.8%) and the small models' bf16 rows (Qwen2.5-0.5B −2.4%, SmolLM2 −2.2%). Q8_0's
+// blocks (twice the products) and the small models' f32-decoded rows were 0.3–0.5% slower
+// with it, Llama-1B's bf16 rows 0.7% (BENCHMARKS.md). MK_ROW_SCATTER: 0 never, 2 always.
+#ifndef MK_ROW_SCATTER
+#define MK_ROW_SCATTER 1
+#endif
+template <int WT, bool BL>
+__device__ __forceinline__ constexpr bool row_scatter() {
+    return MK_ROW_SCATTER == 2 ||
+           (MK_ROW_SCATTER == 1 && ((BL && WT != WEIGHT_Q8_0) || (WT == WEIGHT_BF16 && MK_HIDDEN < 2048)));
+}
+template <int R>
+__device__ __forceinline__ void rows_scatter_to_res(const float (&acc)[R], float* out) {
+    static_assert(R == 2 || R == 4, "rows_scatter_to_res: 2 or 4 rows");
+    const int lane = threadIdx.x & 31;
+    const bool b0 = lane & 1;
+    float v;
+    int row;
+    if constexpr (R == 2) {
+        // Even lanes keep row 0, odd lanes row 1.
+        v = (b0 ? acc[1] : acc[0]) + __shfl_xor_sync(0xffffffffu, b0 ? acc[0] : acc[1], 1);
+        row = lane & 1;
+    } else {
+        // Even lanes keep rows 0 and 1, odd lanes 2 and 3; then lanes with bit 1 clear keep the
+        // first of their two, the others the second.
+        const float k0 = (b0 ? acc[2] : acc[0]) + __shfl_xor_sync(0xffffffffu, b0 ? acc[0] : acc[2], 1);
+        const float k1 = (b0 ? acc[3] : acc[1]) + __shfl_xor_sync(0xffffffffu, b0 ? acc[1] : acc[3], 1);
+        const bool b1 = lane & 2;
+        v = (b1 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, b1 ? k0 : k1, 2);
+        row = 2 * (lane & 1) + ((lane >> 1) & 1);
+    }
+#pragma unroll
+    for (int o = R; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane < R) out[2 * row] = v;
+}
+
 // Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
 // lanes, into res (see tiles_of_format).
-
 template <int WT, bool BL, int R, typename X>
 __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
                                             int row0, int half) {
@@ -865,11 +905,15 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
     else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
+    if constexpr (R > 1 && row_scatter<WT, BL>()) {
+        rows_scatter_to_res<R>(acc, res + 2 * row0 + half);
+    } else {
 #pragma unroll
-    for (int k = 0; k < R; k++) acc[k] = warp_sum(acc[k]);
-    if ((threadIdx.x & 31) == 0)
+        for (int k = 0; k < R; k++) acc[k] = warp_sum(acc[k]);
+        if ((threadIdx.x & 31) == 0)
 #pragma unroll
-        for (int k = 0; k < R; k++) res[2 * (row0 + k) + half] = acc[k];
+            for (int k = 0; k < R; k++) res[2 * (row0 + k) + half] = acc[k];
+    }
 }
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
@@ -920,13 +964,21 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
 // registers suit the small models, whose 2048-column rows are short latency-bound
 // instructions (Qwen3-0.6B's O projection: 1.7% slower from shared memory); in models at
 // least 2048 wide, whose 2048-column rows include the long LM head and up-gate instructions,
-// Llama-1B is 1.1% faster with them read from shared memory (BENCHMARKS.md).
+// Llama-1B is 1.1% faster with them read from shared memory (BENCHMARKS.md). The same holds
+// for Q4 block lanes' digits there: with one step in registers, so that 2048-column rows (QKV,
+// up-gate, O, LM head) read theirs from shared memory, Llama-3.2-3B Q4_0 was 2.0% faster,
+// Qwen3-4B and Llama-3.1-8B 0.9%; Llama-1B Q8_0, twice the quants a digit, 1.5% slower.
 #ifndef MK_X_REG_STEPS
 #define MK_X_REG_STEPS (MK_HIDDEN >= 2048 ? 3 : 4)
 #endif
-#ifndef MK_XQ_REG_STEPS
-#define MK_XQ_REG_STEPS 2
+template <int WT>
+__device__ __forceinline__ constexpr int xq_reg_steps() {
+#ifdef MK_XQ_REG_STEPS
+    return MK_XQ_REG_STEPS;
+#else
+    return WT != WEIGHT_Q8_0 && MK_HIDDEN >= 2048 ? 1 : 2;
 #endif
+}
 template <int WT, bool BL>
 __device__ __forceinline__ void digits_ready(float* xs, int cols, bool fresh) {
     if constexpr (BL) {
@@ -944,7 +996,7 @@ __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32
     constexpr bool BL = block_lanes<WT, COLS>();
     constexpr int STEP = 64 * lane_cols<BL>(), S = (COLS + STEP - 1) / STEP;
     digits_ready<WT, BL>(xs, g.cols, fresh);
-    if constexpr (S <= (BL ? MK_XQ_REG_STEPS : MK_X_REG_STEPS))
+    if constexpr (S <= (BL ? xq_reg_steps<WT>() : MK_X_REG_STEPS))
         return tiles_x_in_registers<WT, BL, S>(p, instr, seq, g, pages, full, empty, xs, res);
     else return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, (const float*)xs, res);
 }

@@ -102,7 +102,7 @@ fi
 #   (PRESETS narrows them; e.g. PRESETS="llama-3.2-1b@q4_0 llama-3.2-3b@q8_0" for quantised
 #   weights, see preset_args).
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
-# MEGAINFER_MK_DEFINES values) on DEFINES_CASES.
+# MEGAINFER_MK_DEFINES values) on DEFINES_CASES (PRESET[@DTYPE]:PROMPT_LEN ...).
 # BENCH=timeline (not in BENCH=1): a profiled step's per-instruction table and a layer's
 #   critical path (scripts/timeline.py) for each preset of TIMELINE_PRESETS.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
@@ -241,8 +241,8 @@ if [ "${BENCH:-0}" != 0 ]; then
         preset=${spec%%:*}; len=${spec##*:}
         for i in "${!variants[@]}"; do
           v=${variants[$i]}
-          log="$OUT/bench-defines-$preset-$len-v$i-$round.log"
-          MEGAINFER_MK_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --prompt-len "$len" \
+          log="$OUT/bench-defines-${preset/@/-}-$len-v$i-$round.log"
+          MEGAINFER_MK_DEFINES="$v" "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" \
             --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
           echo "defines $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
         done
