@@ -170,6 +170,15 @@ fn megakernel_compiles_for_quantised_formats() {
         ("smollm2-135m", default_model),
         ("llama-3.2-1b", all(1)),
         ("llama-3.2-1b", all(3)),
+        // A K-quant mix as the megakernel gets it: q/k/v and down widened, the rest Q4_1.
+        (
+            "llama-3.2-1b",
+            sources::MatrixFormats {
+                qkv: 0,
+                down: 0,
+                ..all(3)
+            },
+        ),
     ] {
         let cfg = presets::by_name(preset).unwrap();
         let mut defines = sources::megakernel_defines(&cfg);

@@ -272,6 +272,40 @@ fn megakernel_refuses_mixed_formats_with_a_clear_message() {
     );
 }
 
+/// A file whose layers mix formats within q/k/v and down (as llama.cpp's Q4_K_M files do) on
+/// the megakernel as `run` prepares it (`PathKind::for_weights`): those two kinds widened to
+/// bf16, the attention output and gate/up kept quantised, so one kernel reads bf16 and block
+/// formats side by side; teacher-forced against the CPU reference on the same weights.
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_runs_bf16_and_quantised_kinds_together() {
+    let gpu = gpu();
+    for ty in TYPES {
+        for (label, cfg, mut w, tokens) in cases(ty).into_iter().take(2) {
+            let l0 = &mut w.layers[0];
+            for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
+                *m = m.to_bf16();
+            }
+            w.layers[1].w_down = w.layers[1].w_down.to_bf16();
+            let (path, why) = PathKind::Megakernel.for_weights(&mut w, false);
+            assert_eq!(path, PathKind::Megakernel);
+            println!("{label}: {}", why.unwrap());
+            assert_eq!(w.layers[0].wo.ty(), ty);
+            assert_eq!(w.layers[0].w_gate.ty(), ty);
+            assert_eq!(w.layers[0].w_down.ty(), WeightType::Bf16);
+            check_decode(
+                &gpu,
+                &cfg,
+                &w,
+                &tokens,
+                &format!("{label} q/k/v and down widened"),
+                TOL_DECODE,
+                &[PathKind::Megakernel],
+            );
+        }
+    }
+}
+
 /// The default model (SmolLM2-135M-Instruct: Q4_1 layers, Q8_0 embedding and tied LM head)
 /// as the file stores it: every GPU path's teacher-forced logits against the CPU reference on
 /// the same quantised weights, and its 32 greedy tokens equal to the reference's. The

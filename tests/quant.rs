@@ -332,9 +332,9 @@ fn dtype_conversion_quantises_and_widens_and_refuses_partial_blocks() {
 }
 
 /// The megakernel reads the quantised formats as stored, one per kind of matrix: uniform
-/// weights keep their types on it; a file whose layers mix types within a kind is widened for
-/// it (or, had --dtype been asked, handed to the graph path); other paths keep the weights as
-/// they are.
+/// weights keep their types on it; in a file whose layers mix types within a kind, that kind
+/// is widened for it and the other kinds keep their types (or, had --dtype been asked, the
+/// file is handed to the graph path); other paths keep the weights as they are.
 #[test]
 fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
     let cfg = tiny_cfg();
@@ -369,10 +369,48 @@ fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
     assert_eq!(path, PathKind::Graph);
     assert!(why.unwrap().contains("layer 1"));
     assert!(w.is_quantized(), "handed to the graph path as stored");
+    // Layer 0's q/k/v as well: two kinds mixed, two kinds uniform.
+    let l0 = &mut w.layers[0];
+    for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
+        *m = m.to_bf16();
+    }
+    // Layer 0's down matrix is still Q8_0: widened, it holds its values rounded to bf16.
+    let want: Vec<f32> = w.layers[0]
+        .w_down
+        .to_f32()
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32())
+        .collect();
     let (path, why) = PathKind::Megakernel.for_weights(&mut w, false);
     assert_eq!(path, PathKind::Megakernel);
-    assert!(why.unwrap().contains("widened to bf16"));
-    assert!(!w.is_quantized(), "widened for the megakernel");
+    let why = why.unwrap();
+    assert!(
+        why.contains("the q/k/v, down matrices are widened to bf16"),
+        "{why}"
+    );
+    assert_eq!(w.mixed_storage(), None, "one type per kind after widening");
+    for l in &w.layers {
+        for m in [&l.wq, &l.wk, &l.wv, &l.w_down] {
+            assert_eq!(
+                m.ty(),
+                WeightType::Bf16,
+                "a mixed kind is widened in every layer"
+            );
+        }
+        for m in [&l.wo, &l.w_gate, &l.w_up] {
+            assert_eq!(m.ty(), WeightType::Q8_0, "a uniform kind keeps its type");
+        }
+    }
+    assert_eq!(
+        w.embed.ty(),
+        WeightType::Q8_0,
+        "the embedding keeps its type"
+    );
+    assert_eq!(
+        w.layers[0].w_down.to_f32(),
+        want,
+        "widening keeps the values"
+    );
 }
 
 /// The mixed-format check shared by the host weights and the GPU's copy (DeviceModel's

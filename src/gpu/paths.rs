@@ -50,9 +50,10 @@ impl PathKind {
 impl PathKind {
     /// The path that runs `weights` when `self` is asked for, and what was done about it. Every
     /// path reads the formats as stored, but the megakernel compiles one format per kind of
-    /// matrix: a file whose layers mix them is widened to bf16 for it, while a quantisation
-    /// asked for with `--dtype` (`dtype_asked`, which makes every matrix one type, so this
-    /// cannot happen to it) would go to the graph path.
+    /// matrix: the kinds whose layers mix them are widened to bf16 for it
+    /// (`Weights::widen_mixed_kinds`; the others keep their types), while a quantisation asked
+    /// for with `--dtype` (`dtype_asked`, which makes every matrix one type, so this cannot
+    /// happen to it) would go to the graph path.
     pub fn for_weights(
         self,
         weights: &mut crate::model::Weights,
@@ -72,11 +73,11 @@ impl PathKind {
                 )),
             );
         }
-        weights.widen_to_bf16();
+        let widened = weights.widen_mixed_kinds().join(", ");
         (
             self,
             Some(format!(
-                "the megakernel needs one storage type per kind of matrix, and {mixed}: the quantised matrices are widened to bf16 ({}); --path graph runs them as stored",
+                "the megakernel needs one storage type per kind of matrix, and {mixed}: the {widened} matrices are widened to bf16 ({}); --path graph runs them as stored",
                 weights.describe_memory()
             )),
         )

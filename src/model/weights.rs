@@ -534,6 +534,39 @@ impl Weights {
         )
     }
 
+    /// Each kind of matrix (as `mixed_storage` names them) whose storage type differs between
+    /// layers widened to bf16 in every layer, so that every kind has one type; the other kinds
+    /// keep theirs. Returns the kinds widened. llama.cpp's K-quant mixes (Q4_K_M: Q6_K for the
+    /// V and down matrices of some layers, which load as bf16) mix types within q/k/v and down
+    /// only, so their attention output and gate/up matrices, most of a layer's bytes, stay
+    /// quantised for the megakernel.
+    pub fn widen_mixed_kinds(&mut self) -> Vec<&'static str> {
+        type Pick = for<'a> fn(&'a mut LayerWeights) -> Vec<&'a mut Matrix>;
+        let kinds: [(&'static str, Pick); 4] = [
+            ("q/k/v", |l| vec![&mut l.wq, &mut l.wk, &mut l.wv]),
+            ("attention output", |l| vec![&mut l.wo]),
+            ("gate/up", |l| vec![&mut l.w_gate, &mut l.w_up]),
+            ("down", |l| vec![&mut l.w_down]),
+        ];
+        let mut widened = Vec::new();
+        for (name, pick) in kinds {
+            let types = self
+                .layers
+                .iter_mut()
+                .flat_map(|l| pick(l).into_iter().map(|m| m.ty()).collect::<Vec<_>>())
+                .collect::<Vec<_>>();
+            if first_mixed_kind([(name, types)]).is_some() {
+                for l in &mut self.layers {
+                    for m in pick(l) {
+                        *m = m.to_bf16();
+                    }
+                }
+                widened.push(name);
+            }
+        }
+        widened
+    }
+
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values
     /// quantised with the project's quantiser (`bench --dtype`). Matrices already of `ty` stay
     /// as they are. Fails, changing nothing, when a matrix's rows are not whole blocks.
