@@ -42,13 +42,14 @@ __device__ __forceinline__ WRow seg_row(const u32* w, const MkParams& p, const L
     }
 }
 
-// The storage format of the instruction's matrix (see "weight formats" in runtime.cuh).
-__device__ __forceinline__ int op_format(u32 op) {
+// The storage format of the instruction's matrix (see "weight formats" in runtime.cuh; L: its
+// layer's table entry, read only where layers' formats differ).
+__device__ __forceinline__ int op_format(u32 op, const LayerW& L) {
     switch (op) {
-        case OP_QKV: return MK_WT_QKV;
-        case OP_UPGATE: return MK_WT_GU;
-        case OP_OPROJ: return MK_WT_O;
-        case OP_DOWN: return MK_WT_DOWN;
+        case OP_QKV: return layer_wt(L.w_qkv, MK_WT_QKV);
+        case OP_UPGATE: return layer_wt(L.w_gu, MK_WT_GU);
+        case OP_OPROJ: return layer_wt(L.wo, MK_WT_O);
+        case OP_DOWN: return layer_wt(L.w_down, MK_WT_DOWN);
         case OP_LMHEAD: return MK_WT_LM;
         default: return WEIGHT_BF16;
     }
@@ -62,7 +63,7 @@ __device__ __forceinline__ int op_matrix_cols(u32 op, const MkParams& p) {
 __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, const LayerW* lw) {
     const int n = seg_count(w);
     if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0, 0};
-    const int cols = seg_cols(w, p), wt = op_format(w[W_OP]);
+    const int cols = seg_cols(w, p), wt = op_format(w[W_OP], lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0]);
     const bool whole = cols == op_matrix_cols(w[W_OP], p);
     const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols), rpt = rows_per_tile(slot, n);
     int soff = 0;

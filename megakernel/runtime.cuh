@@ -383,8 +383,36 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 #ifndef MK_WT_EMB
 #define MK_WT_EMB WEIGHT_BF16
 #endif
-#define MK_WT_USED(t) (MK_WT_QKV == (t) || MK_WT_O == (t) || MK_WT_GU == (t) || MK_WT_DOWN == (t) || MK_WT_LM == (t))
+// A kind's format may also differ between layers (a GGUF file's K-quant mix): MK_WT_MIXED is
+// then the mask (bit = format code) of the formats its layers' q/k/v, output, gate/up and down
+// matrices have, and the host tags each of those pointers in the layer table with its
+// matrix's format in the low two bits (device allocations are 256-byte aligned, so they are
+// otherwise zero): layer_wt and layer_mat read the tag and the pointer. Without mixed layers
+// the kernel is compiled with the kinds' formats as constants, as before.
+#ifndef MK_WT_MIXED
+#define MK_WT_MIXED 0
+#endif
+#define MK_WT_USED(t)                                                                                       \
+    (MK_WT_QKV == (t) || MK_WT_O == (t) || MK_WT_GU == (t) || MK_WT_DOWN == (t) || MK_WT_LM == (t) || \
+     ((MK_WT_MIXED >> (t)) & 1))
 #define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
+
+// The format of a layer's matrix `m` (a layer table pointer) whose kind was compiled as
+// `kind` (see MK_WT_MIXED), and the pointer itself.
+__device__ __forceinline__ int layer_wt(const bf16_t* m, int kind) {
+#if MK_WT_MIXED
+    return (int)((size_t)m & 3);
+#else
+    return kind;
+#endif
+}
+__device__ __forceinline__ const bf16_t* layer_mat(const bf16_t* m) {
+#if MK_WT_MIXED
+    return (const bf16_t*)((size_t)m & ~(size_t)3);
+#else
+    return m;
+#endif
+}
 
 // Bytes of `cols` columns' values (bf16) or quants, and of their block scales.
 __device__ __forceinline__ constexpr int wt_qbytes(int wt, int cols) {

@@ -158,6 +158,7 @@ fn megakernel_compiles_for_quantised_formats() {
         down: t,
         lm_head: t,
         embed: t,
+        mixed: 0,
     };
     let default_model = sources::MatrixFormats {
         lm_head: 1,
@@ -177,6 +178,21 @@ fn megakernel_compiles_for_quantised_formats() {
                 qkv: 0,
                 down: 0,
                 ..all(3)
+            },
+        ),
+        // The same read as stored: bf16, Q8_0 and Q4_1 layers within the kinds.
+        (
+            "llama-3.2-1b",
+            sources::MatrixFormats {
+                mixed: 0b1011,
+                ..all(3)
+            },
+        ),
+        (
+            "smollm2-135m",
+            sources::MatrixFormats {
+                mixed: 0b0101,
+                ..all(2)
             },
         ),
     ] {

@@ -16,7 +16,7 @@ use megainfer::generate::Backend;
 use megainfer::gpu::megakernel::{megakernel_gpu_shape, megakernel_schedule, MegakernelPath};
 use megainfer::gpu::model::DeviceModel;
 use megainfer::gpu::paths::{GpuPath, PathKind};
-use megainfer::model::{presets, random::random_weights, Config, WeightType, Weights};
+use megainfer::model::{presets, random::random_weights, Config, Matrix, WeightType, Weights};
 use megainfer::reference::{rel_l2, CpuForward};
 use megainfer::sampling::{argmax, top_k};
 use scheduler::Op;
@@ -251,25 +251,57 @@ fn quantized_wide_rows_match_reference() {
     }
 }
 
-/// The megakernel compiles one format per kind of matrix: weights whose layers mix formats
-/// within a kind get an error naming the kind and the layers (`run` widens them first, see
-/// `PathKind::for_weights`).
+/// Layers whose matrices of one kind differ in format (as a GGUF K-quant mix's do, before
+/// `run` widens them): the megakernel compiled with every format the layers have
+/// (`MK_WT_MIXED`), each layer's matrices read in their own format, teacher-forced against the
+/// CPU reference on the same weights. Layer 0's q/k/v are bf16, layer 1's down bf16 and layer
+/// 2's gate/up in a second block format.
 #[test]
 #[ignore = "needs a GPU"]
-fn megakernel_refuses_mixed_formats_with_a_clear_message() {
+fn megakernel_reads_layers_of_different_formats() {
     let gpu = gpu();
-    let (_, cfg, mut w, _) = cases(WeightType::Q4_1).remove(0);
-    w.layers[1].w_down = w.layers[1].w_down.to_bf16();
-    let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-    let err = match GpuPath::new(PathKind::Megakernel, &gpu, &dm, 64, 64) {
-        Ok(_) => panic!("the megakernel accepted mixed formats it cannot read"),
-        Err(e) => format!("{e:#}"),
-    };
-    println!("megakernel on mixed down formats: {err}");
-    assert!(
-        err.contains("one storage type per kind") && err.contains("layer 1"),
-        "{err}"
-    );
+    for ty in TYPES {
+        let other = if ty == WeightType::Q8_0 {
+            WeightType::Q4_0
+        } else {
+            WeightType::Q8_0
+        };
+        for (label, cfg, mut w, tokens) in cases(ty).into_iter().take(2) {
+            let l0 = &mut w.layers[0];
+            for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
+                *m = m.to_bf16();
+            }
+            w.layers[1].w_down = w.layers[1].w_down.to_bf16();
+            let l2 = &mut w.layers[2];
+            for m in [&mut l2.w_gate, &mut l2.w_up] {
+                *m = Matrix::quantize_f32(&m.to_f32(), m.cols(), other);
+            }
+            assert!(w.mixed_storage().is_some());
+            let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+            let code = |t: WeightType| {
+                [
+                    WeightType::Bf16,
+                    WeightType::Q8_0,
+                    WeightType::Q4_0,
+                    WeightType::Q4_1,
+                ]
+                .iter()
+                .position(|&x| x == t)
+                .unwrap()
+            };
+            let formats = dm.matrix_formats().unwrap();
+            assert_eq!(formats.mixed, 1 | 1 << code(ty) | 1 << code(other));
+            check_decode(
+                &gpu,
+                &cfg,
+                &w,
+                &tokens,
+                &format!("{label} layers of different formats"),
+                TOL_DECODE,
+                &[PathKind::Megakernel],
+            );
+        }
+    }
 }
 
 /// A file whose layers mix formats within q/k/v and down (as llama.cpp's Q4_K_M files do) on
@@ -287,7 +319,7 @@ fn megakernel_runs_bf16_and_quantised_kinds_together() {
                 *m = m.to_bf16();
             }
             w.layers[1].w_down = w.layers[1].w_down.to_bf16();
-            let (path, why) = PathKind::Megakernel.for_weights(&mut w, false);
+            let (path, why) = PathKind::Megakernel.for_weights(&mut w, false).unwrap();
             assert_eq!(path, PathKind::Megakernel);
             println!("{label}: {}", why.unwrap());
             assert_eq!(w.layers[0].wo.ty(), ty);

@@ -340,14 +340,14 @@ fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
     let cfg = tiny_cfg();
     let mut w = random_weights(&cfg, 1);
     assert_eq!(
-        PathKind::Megakernel.for_weights(&mut w, false),
+        PathKind::Megakernel.for_weights(&mut w, false).unwrap(),
         (PathKind::Megakernel, None)
     );
     w.convert_to(WeightType::Q8_0).unwrap();
     assert_eq!(w.mixed_storage(), None);
     for asked in [false, true] {
         assert_eq!(
-            PathKind::Megakernel.for_weights(&mut w, asked),
+            PathKind::Megakernel.for_weights(&mut w, asked).unwrap(),
             (PathKind::Megakernel, None)
         );
         assert!(w.is_quantized(), "kept as stored");
@@ -361,11 +361,11 @@ fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
         "{mixed}"
     );
     assert_eq!(
-        PathKind::Eager.for_weights(&mut w, false),
+        PathKind::Eager.for_weights(&mut w, false).unwrap(),
         (PathKind::Eager, None)
     );
     assert!(w.is_quantized());
-    let (path, why) = PathKind::Megakernel.for_weights(&mut w, true);
+    let (path, why) = PathKind::Megakernel.for_weights(&mut w, true).unwrap();
     assert_eq!(path, PathKind::Graph);
     assert!(why.unwrap().contains("layer 1"));
     assert!(w.is_quantized(), "handed to the graph path as stored");
@@ -381,7 +381,7 @@ fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
         .iter()
         .map(|v| half::bf16::from_f32(*v).to_f32())
         .collect();
-    let (path, why) = PathKind::Megakernel.for_weights(&mut w, false);
+    let (path, why) = PathKind::Megakernel.for_weights(&mut w, false).unwrap();
     assert_eq!(path, PathKind::Megakernel);
     let why = why.unwrap();
     assert!(

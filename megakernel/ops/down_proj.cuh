@@ -5,7 +5,7 @@
 __device__ __forceinline__ int down_rows(const u32* w) { return (int)w[W_B]; }
 __device__ __forceinline__ int down_cols(const u32* w) { return (int)w[W_E]; }
 __device__ __forceinline__ WRow down_row(const u32* w, const MkParams& p, const LayerW& L, int j) {
-    return wrow(MK_WT_DOWN, L.w_down, w[W_A] + j, p.inter, w[W_D]);
+    return wrow(layer_wt(L.w_down, MK_WT_DOWN), layer_mat(L.w_down), w[W_A] + j, p.inter, w[W_D]);
 }
 
 __device__ __forceinline__ void prepare_down(const MkParams& p, const u32* w, const Smem& sm) {

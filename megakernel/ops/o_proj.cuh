@@ -4,7 +4,7 @@
 __device__ __forceinline__ int oproj_rows(const u32* w) { return (int)w[W_B]; }
 __device__ __forceinline__ int oproj_cols(const MkParams& p) { return p.heads * p.head_dim; }
 __device__ __forceinline__ WRow oproj_row(const u32* w, const MkParams& p, const LayerW& L, int j) {
-    return wrow(MK_WT_O, L.wo, w[W_A] + j, p.heads * p.head_dim, 0);
+    return wrow(layer_wt(L.wo, MK_WT_O), layer_mat(L.wo), w[W_A] + j, p.heads * p.head_dim, 0);
 }
 
 // The residual rows it adds to travel in the same round trip as its input; they wait in the

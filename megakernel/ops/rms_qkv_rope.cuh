@@ -11,7 +11,7 @@ __device__ __forceinline__ int qkv_cols(const MkParams& p) { return p.hidden; }
 __device__ __forceinline__ WRow qkv_row(const u32* w, const MkParams& p, const LayerW& L, int j) {
     int pc = w[W_C], half = p.head_dim / 2;
     int row = w[W_A] * p.head_dim + (j < pc ? (int)w[W_B] + j : half + (int)w[W_B] + j - pc);
-    return wrow(MK_WT_QKV, L.w_qkv, row, p.hidden, 0);
+    return wrow(layer_wt(L.w_qkv, MK_WT_QKV), layer_mat(L.w_qkv), row, p.hidden, 0);
 }
 
 __device__ __forceinline__ void prepare_qkv(const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm) {

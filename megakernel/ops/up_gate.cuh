@@ -6,7 +6,7 @@ __device__ __forceinline__ int upgate_cols(const MkParams& p) { return p.hidden;
 __device__ __forceinline__ WRow upgate_row(const u32* w, const MkParams& p, const LayerW& L, int j) {
     int rc = w[W_B];
     int row = j < rc ? (int)w[W_A] + j : p.inter + (int)w[W_A] + j - rc;
-    return wrow(MK_WT_GU, L.w_gu, row, p.hidden, 0);
+    return wrow(layer_wt(L.w_gu, MK_WT_GU), layer_mat(L.w_gu), row, p.hidden, 0);
 }
 
 __device__ __forceinline__ void prepare_upgate(const MkParams& p, const u32* w, const TokenMeta& m, const Smem& sm) {

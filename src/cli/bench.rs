@@ -226,12 +226,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         );
     }
     let mut weights = weights;
-    // As `run` (`PathKind::for_weights`): a file whose layers mix storage types per kind of
-    // matrix is widened for the megakernel, and all paths then compare on the same weights.
+    // As `run` (`PathKind::for_weights`): where a file's layers mix storage types within a
+    // kind of matrix, those kinds are widened for the megakernel, and all paths then compare on
+    // the same weights.
     if paths.contains(&PathKind::Megakernel) {
-        if let (_, Some(why)) = PathKind::Megakernel.for_weights(&mut weights, false) {
-            model_name = format!("{model_name}, widened to bf16");
-            eprintln!("bench: {why}; every path runs the widened weights");
+        let mixed = weights.mixed_storage().is_some();
+        if let (_, Some(why)) = PathKind::Megakernel.for_weights(&mut weights, false)? {
+            if mixed && weights.mixed_storage().is_none() {
+                model_name = format!("{model_name}, mixed kinds widened to bf16");
+                eprintln!("bench: {why}; every path runs the widened weights");
+            } else {
+                eprintln!("bench: {why}");
+            }
         }
     }
     let weight_memory = weights.describe_memory();

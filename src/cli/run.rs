@@ -201,7 +201,7 @@ pub(crate) fn upload_for_path(
     max_context: usize,
     doing: &str,
 ) -> Result<(PathKind, DeviceModel)> {
-    let (path, why) = common.path.for_weights(weights, common.dtype.is_some());
+    let (path, why) = common.path.for_weights(weights, common.dtype.is_some())?;
     if let Some(why) = why {
         eprintln!("megainfer: {why}");
     }

@@ -250,8 +250,10 @@ impl<'g> MegakernelPath<'g> {
                         col_count,
                         ..
                     } => {
-                        // A quantised row's chunk must start and end on its 32-column blocks.
-                        if formats.down != 0 && (col_start % 32 != 0 || col_count % 32 != 0) {
+                        // A quantised row's chunk must start and end on its 32-column blocks
+                        // (any layer's: a mixed mask above 1 holds a block format).
+                        let quantised = formats.down != 0 || formats.mixed > 1;
+                        if quantised && (col_start % 32 != 0 || col_count % 32 != 0) {
                             bail!("schedule: {op:?} cuts the quantised down projection's 32-column blocks (choose down_chunks so that intermediate / down_chunks is a multiple of 32)");
                         }
                         max_cols = max_cols.max(col_count as usize);
@@ -343,21 +345,36 @@ impl<'g> MegakernelPath<'g> {
         let base = ptr(&arena_d, s);
         let at = |name: &str| base + 8 * arena.offset(name) as u64;
         let logits = gpu.alloc_zeros::<f32>(c.vocab_size, "logits")?;
-        let layer_ptrs: Vec<LayerW> = model
+        // Where layers' formats differ (formats.mixed), each matrix pointer carries its format
+        // in its low two bits (MK_WT_MIXED in runtime.cuh): device allocations are 256-byte
+        // aligned.
+        let mat = |m: &super::model::DeviceMatrix| -> Result<u64> {
+            let p = ptr(&m.data, s);
+            if formats.mixed == 0 {
+                return Ok(p);
+            }
+            if p & 3 != 0 {
+                bail!("megakernel: a weight matrix at {p:#x} is not 4-byte aligned");
+            }
+            Ok(p | m.type_code() as u64)
+        };
+        let layer_ptrs = model
             .layers
             .iter()
-            .map(|lw| LayerW {
-                attn_norm: ptr(&lw.attn_norm, s),
-                w_qkv: ptr(&lw.w_qkv.data, s),
-                wo: ptr(&lw.wo.data, s),
-                ffn_norm: ptr(&lw.ffn_norm, s),
-                w_gu: ptr(&lw.w_gu.data, s),
-                w_down: ptr(&lw.w_down.data, s),
-                qkv_bias: lw.qkv_bias.as_ref().map_or(0, |b| ptr(b, s)),
-                q_norm: lw.q_norm.as_ref().map_or(0, |b| ptr(b, s)),
-                k_norm: lw.k_norm.as_ref().map_or(0, |b| ptr(b, s)),
+            .map(|lw| {
+                Ok(LayerW {
+                    attn_norm: ptr(&lw.attn_norm, s),
+                    w_qkv: mat(&lw.w_qkv)?,
+                    wo: mat(&lw.wo)?,
+                    ffn_norm: ptr(&lw.ffn_norm, s),
+                    w_gu: mat(&lw.w_gu)?,
+                    w_down: mat(&lw.w_down)?,
+                    qkv_bias: lw.qkv_bias.as_ref().map_or(0, |b| ptr(b, s)),
+                    q_norm: lw.q_norm.as_ref().map_or(0, |b| ptr(b, s)),
+                    k_norm: lw.k_norm.as_ref().map_or(0, |b| ptr(b, s)),
+                })
             })
-            .collect();
+            .collect::<Result<Vec<LayerW>>>()?;
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();

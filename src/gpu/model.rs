@@ -273,29 +273,34 @@ impl DeviceModel {
         self.lm_head().ptr(gpu)
     }
 
-    /// The storage format of each kind of matrix, for the megakernel, which compiles one per
-    /// kind; an error naming the kind whose layers differ.
+    /// The storage format of each kind of matrix, for the megakernel: layer 0's for the
+    /// layers' kinds, and where a kind's format differs between layers, the mask of every
+    /// layer matrix's format (`MatrixFormats::mixed`; the layer table then tags each pointer,
+    /// see `MegakernelPath::new`).
     pub fn matrix_formats(&self) -> Result<super::sources::MatrixFormats> {
-        type Pick = fn(&DeviceLayer) -> &DeviceMatrix;
-        let kinds: [(&str, Pick); 4] = [
-            ("q/k/v", |l| &l.w_qkv),
-            ("attention output", |l| &l.wo),
-            ("gate/up", |l| &l.w_gu),
-            ("down", |l| &l.w_down),
-        ];
-        let types = |pick: Pick| self.layers.iter().map(|l| pick(l).ty).collect::<Vec<_>>();
-        if let Some(mixed) =
-            crate::model::weights::first_mixed_kind(kinds.iter().map(|(n, p)| (*n, types(*p))))
-        {
-            bail!("the megakernel needs one storage type per kind of matrix, and {mixed} (--dtype bf16 or --dtype q8_0 makes them one)");
+        let kinds = |l: &DeviceLayer| {
+            [
+                l.w_qkv.type_code(),
+                l.wo.type_code(),
+                l.w_gu.type_code(),
+                l.w_down.type_code(),
+            ]
+        };
+        // bf16 for a model without layers.
+        let first = self.layers.first().map_or([0; 4], kinds);
+        let mut mask = 0;
+        for l in &self.layers {
+            for c in kinds(l) {
+                mask |= 1 << c;
+            }
         }
-        // Every layer has its kind's type: layer 0's (bf16 for a model without layers).
-        let code = |pick: Pick| self.layers.first().map_or(0, |l| pick(l).type_code());
+        let uniform = self.layers.iter().all(|l| kinds(l) == first);
         Ok(super::sources::MatrixFormats {
-            qkv: code(kinds[0].1),
-            o: code(kinds[1].1),
-            gate_up: code(kinds[2].1),
-            down: code(kinds[3].1),
+            qkv: first[0],
+            o: first[1],
+            gate_up: first[2],
+            down: first[3],
+            mixed: if uniform { 0 } else { mask },
             lm_head: self.lm_head().type_code(),
             embed: self.embed.type_code(),
         })

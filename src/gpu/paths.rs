@@ -58,31 +58,46 @@ impl PathKind {
         self,
         weights: &mut crate::model::Weights,
         dtype_asked: bool,
-    ) -> (PathKind, Option<String>) {
+    ) -> Result<(PathKind, Option<String>)> {
         if self != PathKind::Megakernel || !weights.is_quantized() {
-            return (self, None);
+            return Ok((self, None));
         }
         let Some(mixed) = weights.mixed_storage() else {
-            return (self, None);
+            return Ok((self, None));
         };
         if dtype_asked {
-            return (
+            return Ok((
                 PathKind::Graph,
                 Some(format!(
                     "the megakernel needs one storage type per kind of matrix, and {mixed}; running on the graph path"
                 )),
-            );
+            ));
+        }
+        if super::switches::switch(MIXED_FORMATS_ENV, false)? {
+            return Ok((
+                self,
+                Some(format!(
+                    "{mixed}: the megakernel reads every layer in its own format ({MIXED_FORMATS_ENV}=1, experimental)"
+                )),
+            ));
         }
         let widened = weights.widen_mixed_kinds().join(", ");
-        (
+        Ok((
             self,
             Some(format!(
-                "the megakernel needs one storage type per kind of matrix, and {mixed}: the {widened} matrices are widened to bf16 ({}); --path graph runs them as stored",
+                "the megakernel reads one storage type per kind of matrix unless {MIXED_FORMATS_ENV}=1, and {mixed}: the {widened} matrices are widened to bf16 ({}); --path graph runs them as stored",
                 weights.describe_memory()
             )),
-        )
+        ))
     }
 }
+
+/// Set to 1, the megakernel reads files whose layers mix formats within a kind as stored (each
+/// layer's matrices in their own format, `MK_WT_MIXED` in megakernel/runtime.cuh) instead of
+/// widening those kinds to bf16. Experimental: off until it has been measured and checked
+/// against the CPU reference on a GPU (tests/gpu_quant.rs,
+/// `megakernel_reads_layers_of_different_formats`).
+pub const MIXED_FORMATS_ENV: &str = "MEGAINFER_MK_MIXED_FORMATS";
 
 /// The longest wait a user may set: ten minutes.
 pub const MAX_WAIT_TIMEOUT_MS: u64 = 600_000;

@@ -102,8 +102,8 @@ pub fn stream_bound(config: &crate::model::Config, formats: &MatrixFormats) -> O
 }
 
 /// The storage format of each kind of matrix the megakernel reads, as quant.cu's `WEIGHT_*`
-/// codes (bf16 0, Q8_0 1, Q4_0 2, Q4_1 3): one per kind, so the tiles' decoding compiles to
-/// the formats the model has and nothing else.
+/// codes (bf16 0, Q8_0 1, Q4_0 2, Q4_1 3): one per kind (layer 0's for the layers' kinds), so
+/// the tiles' decoding compiles to the formats the model has and nothing else.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MatrixFormats {
     pub qkv: i32,
@@ -112,6 +112,10 @@ pub struct MatrixFormats {
     pub down: i32,
     pub lm_head: i32,
     pub embed: i32,
+    /// 0 when each kind has one format in every layer; else the mask (bit = code) of the
+    /// formats the layers' q/k/v, output, gate/up and down matrices have, and the layer table
+    /// carries each matrix's format (`MK_WT_MIXED` in megakernel/runtime.cuh).
+    pub mixed: i32,
 }
 
 impl MatrixFormats {
@@ -127,6 +131,7 @@ impl MatrixFormats {
         ]
         .iter()
         .map(|(k, v)| format!("-DMK_WT_{k}={v}"))
+        .chain((self.mixed != 0).then(|| format!("-DMK_WT_MIXED={}", self.mixed)))
         .collect()
     }
 }
