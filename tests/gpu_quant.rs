@@ -251,6 +251,17 @@ fn quantized_wide_rows_match_reference() {
     }
 }
 
+/// Layer 0's q/k/v and layer 1's down matrix widened to bf16, the way a GGUF K-quant mix
+/// (Q4_K_M: Q6_K for some layers' V and down matrices, which load as bf16) mixes formats
+/// within those two kinds.
+fn k_quant_mix(w: &mut Weights) {
+    let l0 = &mut w.layers[0];
+    for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
+        *m = m.to_bf16();
+    }
+    w.layers[1].w_down = w.layers[1].w_down.to_bf16();
+}
+
 /// Layers whose matrices of one kind differ in format (as a GGUF K-quant mix's do, before
 /// `run` widens them): the megakernel compiled with every format the layers have
 /// (`MK_WT_MIXED`), each layer's matrices read in their own format, teacher-forced against the
@@ -267,11 +278,7 @@ fn megakernel_reads_layers_of_different_formats() {
             WeightType::Q8_0
         };
         for (label, cfg, mut w, tokens) in cases(ty).into_iter().take(2) {
-            let l0 = &mut w.layers[0];
-            for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
-                *m = m.to_bf16();
-            }
-            w.layers[1].w_down = w.layers[1].w_down.to_bf16();
+            k_quant_mix(&mut w);
             let l2 = &mut w.layers[2];
             for m in [&mut l2.w_gate, &mut l2.w_up] {
                 *m = Matrix::quantize_f32(&m.to_f32(), m.cols(), other);
@@ -314,11 +321,7 @@ fn megakernel_runs_bf16_and_quantised_kinds_together() {
     let gpu = gpu();
     for ty in TYPES {
         for (label, cfg, mut w, tokens) in cases(ty).into_iter().take(2) {
-            let l0 = &mut w.layers[0];
-            for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
-                *m = m.to_bf16();
-            }
-            w.layers[1].w_down = w.layers[1].w_down.to_bf16();
+            k_quant_mix(&mut w);
             let (path, why) = PathKind::Megakernel.for_weights(&mut w, false).unwrap();
             assert_eq!(path, PathKind::Megakernel);
             println!("{label}: {}", why.unwrap());
