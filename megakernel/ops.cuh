@@ -30,8 +30,14 @@ __device__ __forceinline__ int seg_count(const u32* w) {
 // Row j of the instruction's weight rows in global memory. lw: the layer pointer table, copied
 // to shared memory at the start (reads of it must not become L2 round trips on the critical
 // path).
+// The instruction's layer's entry in the table (the LM head's layer word is 0; a word past
+// the last layer, which a valid stream never holds, reads layer 0's).
+__device__ __forceinline__ const LayerW& op_layer(const u32* w, const MkParams& p, const LayerW* lw) {
+    return lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
+}
+
 __device__ __forceinline__ WRow seg_row(const u32* w, const MkParams& p, const LayerW* lw, int j) {
-    const LayerW& L = lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0];
+    const LayerW& L = op_layer(w, p, lw);
     switch (w[W_OP]) {
         case OP_QKV: return qkv_row(w, p, L, j);
         case OP_UPGATE: return upgate_row(w, p, L, j);
@@ -63,7 +69,7 @@ __device__ __forceinline__ int op_matrix_cols(u32 op, const MkParams& p) {
 __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, const LayerW* lw) {
     const int n = seg_count(w);
     if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0, 0};
-    const int cols = seg_cols(w, p), wt = op_format(w[W_OP], lw[w[W_LAYER] < (u32)p.n_layers ? w[W_LAYER] : 0]);
+    const int cols = seg_cols(w, p), wt = op_format(w[W_OP], op_layer(w, p, lw));
     const bool whole = cols == op_matrix_cols(w[W_OP], p);
     const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols), rpt = rows_per_tile(slot, n);
     int soff = 0;

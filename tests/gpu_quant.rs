@@ -296,7 +296,7 @@ fn megakernel_reads_layers_of_different_formats() {
                 .position(|&x| x == t)
                 .unwrap()
             };
-            let formats = dm.matrix_formats().unwrap();
+            let formats = dm.matrix_formats();
             assert_eq!(formats.mixed, 1 | 1 << code(ty) | 1 << code(other));
             check_decode(
                 &gpu,

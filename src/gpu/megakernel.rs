@@ -178,7 +178,7 @@ impl<'g> MegakernelPath<'g> {
                 s.model
             );
         }
-        let formats = model.matrix_formats()?;
+        let formats = model.matrix_formats();
         let Some(&(_, first)) = buckets.first() else {
             bail!("megakernel: no schedule given");
         };

@@ -277,7 +277,7 @@ impl DeviceModel {
     /// layers' kinds, and where a kind's format differs between layers, the mask of every
     /// layer matrix's format (`MatrixFormats::mixed`; the layer table then tags each pointer,
     /// see `MegakernelPath::new`).
-    pub fn matrix_formats(&self) -> Result<super::sources::MatrixFormats> {
+    pub fn matrix_formats(&self) -> super::sources::MatrixFormats {
         let kinds = |l: &DeviceLayer| {
             [
                 l.w_qkv.type_code(),
@@ -295,7 +295,7 @@ impl DeviceModel {
             }
         }
         let uniform = self.layers.iter().all(|l| kinds(l) == first);
-        Ok(super::sources::MatrixFormats {
+        super::sources::MatrixFormats {
             qkv: first[0],
             o: first[1],
             gate_up: first[2],
@@ -303,7 +303,7 @@ impl DeviceModel {
             mixed: if uniform { 0 } else { mask },
             lm_head: self.lm_head().type_code(),
             embed: self.embed.type_code(),
-        })
+        }
     }
 
     /// True when any matrix is stored as blocks.
