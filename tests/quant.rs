@@ -426,3 +426,30 @@ fn first_mixed_kind_names_the_kind_types_and_layer() {
         Some("the down matrices are Q4_1 in layer 0 but bf16 in layer 2")
     );
 }
+
+/// `bench --q4-k-m-mix`: the layers llama.cpp's Q4_K_M gives Q6_K V and down matrices (the
+/// first and last eighth, every third between) get them widened to bf16 with q and k; the
+/// other layers and matrices keep their format.
+#[test]
+fn q4_k_m_mix_widens_the_layers_llama_cpp_gives_more_bits() {
+    let mut cfg = tiny_cfg();
+    cfg.num_layers = 16;
+    let mut w = random_weights(&cfg, 3);
+    w.convert_to(WeightType::Q4_1).unwrap();
+    let layers = w.mix_like_q4_k_m();
+    assert_eq!(layers, vec![0, 1, 4, 7, 10, 13, 14, 15]);
+    for (i, l) in w.layers.iter().enumerate() {
+        let want = if layers.contains(&i) {
+            WeightType::Bf16
+        } else {
+            WeightType::Q4_1
+        };
+        for m in [&l.wq, &l.wk, &l.wv, &l.w_down] {
+            assert_eq!(m.ty(), want, "layer {i}");
+        }
+        for m in [&l.wo, &l.w_gate, &l.w_up] {
+            assert_eq!(m.ty(), WeightType::Q4_1, "layer {i}");
+        }
+    }
+    assert!(w.mixed_storage().unwrap().contains("q/k/v"));
+}

@@ -49,6 +49,11 @@ pub struct BenchArgs {
     /// as the file stores them).
     #[arg(long, value_enum)]
     pub dtype: Option<WeightType>,
+    /// With --preset and a quantised --dtype: the layers' formats of a llama.cpp Q4_K_M file,
+    /// the V (with q/k) and down matrices of the layers it gives Q6_K widened to bf16 as the
+    /// GGUF loader widens them (`Weights::mix_like_q4_k_m`).
+    #[arg(long, requires = "preset")]
+    pub q4_k_m_mix: bool,
     /// Seed of the random weights, the prompt and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -195,7 +200,22 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let mut w = random_weights(&c, args.seed);
             let ty = args.dtype.unwrap_or(WeightType::Bf16);
             w.convert_to(ty)?;
-            (c, w, format!("{p} (random {ty} weights)"))
+            if !args.q4_k_m_mix {
+                (c, w, format!("{p} (random {ty} weights)"))
+            } else {
+                if ty.quant().is_none() {
+                    bail!("--q4-k-m-mix: needs a quantised --dtype (q8_0, q4_0 or q4_1)");
+                }
+                let layers = w.mix_like_q4_k_m();
+                eprintln!(
+                    "bench: layers {layers:?}: q/k/v and down widened to bf16 (--q4-k-m-mix)"
+                );
+                (
+                    c,
+                    w,
+                    format!("{p} (random {ty} weights, Q4_K_M's mix of formats)"),
+                )
+            }
         }
         (Some(m), None) => {
             let mut m2 = model::load(m)?;

@@ -567,6 +567,24 @@ impl Weights {
         widened
     }
 
+    /// The layers whose V and down matrices llama.cpp's Q4_K_M stores as Q6_K (its
+    /// `use_more_bits`: the first and last eighth of the layers and every third one between),
+    /// which the GGUF loader widens to bf16, q/k/v with V; this widens those matrices the same
+    /// way, so that random weights take the formats a Q4_K_M file's layers load with. Returns
+    /// the layers.
+    pub fn mix_like_q4_k_m(&mut self) -> Vec<usize> {
+        let n = self.layers.len();
+        let more_bits = |i: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+        let layers: Vec<usize> = (0..n).filter(|&i| more_bits(i)).collect();
+        for &i in &layers {
+            let l = &mut self.layers[i];
+            for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.w_down] {
+                *m = m.to_bf16();
+            }
+        }
+        layers
+    }
+
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values
     /// quantised with the project's quantiser (`bench --dtype`). Matrices already of `ty` stay
     /// as they are. Fails, changing nothing, when a matrix's rows are not whole blocks.
