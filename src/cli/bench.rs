@@ -197,15 +197,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "bench: generating random weights of the {p} shape (seed {})",
                 args.seed
             );
-            let mut w = random_weights(&c, args.seed);
             let ty = args.dtype.unwrap_or(WeightType::Bf16);
+            if args.q4_k_m_mix && ty.quant().is_none() {
+                bail!("--q4-k-m-mix: needs a quantised --dtype (q8_0, q4_0 or q4_1)");
+            }
+            let mut w = random_weights(&c, args.seed);
             w.convert_to(ty)?;
             if !args.q4_k_m_mix {
                 (c, w, format!("{p} (random {ty} weights)"))
             } else {
-                if ty.quant().is_none() {
-                    bail!("--q4-k-m-mix: needs a quantised --dtype (q8_0, q4_0 or q4_1)");
-                }
                 let layers = w.mix_like_q4_k_m();
                 eprintln!(
                     "bench: layers {layers:?}: q/k/v and down widened to bf16 (--q4-k-m-mix)"
