@@ -48,10 +48,12 @@ __device__ __forceinline__ WRow seg_row(const u32* w, const MkParams& p, const L
     }
 }
 
-// The storage format of the instruction's matrix (see "weight formats" in runtime.cuh; L: its
-// layer's table entry, read only where layers' formats differ).
-__device__ __forceinline__ int op_format(u32 op, const LayerW& L) {
-    switch (op) {
+// The storage format of the instruction's matrix (see "weight formats" in runtime.cuh): its
+// kind's, or with MK_WT_MIXED its layer's, from the layer table.
+__device__ __forceinline__ int op_format(const u32* w, const MkParams& p, const LayerW* lw) {
+#if MK_WT_MIXED
+    const LayerW& L = op_layer(w, p, lw);
+    switch (w[W_OP]) {
         case OP_QKV: return layer_wt(L.w_qkv, MK_WT_QKV);
         case OP_UPGATE: return layer_wt(L.w_gu, MK_WT_GU);
         case OP_OPROJ: return layer_wt(L.wo, MK_WT_O);
@@ -59,6 +61,16 @@ __device__ __forceinline__ int op_format(u32 op, const LayerW& L) {
         case OP_LMHEAD: return MK_WT_LM;
         default: return WEIGHT_BF16;
     }
+#else
+    switch (w[W_OP]) {
+        case OP_QKV: return MK_WT_QKV;
+        case OP_UPGATE: return MK_WT_GU;
+        case OP_OPROJ: return MK_WT_O;
+        case OP_DOWN: return MK_WT_DOWN;
+        case OP_LMHEAD: return MK_WT_LM;
+        default: return WEIGHT_BF16;
+    }
+#endif
 }
 
 // Columns of the whole matrix the instruction's rows come from.
@@ -69,7 +81,7 @@ __device__ __forceinline__ int op_matrix_cols(u32 op, const MkParams& p) {
 __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, const LayerW* lw) {
     const int n = seg_count(w);
     if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0, 0};
-    const int cols = seg_cols(w, p), wt = op_format(w[W_OP], op_layer(w, p, lw));
+    const int cols = seg_cols(w, p), wt = op_format(w, p, lw);
     const bool whole = cols == op_matrix_cols(w[W_OP], p);
     const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols), rpt = rows_per_tile(slot, n);
     int soff = 0;
