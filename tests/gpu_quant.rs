@@ -195,7 +195,7 @@ fn quantized_llama_1b_shape_matches_reference() {
 /// enough that an SM runs several of a layer in a row, and four down chunks (so the normed
 /// input is read in rounds, and shared, as on the 7B/8B shapes: `share_normed` in
 /// megakernel.cu): the later instructions reuse the input the first turned into digits in
-/// place. The Llama-1B shape's tolerance: not yet measured on this shape.
+/// place. The Llama-1B shape's tolerance, about 10x the 1.1e-3 measured on an H100.
 #[test]
 #[ignore = "needs a GPU"]
 fn quantized_wide_rows_match_reference() {
@@ -286,19 +286,8 @@ fn megakernel_reads_layers_of_different_formats() {
             }
             assert!(w.mixed_storage().is_some());
             let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-            let code = |t: WeightType| {
-                [
-                    WeightType::Bf16,
-                    WeightType::Q8_0,
-                    WeightType::Q4_0,
-                    WeightType::Q4_1,
-                ]
-                .iter()
-                .position(|&x| x == t)
-                .unwrap()
-            };
             let formats = dm.matrix_formats();
-            assert_eq!(formats.mixed, 1 | 1 << code(ty) | 1 << code(other));
+            assert_eq!(formats.mixed, 1 | 1 << ty.code() | 1 << other.code());
             check_decode(
                 &gpu,
                 &cfg,

@@ -413,8 +413,8 @@ fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
     );
 }
 
-/// The mixed-format check shared by the host weights and the GPU's copy (DeviceModel's
-/// `matrix_formats`): the first kind whose layers differ, named with both types and the layer.
+/// The mixed-format check behind `Weights::mixed_storage` and `widen_mixed_kinds`: the first
+/// kind whose layers differ, named with both types and the layer.
 #[test]
 fn first_mixed_kind_names_the_kind_types_and_layer() {
     use megainfer::model::weights::first_mixed_kind;

@@ -95,14 +95,9 @@ impl DeviceMatrix {
         self.ty.bytes(self.rows * self.cols)
     }
 
-    /// The `WEIGHT_*` code of kernels/quant/quant.cuh.
+    /// The `WEIGHT_*` code of its type (`WeightType::code`).
     pub fn type_code(&self) -> i32 {
-        match self.ty {
-            WeightType::Bf16 => 0,
-            WeightType::Q8_0 => 1,
-            WeightType::Q4_0 => 2,
-            WeightType::Q4_1 => 3,
-        }
+        self.ty.code()
     }
 }
 

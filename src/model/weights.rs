@@ -41,6 +41,16 @@ impl WeightType {
         }
     }
 
+    /// The `WEIGHT_*` code the GPU kernels name the type by (kernels/quant/decode.cuh).
+    pub fn code(self) -> i32 {
+        match self {
+            WeightType::Bf16 => 0,
+            WeightType::Q8_0 => 1,
+            WeightType::Q4_0 => 2,
+            WeightType::Q4_1 => 3,
+        }
+    }
+
     /// Bytes `n` elements (a whole number of blocks for the quantised types) occupy.
     pub fn bytes(self, n: usize) -> usize {
         match self.quant() {
@@ -424,9 +434,34 @@ pub struct Weights {
     pub lm_head: Option<Matrix>,
 }
 
+/// The kinds of a layer's matrices whose storage type the megakernel compiles one decoding
+/// for, by the names errors and messages use; `LayerWeights::kind` gives each kind's group.
+const LAYER_KINDS: [&str; 4] = ["q/k/v", "attention output", "gate/up", "down"];
+
+impl LayerWeights {
+    /// The matrices of kind `k` of `LAYER_KINDS` (`kind_mut`: the same, to replace them).
+    fn kind(&self, k: usize) -> Vec<&Matrix> {
+        match k {
+            0 => vec![&self.wq, &self.wk, &self.wv],
+            1 => vec![&self.wo],
+            2 => vec![&self.w_gate, &self.w_up],
+            _ => vec![&self.w_down],
+        }
+    }
+
+    fn kind_mut(&mut self, k: usize) -> Vec<&mut Matrix> {
+        match k {
+            0 => vec![&mut self.wq, &mut self.wk, &mut self.wv],
+            1 => vec![&mut self.wo],
+            2 => vec![&mut self.w_gate, &mut self.w_up],
+            _ => vec![&mut self.w_down],
+        }
+    }
+}
+
 /// The first kind of matrix whose layers' storage types differ, described ("the {kind}
 /// matrices are {type} in layer 0 but {type} in layer {i}"): `kinds` gives each kind's name and
-/// its type per layer. Shared by the host weights and the GPU's copy of them.
+/// its type per layer.
 pub fn first_mixed_kind<'a>(
     kinds: impl IntoIterator<Item = (&'a str, Vec<WeightType>)>,
 ) -> Option<String> {
@@ -520,17 +555,11 @@ impl Weights {
     /// differs between layers, described; `None` when each kind has one type. The megakernel
     /// compiles one decoding per kind.
     pub fn mixed_storage(&self) -> Option<String> {
-        type Pick = fn(&LayerWeights) -> &Matrix;
-        let kinds: [(&str, Pick); 4] = [
-            ("q/k/v", |l| &l.wq),
-            ("attention output", |l| &l.wo),
-            ("gate/up", |l| &l.w_gate),
-            ("down", |l| &l.w_down),
-        ];
         first_mixed_kind(
-            kinds
+            LAYER_KINDS
                 .iter()
-                .map(|(name, pick)| (*name, self.layers.iter().map(|l| pick(l).ty()).collect())),
+                .enumerate()
+                .map(|(k, name)| (*name, self.kind_types(k))),
         )
     }
 
@@ -541,23 +570,11 @@ impl Weights {
     /// only, so their attention output and gate/up matrices, most of a layer's bytes, stay
     /// quantised for the megakernel.
     pub fn widen_mixed_kinds(&mut self) -> Vec<&'static str> {
-        type Pick = for<'a> fn(&'a mut LayerWeights) -> Vec<&'a mut Matrix>;
-        let kinds: [(&'static str, Pick); 4] = [
-            ("q/k/v", |l| vec![&mut l.wq, &mut l.wk, &mut l.wv]),
-            ("attention output", |l| vec![&mut l.wo]),
-            ("gate/up", |l| vec![&mut l.w_gate, &mut l.w_up]),
-            ("down", |l| vec![&mut l.w_down]),
-        ];
         let mut widened = Vec::new();
-        for (name, pick) in kinds {
-            let types = self
-                .layers
-                .iter_mut()
-                .flat_map(|l| pick(l).into_iter().map(|m| m.ty()).collect::<Vec<_>>())
-                .collect::<Vec<_>>();
-            if first_mixed_kind([(name, types)]).is_some() {
+        for (k, name) in LAYER_KINDS.into_iter().enumerate() {
+            if first_mixed_kind([(name, self.kind_types(k))]).is_some() {
                 for l in &mut self.layers {
-                    for m in pick(l) {
+                    for m in l.kind_mut(k) {
                         *m = m.to_bf16();
                     }
                 }
@@ -565,6 +582,12 @@ impl Weights {
             }
         }
         widened
+    }
+
+    /// Kind `k`'s storage type in each layer (its group shares one type: the loaders make
+    /// sure of it).
+    fn kind_types(&self, k: usize) -> Vec<WeightType> {
+        self.layers.iter().map(|l| l.kind(k)[0].ty()).collect()
     }
 
     /// The layers whose V and down matrices llama.cpp's Q4_K_M stores as Q6_K (its
