@@ -109,7 +109,7 @@ fi
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
 # BENCH=mixed (not in BENCH=1): layers of different formats (bench --q4-k-m-mix) on
-#   MIXED_PRESETS (default llama-3.2-1b) with MIXED_DTYPE (default q4_1): widened, as stored.
+#   MIXED_PRESETS (default llama-3.2-1b) with MIXED_DTYPE (default q4_1): uniform, as stored.
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -331,17 +331,15 @@ Name three colours.}" > "$OUT/chat-input.txt"
   fi
   if [[ ",${BENCH:-}," == *",mixed,"* ]]; then
     # Layers of different formats (a Q4_K_M file's mix, `bench --q4-k-m-mix`) for each preset of
-    # MIXED_PRESETS: the megakernel with the mixed kinds widened (the default) and reading every
-    # layer as stored (MEGAINFER_MK_MIXED_FORMATS=1), graph + PDL as stored, and the uniform
-    # weights for reference.
+    # MIXED_PRESETS: the megakernel and graph + PDL reading every layer as stored, and the
+    # uniform weights for reference.
     for preset in ${MIXED_PRESETS:-llama-3.2-1b}; do
       ty=${MIXED_DTYPE:-q4_1}
-      for v in uniform widened stored; do
+      for v in uniform stored; do
         log="$OUT/bench-mixed-$preset-$v.log"
         case $v in
           uniform) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --paths megakernel --reps 5 > "$log" 2>&1 ;;
-          widened) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix --paths megakernel --reps 5 > "$log" 2>&1 ;;
-          stored) MEGAINFER_MK_MIXED_FORMATS=1 "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix \
+          stored) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix \
             --paths megakernel,graph-pdl --reps 5 > "$log" 2>&1 ;;
         esac
         grep -E "^\| (megakernel|graph-pdl) |weights [0-9.]+ MiB|rror" "$log" | sed "s/^/mixed $preset $ty $v: /"

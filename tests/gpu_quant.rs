@@ -28,6 +28,11 @@ const TYPES: [WeightType; 3] = [WeightType::Q8_0, WeightType::Q4_0, WeightType::
 /// (2026-11-26, d325a28): worst 6.32e-4 on the small models (every path and format), 2.77e-3 on
 /// the Llama-1B shape, 1.1e-3 on the 2560-wide one.
 const TOL_DECODE: f64 = 5e-3;
+/// The megakernel reading layers of different formats
+/// (`megakernel_reads_layers_of_different_formats`). Measured on an H100 (2026-11-26,
+/// eb9a593), worst rel L2 on tiny0 / tiny1: Q8_0 3.92e-7 / 2.39e-5, Q4_0 3.91e-7 / 1.55e-4,
+/// Q4_1 1.16e-4 / 3.39e-5; 2e-3 is about 13x the worst.
+const TOL_MIXED: f64 = 2e-3;
 const TOL_LLAMA_1B: f64 = 1e-2;
 /// Prefill multiplies bf16-rounded weights (relative error up to 2^-9 each): 8.43e-3 measured
 /// at worst (same run).
@@ -263,11 +268,11 @@ fn k_quant_mix(w: &mut Weights) {
     w.layers[1].w_down = w.layers[1].w_down.to_bf16();
 }
 
-/// Layers whose matrices of one kind differ in format (as a GGUF K-quant mix's do, before
-/// `run` widens them): the megakernel compiled with every format the layers have
-/// (`MK_WT_MIXED`), each layer's matrices read in their own format, teacher-forced against the
-/// CPU reference on the same weights. Layer 0's q/k/v are bf16, layer 1's down bf16 and layer
-/// 2's gate/up in a second block format.
+/// Layers whose matrices of one kind differ in format (as a GGUF K-quant mix's do): the
+/// megakernel as `run` builds it, compiled with every format the layers have (`MK_WT_MIXED`),
+/// each layer's matrices read in their own format, teacher-forced against the CPU reference on
+/// the same weights. Layer 0's q/k/v are bf16, layer 1's down bf16 and layer 2's gate/up in a
+/// second block format.
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_reads_layers_of_different_formats() {
@@ -294,36 +299,47 @@ fn megakernel_reads_layers_of_different_formats() {
                 &w,
                 &tokens,
                 &format!("{label} layers of different formats"),
-                TOL_DECODE,
+                TOL_MIXED,
                 &[PathKind::Megakernel],
             );
         }
     }
 }
 
-/// A file whose layers mix formats within q/k/v and down (as llama.cpp's Q4_K_M files do) on
-/// the megakernel as `run` prepares it (`PathKind::for_weights`): those two kinds widened to
-/// bf16, the attention output and gate/up kept quantised, so one kernel reads bf16 and block
-/// formats side by side; teacher-forced against the CPU reference on the same weights.
+/// Kinds of matrix in different formats, each the same in every layer: q/k/v and down bf16,
+/// the attention output and gate/up quantised. The megakernel is compiled with one format per
+/// kind (no `MK_WT_MIXED`), so one kernel reads bf16 and block formats side by side;
+/// teacher-forced against the CPU reference on the same weights.
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_runs_bf16_and_quantised_kinds_together() {
     let gpu = gpu();
     for ty in TYPES {
         for (label, cfg, mut w, tokens) in cases(ty).into_iter().take(2) {
-            k_quant_mix(&mut w);
-            let (path, why) = PathKind::Megakernel.for_weights(&mut w, false).unwrap();
-            assert_eq!(path, PathKind::Megakernel);
-            println!("{label}: {}", why.unwrap());
-            assert_eq!(w.layers[0].wo.ty(), ty);
-            assert_eq!(w.layers[0].w_gate.ty(), ty);
-            assert_eq!(w.layers[0].w_down.ty(), WeightType::Bf16);
+            for l in &mut w.layers {
+                for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.w_down] {
+                    *m = m.to_bf16();
+                }
+            }
+            assert_eq!(w.mixed_storage(), None);
+            let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+            let formats = dm.matrix_formats();
+            assert_eq!(
+                (
+                    formats.qkv,
+                    formats.o,
+                    formats.gate_up,
+                    formats.down,
+                    formats.mixed
+                ),
+                (0, ty.code(), ty.code(), 0, 0)
+            );
             check_decode(
                 &gpu,
                 &cfg,
                 &w,
                 &tokens,
-                &format!("{label} q/k/v and down widened"),
+                &format!("{label} q/k/v and down bf16"),
                 TOL_DECODE,
                 &[PathKind::Megakernel],
             );
@@ -333,8 +349,7 @@ fn megakernel_runs_bf16_and_quantised_kinds_together() {
 
 /// The default model (SmolLM2-135M-Instruct: Q4_1 layers, Q8_0 embedding and tied LM head)
 /// as the file stores it: every GPU path's teacher-forced logits against the CPU reference on
-/// the same quantised weights, and its 32 greedy tokens equal to the reference's. The
-/// megakernel, asked for, hands the model to the graph path.
+/// the same quantised weights, and its 32 greedy tokens equal to the reference's.
 #[test]
 #[ignore = "needs a GPU"]
 fn default_model_as_stored_gives_the_cpu_reference_text_on_every_path() {

@@ -1,6 +1,6 @@
 //! Quantised weights on the CPU: GGUF Q8_0/Q4_0/Q4_1 matrices load as stored (Q/K rows
 //! unpermuted, blocks intact), the CPU reference computes from their exact values, `--dtype`
-//! conversion, and the megakernel handing them to the graph path.
+//! conversion, and the check for layers that mix formats within a kind of matrix.
 
 mod common {
     #[allow(dead_code)]
@@ -9,7 +9,6 @@ mod common {
 
 use common::gguf_writer::{tiny_llama, Gguf};
 use half::bf16;
-use megainfer::gpu::paths::PathKind;
 use megainfer::model::quant::{dequantize_row, quantize_row, QuantType};
 use megainfer::model::{presets, random::random_weights, Config, Matrix, WeightType, Weights};
 use megainfer::reference::ops::matmul;
@@ -331,90 +330,44 @@ fn dtype_conversion_quantises_and_widens_and_refuses_partial_blocks() {
     );
 }
 
-/// The megakernel reads the quantised formats as stored, one per kind of matrix: uniform
-/// weights keep their types on it; in a file whose layers mix types within a kind, that kind
-/// is widened for it and the other kinds keep their types (or, had --dtype been asked, the
-/// file is handed to the graph path); other paths keep the weights as they are.
+/// `Weights::mixed_storage`, which `run` reports before the megakernel reads each layer in
+/// its own format: nothing for weights of one type or uniform kinds, else the first kind (in
+/// q/k/v, attention output, gate/up, down order) whose layers differ, with both types and the
+/// layer.
 #[test]
-fn megakernel_keeps_uniform_quantised_weights_and_widens_mixed_ones() {
+fn mixed_storage_names_the_first_kind_whose_layers_differ() {
     let cfg = tiny_cfg();
+    assert!(cfg.num_layers >= 2);
     let mut w = random_weights(&cfg, 1);
-    assert_eq!(
-        PathKind::Megakernel.for_weights(&mut w, false).unwrap(),
-        (PathKind::Megakernel, None)
-    );
+    assert_eq!(w.mixed_storage(), None);
     w.convert_to(WeightType::Q8_0).unwrap();
     assert_eq!(w.mixed_storage(), None);
-    for asked in [false, true] {
-        assert_eq!(
-            PathKind::Megakernel.for_weights(&mut w, asked).unwrap(),
-            (PathKind::Megakernel, None)
-        );
-        assert!(w.is_quantized(), "kept as stored");
+    // Kinds of different types, each the same in every layer: not mixed.
+    for l in &mut w.layers {
+        l.w_down = l.w_down.to_bf16();
     }
-    // Layer 1's down projection in another format than layer 0's.
-    assert!(cfg.num_layers >= 2);
-    w.layers[1].w_down = w.layers[1].w_down.to_bf16();
-    let mixed = w.mixed_storage().unwrap();
-    assert!(
-        mixed.contains("down") && mixed.contains("layer 1"),
-        "{mixed}"
+    assert_eq!(w.mixed_storage(), None);
+    w.layers[1].w_down = Matrix::quantize_f32(
+        &w.layers[1].w_down.to_f32(),
+        w.layers[1].w_down.cols(),
+        WeightType::Q4_1,
     );
     assert_eq!(
-        PathKind::Eager.for_weights(&mut w, false).unwrap(),
-        (PathKind::Eager, None)
+        w.mixed_storage().as_deref(),
+        Some("the down matrices are bf16 in layer 0 but Q4_1 in layer 1")
     );
-    assert!(w.is_quantized());
-    let (path, why) = PathKind::Megakernel.for_weights(&mut w, true).unwrap();
-    assert_eq!(path, PathKind::Graph);
-    assert!(why.unwrap().contains("layer 1"));
-    assert!(w.is_quantized(), "handed to the graph path as stored");
-    // Layer 0's q/k/v as well: two kinds mixed, two kinds uniform.
     let l0 = &mut w.layers[0];
     for m in [&mut l0.wq, &mut l0.wk, &mut l0.wv] {
         *m = m.to_bf16();
     }
-    // Layer 0's down matrix is still Q8_0: widened, it holds its values rounded to bf16.
-    let want: Vec<f32> = w.layers[0]
-        .w_down
-        .to_f32()
-        .iter()
-        .map(|v| half::bf16::from_f32(*v).to_f32())
-        .collect();
-    let (path, why) = PathKind::Megakernel.for_weights(&mut w, false).unwrap();
-    assert_eq!(path, PathKind::Megakernel);
-    let why = why.unwrap();
-    assert!(
-        why.contains("the q/k/v, down matrices are widened to bf16"),
-        "{why}"
-    );
-    assert_eq!(w.mixed_storage(), None, "one type per kind after widening");
-    for l in &w.layers {
-        for m in [&l.wq, &l.wk, &l.wv, &l.w_down] {
-            assert_eq!(
-                m.ty(),
-                WeightType::Bf16,
-                "a mixed kind is widened in every layer"
-            );
-        }
-        for m in [&l.wo, &l.w_gate, &l.w_up] {
-            assert_eq!(m.ty(), WeightType::Q8_0, "a uniform kind keeps its type");
-        }
-    }
     assert_eq!(
-        w.embed.ty(),
-        WeightType::Q8_0,
-        "the embedding keeps its type"
-    );
-    assert_eq!(
-        w.layers[0].w_down.to_f32(),
-        want,
-        "widening keeps the values"
+        w.mixed_storage().as_deref(),
+        Some("the q/k/v matrices are bf16 in layer 0 but Q8_0 in layer 1")
     );
 }
 
-/// The mixed-format check behind `Weights::mixed_storage` and `widen_mixed_kinds`: the first
-/// kind whose layers differ, named with both types and the layer.
+/// The mixed-format check behind `Weights::mixed_storage`: the first kind whose layers differ,
+/// named with both types and the layer.
 #[test]
 fn first_mixed_kind_names_the_kind_types_and_layer() {
     use megainfer::model::weights::first_mixed_kind;

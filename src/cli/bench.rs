@@ -190,7 +190,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     let gpu = Gpu::new(0)?;
-    let (config, weights, mut model_name) = match (&args.model, &args.preset) {
+    let (config, weights, model_name) = match (&args.model, &args.preset) {
         (_, Some(p)) => {
             let c = presets::by_name(p)?;
             eprintln!(
@@ -244,21 +244,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "--prompt-len + --gen exceed the model's {} positions",
             config.max_position_embeddings
         );
-    }
-    let mut weights = weights;
-    // As `run` (`PathKind::for_weights`): where a file's layers mix storage types within a
-    // kind of matrix, those kinds are widened for the megakernel, and all paths then compare on
-    // the same weights.
-    if paths.contains(&PathKind::Megakernel) {
-        let mixed = weights.mixed_storage().is_some();
-        if let (_, Some(why)) = PathKind::Megakernel.for_weights(&mut weights, false)? {
-            if mixed && weights.mixed_storage().is_none() {
-                model_name = format!("{model_name}, mixed kinds widened to bf16");
-                eprintln!("bench: {why}; every path runs the widened weights");
-            } else {
-                eprintln!("bench: {why}");
-            }
-        }
     }
     let weight_memory = weights.describe_memory();
     eprintln!("bench: {weight_memory}");

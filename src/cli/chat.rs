@@ -47,7 +47,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1 for a chat");
     }
-    let mut model = args.common.load_model()?;
+    let model = args.common.load_model()?;
     let tok = model
         .tokenizer
         .as_ref()
@@ -67,7 +67,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         let (path, dm) = upload_for_path(
             &gpu,
             &model.config,
-            &mut model.weights,
+            &model.weights,
             &args.common,
             max_context,
             "chat",

@@ -190,20 +190,22 @@ pub(crate) fn choose_gpu(device: DeviceChoice) -> Result<Option<Gpu>> {
     })
 }
 
-/// The path `common` asks for, given the weights (the megakernel widens a file whose layers mix
-/// storage types per kind of matrix, saying so; see `PathKind::for_weights`), and the weights
-/// uploaded; `doing` begins the line that names the GPU, the path and the KV cache.
+/// The path `common` asks for and the weights uploaded; `doing` begins the line that names the
+/// GPU, the path and the KV cache.
 pub(crate) fn upload_for_path(
     gpu: &Gpu,
     config: &model::Config,
-    weights: &mut model::Weights,
+    weights: &model::Weights,
     common: &ModelArgs,
     max_context: usize,
     doing: &str,
 ) -> Result<(PathKind, DeviceModel)> {
-    let (path, why) = common.path.for_weights(weights, common.dtype.is_some())?;
-    if let Some(why) = why {
-        eprintln!("megainfer: {why}");
+    let path = common.path;
+    // The megakernel is compiled for every format the layers have and reads each layer's from
+    // the layer table (`MatrixFormats::mixed`); the line names a kind that mixes, for anyone
+    // comparing the speed with a file of one format.
+    if let (PathKind::Megakernel, Some(mixed)) = (path, weights.mixed_storage()) {
+        eprintln!("megainfer: {mixed}: the megakernel reads every layer in its own format");
     }
     eprintln!(
         "megainfer: {doing} on {} with the {} path; KV cache for {max_context} tokens: {:.1} MiB",
@@ -246,7 +248,7 @@ pub fn render_prompt(model: &Model, prompt: &str, chat_mode: bool) -> Result<Vec
 
 pub fn run(args: &RunArgs) -> Result<()> {
     let params = args.common.sampling.params(args.common.seed)?;
-    let mut model = args.common.load_model()?;
+    let model = args.common.load_model()?;
     let ids = render_prompt(&model, &args.prompt, args.chat)?;
     if ids.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
@@ -270,7 +272,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let (path, dm) = upload_for_path(
             &gpu,
             &model.config,
-            &mut model.weights,
+            &model.weights,
             &args.common,
             max_context,
             "running",

@@ -47,58 +47,6 @@ impl PathKind {
     }
 }
 
-impl PathKind {
-    /// The path that runs `weights` when `self` is asked for, and what was done about it. Every
-    /// path reads the formats as stored, but the megakernel compiles one format per kind of
-    /// matrix: the kinds whose layers mix them are widened to bf16 for it
-    /// (`Weights::widen_mixed_kinds`; the others keep their types), while a quantisation asked
-    /// for with `--dtype` (`dtype_asked`, which makes every matrix one type, so this cannot
-    /// happen to it) would go to the graph path.
-    pub fn for_weights(
-        self,
-        weights: &mut crate::model::Weights,
-        dtype_asked: bool,
-    ) -> Result<(PathKind, Option<String>)> {
-        if self != PathKind::Megakernel || !weights.is_quantized() {
-            return Ok((self, None));
-        }
-        let Some(mixed) = weights.mixed_storage() else {
-            return Ok((self, None));
-        };
-        if dtype_asked {
-            return Ok((
-                PathKind::Graph,
-                Some(format!(
-                    "the megakernel needs one storage type per kind of matrix, and {mixed}; running on the graph path"
-                )),
-            ));
-        }
-        if super::switches::switch(MIXED_FORMATS_ENV, false)? {
-            return Ok((
-                self,
-                Some(format!(
-                    "{mixed}: the megakernel reads every layer in its own format ({MIXED_FORMATS_ENV}=1, experimental)"
-                )),
-            ));
-        }
-        let widened = weights.widen_mixed_kinds().join(", ");
-        Ok((
-            self,
-            Some(format!(
-                "the megakernel reads one storage type per kind of matrix unless {MIXED_FORMATS_ENV}=1, and {mixed}: the {widened} matrices are widened to bf16 ({}); --path graph runs them as stored",
-                weights.describe_memory()
-            )),
-        ))
-    }
-}
-
-/// Set to 1, the megakernel reads files whose layers mix formats within a kind as stored (each
-/// layer's matrices in their own format, `MK_WT_MIXED` in megakernel/runtime.cuh) instead of
-/// widening those kinds to bf16. Experimental: off until it has been measured and checked
-/// against the CPU reference on a GPU (tests/gpu_quant.rs,
-/// `megakernel_reads_layers_of_different_formats`).
-pub const MIXED_FORMATS_ENV: &str = "MEGAINFER_MK_MIXED_FORMATS";
-
 /// The longest wait a user may set: ten minutes.
 pub const MAX_WAIT_TIMEOUT_MS: u64 = 600_000;
 

@@ -434,27 +434,18 @@ pub struct Weights {
     pub lm_head: Option<Matrix>,
 }
 
-/// The kinds of a layer's matrices whose storage type the megakernel compiles one decoding
-/// for, by the names errors and messages use; `LayerWeights::kind` gives each kind's group.
+/// The kinds of a layer's matrices, each a group that shares one storage type within a layer,
+/// by the names errors and messages use; `LayerWeights::kind` gives each kind's group.
 const LAYER_KINDS: [&str; 4] = ["q/k/v", "attention output", "gate/up", "down"];
 
 impl LayerWeights {
-    /// The matrices of kind `k` of `LAYER_KINDS` (`kind_mut`: the same, to replace them).
+    /// The matrices of kind `k` of `LAYER_KINDS`.
     fn kind(&self, k: usize) -> Vec<&Matrix> {
         match k {
             0 => vec![&self.wq, &self.wk, &self.wv],
             1 => vec![&self.wo],
             2 => vec![&self.w_gate, &self.w_up],
             _ => vec![&self.w_down],
-        }
-    }
-
-    fn kind_mut(&mut self, k: usize) -> Vec<&mut Matrix> {
-        match k {
-            0 => vec![&mut self.wq, &mut self.wk, &mut self.wv],
-            1 => vec![&mut self.wo],
-            2 => vec![&mut self.w_gate, &mut self.w_up],
-            _ => vec![&mut self.w_down],
         }
     }
 }
@@ -553,7 +544,7 @@ impl Weights {
 
     /// The first kind of matrix (q/k/v, attention output, gate/up, down) whose storage type
     /// differs between layers, described; `None` when each kind has one type. The megakernel
-    /// compiles one decoding per kind.
+    /// then reads each layer's matrices in their own format (`MatrixFormats::mixed`).
     pub fn mixed_storage(&self) -> Option<String> {
         first_mixed_kind(
             LAYER_KINDS
@@ -561,27 +552,6 @@ impl Weights {
                 .enumerate()
                 .map(|(k, name)| (*name, self.kind_types(k))),
         )
-    }
-
-    /// Each kind of matrix (as `mixed_storage` names them) whose storage type differs between
-    /// layers widened to bf16 in every layer, so that every kind has one type; the other kinds
-    /// keep theirs. Returns the kinds widened. llama.cpp's K-quant mixes (Q4_K_M: Q6_K for the
-    /// V and down matrices of some layers, which load as bf16) mix types within q/k/v and down
-    /// only, so their attention output and gate/up matrices, most of a layer's bytes, stay
-    /// quantised for the megakernel.
-    pub fn widen_mixed_kinds(&mut self) -> Vec<&'static str> {
-        let mut widened = Vec::new();
-        for (k, name) in LAYER_KINDS.into_iter().enumerate() {
-            if first_mixed_kind([(name, self.kind_types(k))]).is_some() {
-                for l in &mut self.layers {
-                    for m in l.kind_mut(k) {
-                        *m = m.to_bf16();
-                    }
-                }
-                widened.push(name);
-            }
-        }
-        widened
     }
 
     /// Kind `k`'s storage type in each layer (its group shares one type: the loaders make
