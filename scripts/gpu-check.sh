@@ -113,6 +113,9 @@ fi
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
+# BENCH=sampled (not in BENCH=1): greedy and sampled (T 0.8, top-p 0.95) decoding, OLD_BIN and
+#   this build alternating, SAMPLED_ROUNDS rounds (default 2) of SAMPLED_PRESETS (default
+#   smollm2-135m llama-3.2-1b) on SAMPLED_PATHS (default megakernel).
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths;
 # AB_PRESETS, AB_ROUNDS and AB_FUSION are described at the loop.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
@@ -307,6 +310,22 @@ Name three colours.}" > "$OUT/chat-input.txt"
     for preset in smollm2-135m llama-3.2-1b; do
       "$MEGAINFER_BIN" bench --preset "$preset" --paths megakernel --profile --reps 2 > "$OUT/gen-gap.log" 2>&1
       grep -E "gap between tokens" "$OUT/gen-gap.log" | sed "s/^/$preset: /"
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",sampled,"* ]]; then
+    sampled_paths=${SAMPLED_PATHS:-megakernel}
+    for i in $(seq "${SAMPLED_ROUNDS:-2}"); do
+      for preset in ${SAMPLED_PRESETS:-smollm2-135m llama-3.2-1b}; do
+        for s in "" "--temperature 0.8 --top-p 0.95"; do
+          for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+            log="$OUT/bench-sampled.log"
+            "$bin" bench --preset "$preset" --paths "$sampled_paths" --reps 5 $s > "$log" 2>&1
+            for p in ${sampled_paths//,/ }; do
+              echo "sampled $i $preset $(basename "$bin") [${s:-greedy}]: $(row "$log" "$p")"
+            done
+          done
+        done
+      done
     done
   fi
   if [[ ",${BENCH:-}," == *",draw,"* ]]; then

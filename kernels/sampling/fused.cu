@@ -45,10 +45,18 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     smp_pdl_wait();
     const int tid = threadIdx.x, nb = gridDim.x, nthreads = SMP1_THREADS;
     const auto sync = [] { __syncthreads(); };
-    const SmpParams s = *sp;
-    const SmpMeta m = *meta;
     const smp_u32 base = blockIdx.x * SMP_CHUNK;
     const int rows = min(SMP_CHUNK, vocab - (int)base);
+    // The logits are loaded first: they do not depend on the parameters or the meta, so all
+    // of them are in flight together, one round trip, not one after the other.
+    float raw[SMP1_PER];
+#pragma unroll
+    for (int r = 0; r < SMP1_PER; r++) {
+        const int j = tid + r * SMP1_THREADS;
+        raw[r] = j < rows ? logits[base + j] : 0.f;
+    }
+    const SmpParams s = *sp;
+    const SmpMeta m = *meta;
     const float ninf = __int_as_float(0xff800000u);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
     if (tid == 0) sm1.sel.fill = 0;
@@ -72,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         const int j = tid + r * SMP1_THREADS;
         x[r] = ninf;
         if (j < rows) {
-            const float v = smp_clean(logits[base + j]);
+            const float v = smp_clean(raw[r]);
             x[r] = pen && (sm.bitmap[j >> 5] >> (j & 31)) & 1u ? smp_penalise(v, s.penalty) : v;
             mx = fmaxf(mx, x[r]);
         }

@@ -639,9 +639,12 @@ impl Steps for MegakernelPath<'_> {
         Ok(true)
     }
 
-    /// The launch reads meta slot `epoch % 2`; its draw (or argmax) writes the other and
-    /// `history[pos + 1]`. Without the draw in the launch, the sampler kernel then overwrites
-    /// both with the sampled token (stream order).
+    /// The launch reads meta slot `epoch % 2`; its draw writes the other and
+    /// `history[pos + 1]`. Without the draw in the launch, the sampler kernel writes both
+    /// (stream order), so the launch's argmax merges no block (`n_lm` 0 for the launch): it
+    /// leaves placeholder words at once instead of waiting for the last LM-head block and
+    /// reading every block's maximum, and the sampler, which starts when the launch's last
+    /// CTA exits, starts after the last LM-head block. The greedy kernel is unchanged.
     fn launch_sampled_step(&mut self) -> Result<()> {
         if self.draws_in_launch {
             self.params.sampling = 1;
@@ -651,7 +654,11 @@ impl Steps for MegakernelPath<'_> {
         }
         // MAX_EPOCH is even, so a wrap inside `launch` keeps the slot's parity.
         let slot = (self.params.epoch & 1) as usize;
-        self.launch()?;
+        let n_lm = self.params.n_lm;
+        self.params.n_lm = 0;
+        let launched = self.launch();
+        self.params.n_lm = n_lm;
+        launched?;
         let s = &self.gpu.stream;
         let sampler = self.sampler.as_ref().context("device sampler not made")?;
         let meta = ptr(&self.meta, s);
