@@ -35,6 +35,19 @@ const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
 /// `SmpBlock` is 32 bytes.
 const BLOCK_WORDS: usize = 4;
 
+/// Logits per CTA of the fused sampler for `vocab`: 1024 where its last CTA can hold every
+/// block's keys (vocabularies up to 76 x 1024 = 77,824 tokens, e.g. SmolLM2's 49,152), else
+/// CHUNK. On the H100 after a decode step (BENCHMARKS.md, 2026-11-26), SmolLM2's vocabulary
+/// drew about 2 µs faster a sampled megakernel step at 1024 than at 4096 (3.4 µs on graph +
+/// PDL), while Llama 3's (128,256) was no faster at 2048, and 1024 does not fit it.
+pub fn chunk_for_vocab(vocab: usize) -> usize {
+    if vocab.div_ceil(1024) * SAMPLE_CAP <= SAMPLE_SLOTS {
+        1024
+    } else {
+        CHUNK
+    }
+}
+
 /// The sampler's compilation unit.
 pub fn source() -> String {
     [PHILOX, SELECT, SAMPLE, FUSED].join("\n")
@@ -101,8 +114,17 @@ pub struct DeviceSampler {
 }
 
 impl DeviceSampler {
+    /// The sampler a path draws with: the kernels [`Kernels::for_vocab`] picks, the fused one
+    /// at [`chunk_for_vocab`]'s chunk; `MEGAINFER_SAMPLER_CHUNK` (1024, 2048 or 4096) sets the
+    /// chunk instead, for comparing chunks after a decode step.
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
-        Self::with_kernels(gpu, vocab, Kernels::for_vocab(vocab))
+        let kernels = Kernels::for_vocab(vocab);
+        if kernels != Kernels::Fused {
+            return Self::with_kernels(gpu, vocab, kernels);
+        }
+        let chunk = crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")?
+            .unwrap_or_else(|| chunk_for_vocab(vocab));
+        Self::with_chunk(gpu, vocab, kernels, chunk)
     }
 
     /// A sampler drawing with the given kernels (`Fused` only where [`Kernels::for_vocab`]
@@ -296,6 +318,25 @@ mod tests {
             assert_eq!(Kernels::for_vocab(vocab), Kernels::Fused, "{vocab}");
         }
         assert_eq!(Kernels::for_vocab(311_297), Kernels::TwoPass);
+    }
+
+    /// 1024 logits per CTA wherever the last CTA can hold the blocks' keys, else 4096.
+    #[test]
+    fn small_vocabularies_take_the_small_chunk() {
+        for (vocab, chunk) in [
+            (1, 1024),
+            (49_152, 1024),
+            (77_824, 1024),
+            (77_825, 4096),
+            (128_256, 4096),
+            (151_936, 4096),
+        ] {
+            assert_eq!(chunk_for_vocab(vocab), chunk, "{vocab}");
+            assert!(
+                vocab.div_ceil(chunk) * SAMPLE_CAP <= SAMPLE_SLOTS,
+                "{vocab}"
+            );
+        }
     }
 
     /// The sizes the host assumes are fused.cu's.
