@@ -122,9 +122,12 @@ impl DeviceSampler {
         if kernels != Kernels::Fused {
             return Self::with_kernels(gpu, vocab, kernels);
         }
-        let chunk = crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")?
-            .unwrap_or_else(|| chunk_for_vocab(vocab));
-        Self::with_chunk(gpu, vocab, kernels, chunk)
+        match crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")? {
+            Some(chunk) => {
+                Self::with_chunk(gpu, vocab, kernels, chunk).context("MEGAINFER_SAMPLER_CHUNK")
+            }
+            None => Self::with_chunk(gpu, vocab, kernels, chunk_for_vocab(vocab)),
+        }
     }
 
     /// A sampler drawing with the given kernels (`Fused` only where [`Kernels::for_vocab`]
