@@ -219,7 +219,8 @@ fn sampler_bench() {
             .collect();
         println!(
             "\n{model} (vocabulary {vocab}): µs per draw, graph of {DRAWS} draws \
-             (fused/N: N logits per CTA; 4096 is the samplers' own)"
+             (fused/N: N logits per CTA; 4096 is the two kernels', {} the paths')",
+            megainfer::sampling::device::chunk_for_vocab(vocab)
         );
         for (name, p) in configs() {
             two.set_params(&g.stream, &p).unwrap();

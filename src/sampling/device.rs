@@ -22,8 +22,9 @@ pub(crate) const SELECT: &str = include_str!("../../kernels/sampling/select.cuh"
 const SAMPLE: &str = include_str!("../../kernels/sampling/sample.cu");
 const FUSED: &str = include_str!("../../kernels/sampling/fused.cu");
 
-/// Logits per CTA of `smp_blocks` and `smp_sample` (as [`DeviceSampler::with_chunk`] can
-/// change for comparisons), and the CTAs' sizes (as in sample.cu and fused.cu).
+/// Logits per CTA of `smp_blocks`, and of `smp_sample` for the vocabularies too large for a
+/// smaller chunk (`chunk_for_vocab`; [`DeviceSampler::with_chunk`] sets any), and the CTAs'
+/// sizes (as in sample.cu and fused.cu).
 const CHUNK: usize = 4096;
 const BLOCK_THREADS: u32 = 512;
 const FINAL_THREADS: u32 = 1024;
@@ -136,10 +137,9 @@ impl DeviceSampler {
         Self::with_chunk(gpu, vocab, kernels, CHUNK)
     }
 
-    /// A sampler whose CTAs take `chunk` logits each (1024, 2048 or 4096), for comparing
-    /// chunk sizes. Smaller chunks spread a vocabulary over more SMs: alone they draw faster
-    /// (SmolLM2's vocabulary, T 0.8 top-p 0.95: 16.6 µs a draw at 1024 against 18.4 at 4096),
-    /// but after a decode step they did not pay (BENCHMARKS.md), so the samplers take 4096.
+    /// A sampler whose CTAs take `chunk` logits each (1024, 2048 or 4096). Smaller chunks
+    /// spread a vocabulary over more SMs but give the last CTA more keys to merge; which pays
+    /// after a decode step depends on the vocabulary (`chunk_for_vocab`, BENCHMARKS.md).
     pub fn with_chunk(gpu: &Gpu, vocab: usize, kernels: Kernels, chunk: usize) -> Result<Self> {
         anyhow::ensure!(
             [1024, 2048, CHUNK].contains(&chunk),
