@@ -36,13 +36,19 @@ const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
 /// `SmpBlock` is 32 bytes.
 const BLOCK_WORDS: usize = 4;
 
+/// Whether the fused sampler's last CTA can hold the keys of every block of `chunk` logits
+/// of a `vocab`-token vocabulary (SAMPLE_CAP slots a block, SAMPLE_SLOTS in all).
+fn last_cta_holds(vocab: usize, chunk: usize) -> bool {
+    vocab.div_ceil(chunk) * SAMPLE_CAP <= SAMPLE_SLOTS
+}
+
 /// Logits per CTA of the fused sampler for `vocab`: 1024 where its last CTA can hold every
 /// block's keys (vocabularies up to 76 x 1024 = 77,824 tokens, e.g. SmolLM2's 49,152), else
 /// CHUNK. On the H100 after a decode step (BENCHMARKS.md, 2026-11-26), SmolLM2's vocabulary
 /// drew about 2 µs faster a sampled megakernel step at 1024 than at 4096 (3.4 µs on graph +
 /// PDL), while Llama 3's (128,256) was no faster at 2048, and 1024 does not fit it.
 pub fn chunk_for_vocab(vocab: usize) -> usize {
-    if vocab.div_ceil(1024) * SAMPLE_CAP <= SAMPLE_SLOTS {
+    if last_cta_holds(vocab, 1024) {
         1024
     } else {
         CHUNK
@@ -68,7 +74,7 @@ impl Kernels {
     /// The kernels a vocabulary gets: the fused kernel unless its last CTA cannot hold every
     /// block's keys (vocabularies above 311,296 tokens).
     pub fn for_vocab(vocab: usize) -> Self {
-        if vocab.div_ceil(CHUNK) * SAMPLE_CAP <= SAMPLE_SLOTS {
+        if last_cta_holds(vocab, CHUNK) {
             Kernels::Fused
         } else {
             Kernels::TwoPass
@@ -146,7 +152,7 @@ impl DeviceSampler {
             "sampler chunk {chunk}: 1024, 2048 or 4096 logits per CTA"
         );
         anyhow::ensure!(
-            kernels == Kernels::TwoPass || vocab.div_ceil(chunk) * SAMPLE_CAP <= SAMPLE_SLOTS,
+            kernels == Kernels::TwoPass || last_cta_holds(vocab, chunk),
             "the fused sampler holds at most {SAMPLE_SLOTS} keys: a vocabulary of {vocab} in \
              chunks of {chunk} needs more"
         );
