@@ -100,6 +100,7 @@ __device__ bool consume_tiles(const MkParams& p, const TileGeom& g, u32 instr, u
     MK_TILES_OF(WEIGHT_Q8_0)
     MK_TILES_OF(WEIGHT_Q4_0)
     MK_TILES_OF(WEIGHT_Q4_1)
+    MK_TILES_OF(WEIGHT_Q6_K)
 #undef MK_TILES_OF
     return false;
 }

@@ -386,8 +386,9 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 // A kind's format may also differ between layers (a GGUF file's K-quant mix): MK_WT_MIXED is
 // then the mask (bit = format code) of the formats its layers' q/k/v, output, gate/up and down
 // matrices have, and the host tags each of those pointers in the layer table with its
-// matrix's format in the low two bits (device allocations are 256-byte aligned, so they are
-// otherwise zero): layer_wt and layer_mat read the tag and the pointer. Without mixed layers
+// matrix's format in the low three bits, two in a kernel without Q6_K (Q_HAS_Q6K; device
+// allocations are 256-byte aligned, so they are otherwise zero): layer_wt and layer_mat read
+// the tag and the pointer. Without mixed layers
 // the kernel is compiled with the kinds' formats as constants, as before.
 #ifndef MK_WT_MIXED
 #define MK_WT_MIXED 0
@@ -395,20 +396,21 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 #define MK_WT_USED(t)                                                                                       \
     (MK_WT_QKV == (t) || MK_WT_O == (t) || MK_WT_GU == (t) || MK_WT_DOWN == (t) || MK_WT_LM == (t) || \
      ((MK_WT_MIXED >> (t)) & 1))
-#define MK_ANY_QUANT (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1))
+#define MK_ANY_QUANT \
+    (MK_WT_USED(WEIGHT_Q8_0) || MK_WT_USED(WEIGHT_Q4_0) || MK_WT_USED(WEIGHT_Q4_1) || MK_WT_USED(WEIGHT_Q6_K))
 
 // The format of a layer's matrix `m` (a layer table pointer) whose kind was compiled as
 // `kind` (see MK_WT_MIXED), and the pointer itself.
 __device__ __forceinline__ int layer_wt(const bf16_t* m, int kind) {
 #if MK_WT_MIXED
-    return (int)((size_t)m & 3);
+    return (int)((size_t)m & (Q_HAS_Q6K ? 7 : 3));
 #else
     return kind;
 #endif
 }
 __device__ __forceinline__ const bf16_t* layer_mat(const bf16_t* m) {
 #if MK_WT_MIXED
-    return (const bf16_t*)((size_t)m & ~(size_t)3);
+    return (const bf16_t*)((size_t)m & ~(size_t)(Q_HAS_Q6K ? 7 : 3));
 #else
     return m;
 #endif
@@ -605,11 +607,11 @@ __device__ __forceinline__ constexpr int lane_cols() {
 // first four at lo, the other four at lo + hi_off.
 template <int WT>
 __device__ __forceinline__ int x_lo(int c) {
-    return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? (c & ~31) + ((c >> 1) & 12) : c;
+    return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 || WT == WEIGHT_Q6_K ? (c & ~31) + ((c >> 1) & 12) : c;
 }
 template <int WT>
 __device__ __forceinline__ constexpr int x_hi_off() {
-    return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 ? 16 : 4;
+    return WT == WEIGHT_Q4_0 || WT == WEIGHT_Q4_1 || WT == WEIGHT_Q6_K ? 16 : 4;
 }
 
 // A block's 32 inputs as digits (see above): h[m] and l[m] the digits of inputs 4m..4m+3, four
@@ -731,6 +733,24 @@ __device__ __forceinline__ BlockQ block_quants(const unsigned char* rows, int sl
 template <int WT>
 __device__ __forceinline__ float block_dot(const BlockQ& w, const XB& x, const unsigned char* sc, int c, float acc) {
     const u32 qw[8] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w, w.hi.x, w.hi.y, w.hi.z, w.hi.w};
+    if constexpr (WT == WEIGHT_Q6_K) {
+        // The two halves of the block have their own scales: a sum each. The quants as the
+        // signed bytes q - 32, so no offset term is needed.
+        const unsigned char* h = sc + 12 * (c >> 5);
+        const u32 hw[2] = {*(const u32*)(h + 4), *(const u32*)(h + 8)};
+        int ah = 0, al = 0, bh = 0, bl = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const uint2 q = q6_top_bits(qw[k], hw[k & 1], k);
+            const int lo = (int)q6_signed(q.x), hi = (int)q6_signed(q.y);
+            ah = dp4a(lo, x.h[k], ah);
+            al = dp4a(lo, x.l[k], al);
+            bh = dp4a(hi, x.h[4 + k], bh);
+            bl = dp4a(hi, x.l[4 + k], bl);
+        }
+        const float2 dsc = q6_scales(h);
+        return fmaf(x.s, fmaf(dsc.x, (float)(ah * 256 + al), dsc.y * (float)(bh * 256 + bl)), acc);
+    }
     int th = 0, tl = 0;
     if (WT == WEIGHT_Q8_0) {
 #pragma unroll
@@ -774,8 +794,15 @@ __device__ __forceinline__ uint4 lane_weights(const unsigned char* rows, int slo
 template <int WT>
 __device__ __forceinline__ float lane_dot_f32(uint4 wv, const float* x, const unsigned char* sc, int c, float acc) {
     const float4 lo = make_float4(x[0], x[1], x[2], x[3]), hi = make_float4(x[4], x[5], x[6], x[7]);
-    const float s = qg_dot<WT>(make_uint2(wv.x, wv.y), lo, hi);
     const int b = c >> 5;
+    if constexpr (WT == WEIGHT_Q6_K) {
+        const int t = (c >> 3) & 3;
+        const unsigned char* h = sc + 12 * b;
+        const float2 s = qg_dot_q6(wv.x, *(const u32*)(h + 4 + 4 * (t & 1)), t, lo, hi);
+        const float2 dsc = q6_scales(h);
+        return fmaf(dsc.x, s.x, fmaf(dsc.y, s.y, acc));
+    }
+    const float s = qg_dot<WT>(make_uint2(wv.x, wv.y), lo, hi);
     if (WT == WEIGHT_Q4_1) {
         const u32 dm = *(const u32*)(sc + 4 * b);
         const float sx = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));

@@ -108,7 +108,7 @@ fi
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
-# BENCH=mixed (not in BENCH=1): layers of different formats (bench --q4-k-m-mix) on
+# BENCH=mixed (not in BENCH=1): layers of different formats (bench --q4-k-m-mix; OLD_BIN's too) on
 #   MIXED_PRESETS (default llama-3.2-1b) with MIXED_DTYPE (default q4_1): uniform, as stored.
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
@@ -351,14 +351,16 @@ Name three colours.}" > "$OUT/chat-input.txt"
   if [[ ",${BENCH:-}," == *",mixed,"* ]]; then
     # Layers of different formats (a Q4_K_M file's mix, `bench --q4-k-m-mix`) for each preset of
     # MIXED_PRESETS: the megakernel and graph + PDL reading every layer as stored, and the
-    # uniform weights for reference.
+    # uniform weights for reference; with OLD_BIN, that binary's mix too (stored-old).
     for preset in ${MIXED_PRESETS:-llama-3.2-1b}; do
       ty=${MIXED_DTYPE:-q4_1}
-      for v in uniform stored; do
+      for v in uniform stored ${OLD_BIN:+stored-old}; do
         log="$OUT/bench-mixed-$preset-$v.log"
         case $v in
           uniform) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --paths megakernel --reps 5 > "$log" 2>&1 ;;
           stored) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix \
+            --paths megakernel,graph-pdl --reps 5 > "$log" 2>&1 ;;
+          stored-old) "$OLD_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix \
             --paths megakernel,graph-pdl --reps 5 > "$log" 2>&1 ;;
         esac
         grep -E "^\| (megakernel|graph-pdl) |weights [0-9.]+ MiB|rror" "$log" | sed "s/^/mixed $preset $ty $v: /"

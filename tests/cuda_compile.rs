@@ -195,6 +195,21 @@ fn megakernel_compiles_for_quantised_formats() {
                 ..all(2)
             },
         ),
+        // Q6_K everywhere, on rows decoded to f32 (SmolLM2) and on block lanes (the 3B's).
+        ("smollm2-135m", all(4)),
+        ("llama-3.2-1b", all(4)),
+        ("llama-3.2-3b", all(4)),
+        // A Q4_K_M file as the megakernel gets it: Q4_K as Q4_1, some layers' V and down in
+        // Q6_K, the LM head (tied to the embedding) Q6_K.
+        (
+            "llama-3.2-1b",
+            sources::MatrixFormats {
+                mixed: 0b11000,
+                lm_head: 4,
+                embed: 4,
+                ..all(3)
+            },
+        ),
     ] {
         let cfg = presets::by_name(preset).unwrap();
         let mut defines = sources::megakernel_defines(&cfg);

@@ -166,6 +166,8 @@ fn ggml_type(q: QuantType) -> u32 {
         QuantType::Q4_0 => 2,
         QuantType::Q4_1 => 3,
         QuantType::Q8_0 => 8,
+        // GGUF's Q6_K is a 256-element super-block, not the engine's block: no seed uses it.
+        QuantType::Q6_K => unreachable!("the seeds store no Q6_K"),
     }
 }
 

@@ -455,6 +455,30 @@ fn hand_built_q4_k_block() {
     assert_decodes_like_reference(GgmlType::Q4_K, &block, 256);
 }
 
+/// Q6_K super-blocks as the engine's 32-element Q6_K blocks (what the loader keeps): every
+/// element the same f32 as GGUF's own decoding, bit for bit, on pseudo-random super-blocks;
+/// not whole super-blocks: refused.
+#[test]
+fn q6_k_super_blocks_rewritten_as_32_element_blocks_exactly() {
+    use megainfer::model::gguf::q6_k_as_blocks;
+    use megainfer::model::quant::{dequantize_row, QuantType};
+    for seed in 0..6 {
+        let bytes = random_blocks(5, 210, &[208], seed);
+        let exact = dequantize_f32(GgmlType::Q6_K, &bytes, 5 * 256).unwrap();
+        let blocks = q6_k_as_blocks(&bytes).expect("whole super-blocks");
+        assert_eq!(blocks.len(), 5 * 8 * QuantType::Q6_K.block_bytes());
+        let mut kept = vec![0f32; 5 * 256];
+        dequantize_row(QuantType::Q6_K, &blocks, &mut kept);
+        assert_eq!(
+            kept.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            exact.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "seed {seed}"
+        );
+    }
+    assert!(q6_k_as_blocks(&[0u8; 209]).is_none());
+    assert!(q6_k_as_blocks(&[]).is_none());
+}
+
 /// A Q6_K block packed from chosen codes: element i is d * scale[i / 16] * (q - 32).
 #[test]
 fn hand_built_q6_k_block() {

@@ -60,12 +60,12 @@ fn tiny_model_loads() {
 
 /// GGUF files quantised with llama.cpp's K-quants (Q4_K_M mixes Q4_K and Q6_K) load: Q4_K
 /// matrices as Q4_1 blocks (the same quants, each sub-block's step and minimum rounded to f16),
-/// Q6_K ones widened to bf16, each element the block format's value. The tiny model with an
+/// Q6_K ones as the engine's Q6_K blocks, each element exactly the block format's value. The tiny model with an
 /// MLP of 256 (K-quant rows are whole 256-element super-blocks); layer 0's down projection as
 /// Q4_K and layer 1's as Q6_K, then a forward pass on the CPU.
 #[test]
 fn tiny_model_with_k_quant_matrices_loads() {
-    use megainfer::model::gguf::{dequantize, GgmlType};
+    use megainfer::model::gguf::GgmlType;
     let ffn = 256u64;
     let mut g = tiny_llama();
     g.set("llama.feed_forward_length", Val::U32(ffn as u32));
@@ -145,12 +145,10 @@ fn tiny_model_with_k_quant_matrices_loads() {
         );
     }
     let (ty, bytes) = &downs[1];
-    let want = dequantize(*ty, bytes, n).unwrap();
-    assert_eq!(
-        m.weights.layers[1].w_down.as_bf16(),
-        Some(&want[..]),
-        "{ty} widened to bf16"
-    );
+    let w = &m.weights.layers[1].w_down;
+    assert_eq!(w.ty(), megainfer::model::WeightType::Q6_K, "Q6_K kept");
+    let exact = megainfer::model::gguf::dequantize_f32(*ty, bytes, n).unwrap();
+    assert_eq!(w.to_f32(), exact, "{ty} as stored");
     let logits = megainfer::reference::CpuForward::new(&m.config, &m.weights, 16)
         .forward(&[1, 2, 3])
         .unwrap();

@@ -1,4 +1,4 @@
-//! Quantised weights (Q8_0, Q4_0, Q4_1) on every GPU path (the megakernel and the graph,
+//! Quantised weights (Q8_0, Q4_0, Q4_1, Q6_K) on every GPU path (the megakernel and the graph,
 //! graph + PDL and eager paths) against the CPU reference on the same quantised weights.
 //! Ignored by a plain `cargo test`; they fail when run without a GPU (tests/common/gpu.rs).
 //!
@@ -22,7 +22,12 @@ use megainfer::sampling::{argmax, top_k};
 use scheduler::Op;
 
 const PATHS: [PathKind; 4] = PathKind::ALL;
-const TYPES: [WeightType; 3] = [WeightType::Q8_0, WeightType::Q4_0, WeightType::Q4_1];
+const TYPES: [WeightType; 4] = [
+    WeightType::Q8_0,
+    WeightType::Q4_0,
+    WeightType::Q4_1,
+    WeightType::Q6_K,
+];
 
 /// Decode computes from the same exact values as the reference. Measured on an H100
 /// (2026-11-26, d325a28): worst 6.32e-4 on the small models (every path and format), 2.77e-3 on
@@ -176,7 +181,7 @@ fn quantized_llama_1b_shape_matches_reference() {
     let gpu = gpu();
     let cfg = presets::by_name("llama-3.2-1b").unwrap();
     let base = random_weights(&cfg, 7);
-    for ty in [WeightType::Q8_0, WeightType::Q4_0] {
+    for ty in [WeightType::Q8_0, WeightType::Q4_0, WeightType::Q6_K] {
         let mut w = base.clone();
         w.convert_to(ty).unwrap();
         println!("llama-1b {ty}: {}", w.describe_memory());
@@ -278,10 +283,11 @@ fn k_quant_mix(w: &mut Weights) {
 fn megakernel_reads_layers_of_different_formats() {
     let gpu = gpu();
     for ty in TYPES {
-        let other = if ty == WeightType::Q8_0 {
-            WeightType::Q4_0
-        } else {
-            WeightType::Q8_0
+        // Q4_1 with Q6_K is a Q4_K_M file's pair (its Q4_K loads as Q4_1).
+        let other = match ty {
+            WeightType::Q8_0 => WeightType::Q4_0,
+            WeightType::Q4_1 => WeightType::Q6_K,
+            _ => WeightType::Q8_0,
         };
         for (label, cfg, mut w, tokens) in cases(ty).into_iter().take(2) {
             k_quant_mix(&mut w);

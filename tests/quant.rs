@@ -156,6 +156,11 @@ fn bf16_exact_blocks(ty: QuantType, rows: usize, cols: usize, seed: u64) -> Matr
                 bytes.extend(h(-d * (next() % 16) as f32));
                 bytes.extend((0..16).map(|_| (next() & 0xff) as u8));
             }
+            // Scales of -4..4: every value d * sc * (q - 32) has at most 8 significant bits.
+            QuantType::Q6_K => {
+                bytes.extend((0..2).map(|_| ((next() % 9) as i32 - 4) as i8 as u8));
+                bytes.extend((0..24).map(|_| (next() & 0xff) as u8));
+            }
         }
     }
     Matrix::from_blocks(ty, rows, cols, bytes).unwrap()
@@ -197,7 +202,7 @@ fn quantised_exact(cfg: &Config, ty: QuantType) -> Weights {
 fn cpu_reference_on_quantised_weights_equals_it_on_the_same_values_in_bf16() {
     let cfg = tiny_cfg();
     let tokens = [3u32, 17, 250, 9, 42, 101, 7];
-    for (ty, _) in TYPES {
+    for ty in QuantType::ALL {
         let wq = quantised_exact(&cfg, ty);
         assert!(wq.is_quantized());
         let mut wb = wq.clone();
@@ -234,7 +239,7 @@ fn cpu_reference_products_use_the_exact_decoded_values() {
     let x: Vec<f32> = (0..cfg.hidden_size)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
         .collect();
-    for (ty, _) in TYPES {
+    for ty in QuantType::ALL {
         let mut w = random_weights(&cfg, 9);
         w.convert_to(ty.into()).unwrap();
         let m = &w.layers[1].w_gate;
@@ -274,7 +279,7 @@ fn cpu_reference_products_use_the_exact_decoded_values() {
 fn quantised_prefill_matches_token_by_token() {
     let cfg = tiny_cfg();
     let tokens: Vec<u32> = (0..40).map(|i| (i * 7919 + 13) % 300).collect();
-    for (ty, _) in TYPES {
+    for ty in QuantType::ALL {
         let mut w = random_weights(&cfg, 3);
         w.convert_to(ty.into()).unwrap();
         let want = CpuForward::new(&cfg, &w, 64).forward_all(&tokens).unwrap();
@@ -296,7 +301,7 @@ fn quantised_prefill_matches_token_by_token() {
 fn dtype_conversion_quantises_and_widens_and_refuses_partial_blocks() {
     let cfg = tiny_cfg();
     let w = random_weights(&cfg, 1);
-    for (ty, _) in TYPES {
+    for ty in QuantType::ALL {
         let mut q = w.clone();
         q.convert_to(ty.into()).unwrap();
         for (a, b) in q.matrices().iter().zip(w.matrices()) {
@@ -381,28 +386,39 @@ fn first_mixed_kind_names_the_kind_types_and_layer() {
 }
 
 /// `bench --q4-k-m-mix`: the layers llama.cpp's Q4_K_M gives Q6_K V and down matrices (the
-/// first and last eighth, every third between) get them widened to bf16 with q and k; the
-/// other layers and matrices keep their format.
+/// first and last eighth, every third between) get their down matrix in Q6_K (its values the
+/// project's quantiser's) and q/k/v widened to bf16; the LM head (the embedding, tied here) is
+/// Q6_K; the other layers and matrices keep their format.
 #[test]
-fn q4_k_m_mix_widens_the_layers_llama_cpp_gives_more_bits() {
+fn q4_k_m_mix_gives_the_layers_llama_cpp_gives_more_bits_q6_k() {
     let mut cfg = tiny_cfg();
     cfg.num_layers = 16;
     let mut w = random_weights(&cfg, 3);
     w.convert_to(WeightType::Q4_1).unwrap();
+    let before = w.clone();
     let layers = w.mix_like_q4_k_m();
     assert_eq!(layers, vec![0, 1, 4, 7, 10, 13, 14, 15]);
-    for (i, l) in w.layers.iter().enumerate() {
-        let want = if layers.contains(&i) {
-            WeightType::Bf16
-        } else {
-            WeightType::Q4_1
-        };
-        for m in [&l.wq, &l.wk, &l.wv, &l.w_down] {
+    for (i, (l, b)) in w.layers.iter().zip(&before.layers).enumerate() {
+        let more = layers.contains(&i);
+        for m in [&l.wq, &l.wk, &l.wv] {
+            let want = if more {
+                WeightType::Bf16
+            } else {
+                WeightType::Q4_1
+            };
             assert_eq!(m.ty(), want, "layer {i}");
+        }
+        if more {
+            assert_eq!(l.w_down.ty(), WeightType::Q6_K, "layer {i}");
+            let want = Matrix::quantize_f32(&b.w_down.to_f32(), b.w_down.cols(), WeightType::Q6_K);
+            assert_eq!(l.w_down.to_f32(), want.to_f32(), "layer {i}");
+        } else {
+            assert_eq!(l.w_down.ty(), WeightType::Q4_1, "layer {i}");
         }
         for m in [&l.wo, &l.w_gate, &l.w_up] {
             assert_eq!(m.ty(), WeightType::Q4_1, "layer {i}");
         }
     }
+    assert_eq!(w.lm_head().ty(), WeightType::Q6_K);
     assert!(w.mixed_storage().unwrap().contains("q/k/v"));
 }

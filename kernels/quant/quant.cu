@@ -1,10 +1,10 @@
-// Quantised weights (GGUF Q8_0, Q4_0, Q4_1) read as stored and decoded in registers: the graph
+// Quantised weights (GGUF Q8_0, Q4_0, Q4_1, Q6_K) read as stored and decoded in registers: the graph
 // path's mat-vecs and embedding, and prefill's dequantisation. Needs decode.cuh (the formats'
 // decoding, shared with the megakernel) before it; self-contained otherwise (q_-prefixed
 // helpers, no CUDA header), so both the baseline unit and the prefill unit include it.
 //
 // Device layout: decode.cuh (row by row, a row's quants, its scales, zeros to 16 bytes).
-// Values: Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 q * d + m.
+// Values: Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 q * d + m; Q6_K (d * scale) * (q - 32).
 
 // Round to nearest even, NaN kept quiet.
 __device__ __forceinline__ q_u16 q_to_bf16(float f) {
@@ -57,6 +57,21 @@ extern "C" __global__ void q_dequant_bf16_set(const __grid_constant__ QDequantSe
 #pragma unroll
                 for (int k = 0; k < 16; k++)
                     v[16 * h + k] = __fmul_rn((float)(signed char)(words[k >> 2] >> (8 * (k & 3))), d);
+            }
+        } else if (ty == WEIGHT_Q6_K) {
+            const unsigned char* h = (const unsigned char*)scales + 12 * b;
+            const float d = q_f16((q_u16)(h[0] | (h[1] << 8)));
+            const float s0 = __fmul_rn(d, (float)(signed char)h[2]), s1 = __fmul_rn(d, (float)(signed char)h[3]);
+            const uint4 w = *(const uint4*)(row + b * 16);
+            const q_u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                const uint2 q = q6_top_bits(words[t], *(const q_u32*)(h + 4 + 4 * (t & 1)), t);
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    v[4 * t + k] = __fmul_rn(s0, (float)((int)((q.x >> (8 * k)) & 255u) - 32));
+                    v[16 + 4 * t + k] = __fmul_rn(s1, (float)((int)((q.y >> (8 * k)) & 255u) - 32));
+                }
             }
         } else {
             const bool q41 = ty == WEIGHT_Q4_1;
@@ -274,6 +289,16 @@ __device__ __forceinline__ void qg_gemv(const unsigned char* W, const float* x, 
             // Q4_1's minimum multiplies the sum of the inputs, once per block.
             const float sx = TY == WEIGHT_Q4_1 ? (lo.x + lo.y) + (lo.z + lo.w) + ((hi.x + hi.y) + (hi.z + hi.w)) : 0.f;
             const int b = c * 8 + lane_block;
+            if constexpr (TY == WEIGHT_Q6_K) {
+#pragma unroll
+                for (int r = 0; r < QG_ROWS; r++) {
+                    const unsigned char* h = (const unsigned char*)sr[r] + 12 * b;
+                    const float2 s = qg_dot_q6(w[u][r].x, *(const q_u32*)(h + 4 + 4 * (lane & 1)), lane & 3, lo, hi);
+                    const float2 dsc = q6_scales(h);
+                    acc[r] = fmaf(dsc.x, s.x, fmaf(dsc.y, s.y, acc[r]));
+                }
+                continue;
+            }
 #pragma unroll
             for (int r = 0; r < QG_ROWS; r++) {
                 const float s = qg_dot<TY>(w[u][r], lo, hi);
@@ -304,4 +329,9 @@ extern "C" __global__ void bl_gemv_q4_0(const unsigned char* W, const float* x, 
 extern "C" __global__ void bl_gemv_q4_1(const unsigned char* W, const float* x, float* y, int rows,
                                         int cols, int accumulate, int mode, const q_u16* norm, float eps) {
     qg_gemv<WEIGHT_Q4_1>(W, x, y, rows, cols, accumulate, mode, norm, eps);
+}
+
+extern "C" __global__ void bl_gemv_q6_k(const unsigned char* W, const float* x, float* y, int rows,
+                                        int cols, int accumulate, int mode, const q_u16* norm, float eps) {
+    qg_gemv<WEIGHT_Q6_K>(W, x, y, rows, cols, accumulate, mode, norm, eps);
 }

@@ -49,9 +49,10 @@ pub struct BenchArgs {
     /// as the file stores them).
     #[arg(long, value_enum)]
     pub dtype: Option<WeightType>,
-    /// With --preset and a quantised --dtype: the layers' formats of a llama.cpp Q4_K_M file,
-    /// the V (with q/k) and down matrices of the layers it gives Q6_K widened to bf16 as the
-    /// GGUF loader widens them (`Weights::mix_like_q4_k_m`).
+    /// With --preset and a quantised --dtype: the formats of a llama.cpp Q4_K_M file as it
+    /// loads: in the layers it gives Q6_K V and down matrices, down in Q6_K and q/k/v widened to
+    /// bf16 (as the GGUF loader widens Q and K with V); the LM head in Q6_K
+    /// (`Weights::mix_like_q4_k_m`).
     #[arg(long, requires = "preset")]
     pub q4_k_m_mix: bool,
     /// Seed of the random weights, the prompt and the sampler.
@@ -153,7 +154,7 @@ struct Report {
     /// "greedy", or the sampling parameters.
     sampling: String,
     weight_bytes_per_token: usize,
-    /// The weights' memory by storage type (bf16, Q8_0, Q4_0, Q4_1).
+    /// The weights' memory by storage type (bf16, Q8_0, Q4_0, Q4_1, Q6_K).
     weight_memory: String,
     /// K and V bytes a timed step reads, at the mean context of the timed steps.
     kv_bytes_per_token: usize,
@@ -199,7 +200,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             );
             let ty = args.dtype.unwrap_or(WeightType::Bf16);
             if args.q4_k_m_mix && ty.quant().is_none() {
-                bail!("--q4-k-m-mix: needs a quantised --dtype (q8_0, q4_0 or q4_1)");
+                bail!("--q4-k-m-mix: needs a quantised --dtype (q8_0, q4_0, q4_1 or q6_k)");
             }
             let mut w = random_weights(&c, args.seed);
             w.convert_to(ty)?;
@@ -208,7 +209,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             } else {
                 let layers = w.mix_like_q4_k_m();
                 eprintln!(
-                    "bench: layers {layers:?}: q/k/v and down widened to bf16 (--q4-k-m-mix)"
+                    "bench: layers {layers:?}: q/k/v widened to bf16, down Q6_K; LM head Q6_K (--q4-k-m-mix)"
                 );
                 (
                     c,

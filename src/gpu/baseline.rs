@@ -46,8 +46,8 @@ struct Kernels {
     qkv_extras: Kernel,
     argmax: Kernel,
     embed_q: Kernel,
-    /// kernels/quant/quant.cu's mat-vecs, by storage: Q8_0, Q4_0, Q4_1.
-    gemv_q: [Kernel; 3],
+    /// kernels/quant/quant.cu's mat-vecs, by storage: Q8_0, Q4_0, Q4_1, Q6_K.
+    gemv_q: [Kernel; 4],
 }
 
 const ATT_THREADS: u32 = 128;
@@ -253,6 +253,7 @@ impl<'g> BaselinePath<'g> {
                 Kernel::load(&module, "bl_gemv_q8_0")?,
                 Kernel::load(&module, "bl_gemv_q4_0")?,
                 Kernel::load(&module, "bl_gemv_q4_1")?,
+                Kernel::load(&module, "bl_gemv_q6_k")?,
             ],
         };
         let group = c.num_heads / c.num_kv_heads;
@@ -378,7 +379,7 @@ impl<'g> BaselinePath<'g> {
         let kernel = &self.k.gemv_q[w.type_code() as usize - 1];
         let grid = (w.rows as u32).div_ceil(QUANT_ROWS_PER_BLOCK);
         let mut a = kargs![&wp, &x, &y, &rows, &cols, &accumulate, &mode, &norm, &eps];
-        // SAFETY: the arguments are the values bl_gemv_q8_0/q4_0/q4_1 declare, in order (see
+        // SAFETY: the arguments are the values bl_gemv_q8_0/q4_0/q4_1/q6_k declare, in order (see
         // kernels/quant/quant.cu), each a live local; the pointers are device buffers of this
         // path or the model that outlive the launch (W holds `rows` rows of `cols` elements of
         // w's type; norm, cols weights).

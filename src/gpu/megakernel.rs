@@ -346,15 +346,15 @@ impl<'g> MegakernelPath<'g> {
         let at = |name: &str| base + 8 * arena.offset(name) as u64;
         let logits = gpu.alloc_zeros::<f32>(c.vocab_size, "logits")?;
         // Where layers' formats differ (formats.mixed), each matrix pointer carries its format
-        // in its low two bits (MK_WT_MIXED in runtime.cuh): device allocations are 256-byte
+        // in its low three bits (MK_WT_MIXED in runtime.cuh): device allocations are 256-byte
         // aligned.
         let mat = |m: &super::model::DeviceMatrix| -> Result<u64> {
             let p = ptr(&m.data, s);
             if formats.mixed == 0 {
                 return Ok(p);
             }
-            if p & 3 != 0 {
-                bail!("megakernel: a weight matrix at {p:#x} is not 4-byte aligned");
+            if p & 7 != 0 {
+                bail!("megakernel: a weight matrix at {p:#x} is not 8-byte aligned");
             }
             Ok(p | m.type_code() as u64)
         };

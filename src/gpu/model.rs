@@ -17,10 +17,10 @@ fn concat(parts: &[&[bf16]]) -> Vec<u16> {
 
 /// A weight matrix in GPU memory. bf16 matrices are their values, row-major. Quantised ones
 /// are stored row by row, each row one 16-byte-aligned piece (kernels/quant/decode.cuh): its
-/// blocks' quants (Q8_0 32 `i8` per block; Q4_0 and Q4_1 the 16 bytes of nibbles as GGUF stores
-/// them, byte `j`: element `j` low, `j + 16` high), then its blocks' scales (f16 `d`, or `d`
-/// then `m` for Q4_1), then zeros to a multiple of 16 bytes. GGUF's 34-, 18- and 20-byte blocks
-/// are not 16-byte aligned; this way a row's quants are, and the megakernel copies a whole row
+/// blocks' quants (Q8_0 32 `i8` per block; Q4_0, Q4_1 and Q6_K the 16 bytes of nibbles as GGUF
+/// stores Q4's, byte `j`: element `j` low, `j + 16` high), then its blocks' headers (f16 `d`, or
+/// `d` then `m` for Q4_1; Q6_K's 12 bytes of scales and top bits), then zeros to a multiple of 16
+/// bytes. The 34-, 18-, 20- and 28-byte blocks are not 16-byte aligned; this way a row's quants are, and the megakernel copies a whole row
 /// into shared memory in one piece.
 pub struct DeviceMatrix {
     pub ty: WeightType,

@@ -102,7 +102,7 @@ pub fn stream_bound(config: &crate::model::Config, formats: &MatrixFormats) -> O
 }
 
 /// The storage format of each kind of matrix the megakernel reads, as quant.cu's `WEIGHT_*`
-/// codes (bf16 0, Q8_0 1, Q4_0 2, Q4_1 3): one per kind (layer 0's for the layers' kinds), so
+/// codes (bf16 0, Q8_0 1, Q4_0 2, Q4_1 3, Q6_K 4): one per kind (layer 0's for the layers' kinds), so
 /// the tiles' decoding compiles to the formats the model has and nothing else.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MatrixFormats {
@@ -120,19 +120,27 @@ pub struct MatrixFormats {
 
 impl MatrixFormats {
     /// The definitions the megakernel is compiled with for these formats.
+    /// Without a Q6_K matrix, `Q_HAS_Q6K=0` leaves Q6_K's case out of the formats' shared
+    /// arithmetic (its header size in decode.cuh), so that the kernels of the other formats are
+    /// the code they were before Q6_K existed: the small shapes' kernels move with any change of
+    /// their code (BENCHMARKS.md).
     pub fn defines(&self) -> Vec<String> {
-        [
+        let kinds = [
             ("QKV", self.qkv),
             ("O", self.o),
             ("GU", self.gate_up),
             ("DOWN", self.down),
             ("LM", self.lm_head),
             ("EMB", self.embed),
-        ]
-        .iter()
-        .map(|(k, v)| format!("-DMK_WT_{k}={v}"))
-        .chain((self.mixed != 0).then(|| format!("-DMK_WT_MIXED={}", self.mixed)))
-        .collect()
+        ];
+        let q6 = 4;
+        let has_q6 = kinds.iter().any(|&(_, v)| v == q6) || (self.mixed >> q6) & 1 != 0;
+        kinds
+            .iter()
+            .map(|(k, v)| format!("-DMK_WT_{k}={v}"))
+            .chain((self.mixed != 0).then(|| format!("-DMK_WT_MIXED={}", self.mixed)))
+            .chain(std::iter::once(format!("-DQ_HAS_Q6K={}", has_q6 as i32)))
+            .collect()
     }
 }
 

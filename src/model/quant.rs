@@ -1,5 +1,5 @@
-//! The block formats weights may keep in memory (GGUF's Q8_0, Q4_0, Q4_1): their exact
-//! decoding to f32 and the project's round-to-nearest quantiser.
+//! The block formats weights may keep in memory (GGUF's Q8_0, Q4_0, Q4_1, and Q6_K in a
+//! 32-element form): their exact decoding to f32 and the project's round-to-nearest quantiser.
 //!
 //! Every format stores 32 consecutive elements of a row in one block:
 //! - Q8_0, 34 bytes: f16 `d`, then 32 `i8` quants; element `j` is `q[j] * d`.
@@ -7,6 +7,14 @@
 //!   element `j + 16` in its high nibble; an element is `(q - 8) * d`.
 //! - Q4_1, 20 bytes: f16 `d`, f16 `m`, then 16 bytes of nibbles as Q4_0; an element is
 //!   `q * d + m`.
+//! - Q6_K, 28 bytes: f16 `d`, the `i8` scales `sc0` (elements 0..15) and `sc1` (16..31), 8 bytes
+//!   of the quants' top two bits, then 16 bytes of their low four bits in Q4_0's order; quants
+//!   are 0..63 and an element is `(d * sc) * (q - 32)`. GGUF's Q6_K stores 256 elements in 210
+//!   bytes under one `d`; its super-blocks become 8 of these blocks exactly, each repeating the
+//!   `d` (`gguf::q6_k_as_blocks`). The top bits' byte `4 + 4h + i` (h = 0, 1; i = 0..3) holds,
+//!   from bit 0 up, those of elements `4h + i`, `16 + 4h + i`, `8 + 4h + i` and `24 + 4h + i`:
+//!   the order in which the GPU's lanes, each holding four of the nibble bytes, need them
+//!   (`q6_top_bits` in kernels/quant/decode.cuh).
 //!
 //! Multi-byte fields are little-endian, as in GGUF files.
 
@@ -23,10 +31,16 @@ pub enum QuantType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q6_K,
 }
 
 impl QuantType {
-    pub const ALL: [QuantType; 3] = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1];
+    pub const ALL: [QuantType; 4] = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q6_K,
+    ];
 
     /// Bytes of one 32-element block.
     pub fn block_bytes(self) -> usize {
@@ -34,14 +48,17 @@ impl QuantType {
             QuantType::Q8_0 => 34,
             QuantType::Q4_0 => 18,
             QuantType::Q4_1 => 20,
+            QuantType::Q6_K => 28,
         }
     }
 
-    /// Bytes of the block's header (scale, and minimum for Q4_1) before its quants.
+    /// Bytes of the block's header before its quants: the scale, and the minimum for Q4_1;
+    /// Q6_K's scales and its quants' top bits.
     pub fn header_bytes(self) -> usize {
         match self {
             QuantType::Q8_0 | QuantType::Q4_0 => 2,
             QuantType::Q4_1 => 4,
+            QuantType::Q6_K => 12,
         }
     }
 
@@ -55,6 +72,7 @@ impl QuantType {
             QuantType::Q8_0 => "Q8_0",
             QuantType::Q4_0 => "Q4_0",
             QuantType::Q4_1 => "Q4_1",
+            QuantType::Q6_K => "Q6_K",
         }
     }
 }
@@ -97,6 +115,49 @@ pub fn dequantize_block(ty: QuantType, b: &[u8], out: &mut [f32]) {
                 *h = f32::from(q >> 4) * d + m;
             }
         }
+        QuantType::Q6_K => {
+            let d = le_f16(b);
+            let scale = [d * f32::from(b[2] as i8), d * f32::from(b[3] as i8)];
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = scale[j / 16] * f32::from(i16::from(q6_quant(b, j)) - 32);
+            }
+        }
+    }
+}
+
+/// Quant `j` (0..63) of a Q6_K block (see the module's description).
+fn q6_quant(b: &[u8], j: usize) -> u8 {
+    let (half, r) = (j / 16, j % 16);
+    let nib = if half == 0 {
+        b[12 + r] & 0x0f
+    } else {
+        b[12 + r] >> 4
+    };
+    let top = (b[4 + 4 * ((r >> 2) & 1) + (r & 3)] >> (2 * half + 4 * (r >> 3))) & 3;
+    nib | (top << 4)
+}
+
+/// The byte of a Q6_K block's top bits (offset in the block) and the shift within it of
+/// element `j`'s top two bits.
+fn q6_top_bits_at(j: usize) -> (usize, u32) {
+    let (half, r) = (j / 16, j % 16);
+    (
+        4 + 4 * ((r >> 2) & 1) + (r & 3),
+        (2 * half + 4 * (r >> 3)) as u32,
+    )
+}
+
+/// A Q6_K block from its scale, its two half-block scales and its 32 quants (0..63).
+pub fn q6_block(d: f16, sc: [i8; 2], q: &[u8; 32], out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&d.to_bits().to_le_bytes());
+    out.extend_from_slice(&[sc[0] as u8, sc[1] as u8]);
+    out.extend_from_slice(&[0u8; 8]);
+    out.extend((0..16).map(|j| (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4)));
+    for (j, &qj) in q.iter().enumerate() {
+        debug_assert!(qj < 64);
+        let (at, shift) = q6_top_bits_at(j);
+        out[start + at] |= (qj >> 4) << shift;
     }
 }
 
@@ -175,6 +236,13 @@ pub(crate) mod avx2 {
                 let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * k) as *const __m128i);
                 values8(_mm256_cvtepi8_epi32(q), d, None)
             }),
+            // Q6_K: no vector decode of its own; the scalar values, loaded.
+            QuantType::Q6_K => {
+                let mut v = [0f32; BLOCK];
+                super::dequantize_block(ty, b, &mut v);
+                // SAFETY: 8k + 8 <= 32, within v.
+                std::array::from_fn(|k| _mm256_loadu_ps(v.as_ptr().add(8 * k)))
+            }
             QuantType::Q4_0 | QuantType::Q4_1 => {
                 let (head, m) = if ty == QuantType::Q4_1 {
                     (4, Some(f16x8(&b[2..])))
@@ -247,6 +315,31 @@ pub fn quantize_block(ty: QuantType, x: &[f32], out: &mut Vec<u8>) {
             let q = |v: f32| (((v - min) * inv + 0.5) as i32).clamp(0, 15) as u8;
             out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
         }
+        QuantType::Q6_K => {
+            // Each half's step is its largest magnitude over 31 (quants 1..63 about 32), as
+            // an i8 multiple of d: d is the larger step over 127, so that step is exact to
+            // 1/254 and the other as close as an i8 multiple allows.
+            let amax = |h: &[f32]| h.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let step = [amax(&x[..16]) / 31.0, amax(&x[16..]) / 31.0];
+            let d = f16::from_f32(step[0].max(step[1]) / 127.0);
+            let df = d.to_f32();
+            let sc = step.map(|s| {
+                if df == 0.0 {
+                    0
+                } else {
+                    (s / df).round().clamp(-127.0, 127.0) as i8
+                }
+            });
+            let q: [u8; 32] = std::array::from_fn(|j| {
+                let s = df * f32::from(sc[j / 16]);
+                if s == 0.0 {
+                    32
+                } else {
+                    ((x[j] / s).round() as i32 + 32).clamp(0, 63) as u8
+                }
+            });
+            q6_block(d, sc, &q, out);
+        }
     }
 }
 
@@ -318,6 +411,35 @@ mod tests {
         assert_eq!(out[0], -2.0);
         assert_eq!(out[16], 1.75);
 
+        // Q6_K: d = 0.5, sc0 = -3, sc1 = 2; quant j = 2j for j < 16 (top bits of 16..30 set
+        // on the upper ones), 63 - j after: each element (d * sc) * (q - 32), and the quants'
+        // bytes where the module's description puts them.
+        let q: [u8; 32] = std::array::from_fn(|j| if j < 16 { 2 * j as u8 } else { 63 - j as u8 });
+        let mut b = Vec::new();
+        q6_block(f16::from_f32(0.5), [-3, 2], &q, &mut b);
+        assert_eq!(b.len(), 28);
+        assert_eq!(&b[..4], &[0x00, 0x38, (-3i8) as u8, 2]);
+        for j in 0..16 {
+            assert_eq!(
+                b[12 + j],
+                (q[j] & 15) | ((q[j + 16] & 15) << 4),
+                "nibbles {j}"
+            );
+        }
+        // Element 5 (h = 1, i = 1) has its top bits in byte 4 + 5, bits 0-1: q[5] = 10 -> 0.
+        // Element 9 (8 + 4h + i with h = 0, i = 1) in byte 4 + 1, bits 4-5: q[9] = 18 -> 1.
+        // Element 31 (24 + 4h + i, h = 1, i = 3) in byte 4 + 7, bits 6-7: q[31] = 32 -> 2.
+        assert_eq!((b[9] & 3, (b[5] >> 4) & 3, b[11] >> 6), (0, 1, 2));
+        dequantize_block(QuantType::Q6_K, &b, &mut out);
+        for j in 0..32 {
+            let sc = if j < 16 { -3.0 } else { 2.0 };
+            assert_eq!(
+                out[j],
+                0.5 * sc * (f32::from(q[j]) - 32.0),
+                "Q6_K element {j}"
+            );
+        }
+
         // Q4_1: d = 2, m = -3; byte j = low nibble (j % 4), high nibble 15.
         let mut b = h(2.0).to_vec();
         b.extend(h(-3.0));
@@ -372,6 +494,11 @@ mod tests {
                         let d = (max - min) / 15.0;
                         0.5 * d + min.abs() * f16_rel + (max - min) * f16_rel
                     }
+                    // Half a step of at most amax / 62 (amax / 31, rounded to an i8 multiple
+                    // of d = amax / 3937), the clamp at quant 63 when that rounding shrank
+                    // the step (at most 31 d / 2 = amax / 254), and d's f16 rounding over
+                    // quants of up to 32.
+                    QuantType::Q6_K => amax / 62.0 + amax / 254.0 + 2.0 * amax * f16_rel,
                 } * 1.0001;
                 for (j, (a, b)) in xb.iter().zip(bb).enumerate() {
                     let err = (a - b).abs();

@@ -1,6 +1,7 @@
 //! Model weights in the one layout every execution path uses: row-major `[out, in]` matrices
 //! as HF stores them, Q/K rows in HF (`rotate_half`) order. A matrix holds bf16 values or GGUF
-//! blocks (Q8_0, Q4_0, Q4_1) along its rows, as the file stored them; norms and biases are bf16.
+//! blocks (Q8_0, Q4_0, Q4_1, and Q6_K in 32-element blocks: `quant`) along its rows, as the file
+//! stored them; norms and biases are bf16.
 
 use std::fmt;
 use std::ops::Range;
@@ -12,6 +13,7 @@ use rayon::prelude::*;
 use super::quant::{self, QuantType, BLOCK};
 
 /// How a matrix's elements are stored.
+#[allow(non_camel_case_types)]
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightType {
     #[value(name = "bf16")]
@@ -22,6 +24,8 @@ pub enum WeightType {
     Q4_0,
     #[value(name = "q4_1")]
     Q4_1,
+    #[value(name = "q6_k")]
+    Q6_K,
 }
 
 impl WeightType {
@@ -31,6 +35,7 @@ impl WeightType {
             WeightType::Q8_0 => Some(QuantType::Q8_0),
             WeightType::Q4_0 => Some(QuantType::Q4_0),
             WeightType::Q4_1 => Some(QuantType::Q4_1),
+            WeightType::Q6_K => Some(QuantType::Q6_K),
         }
     }
 
@@ -48,6 +53,7 @@ impl WeightType {
             WeightType::Q8_0 => 1,
             WeightType::Q4_0 => 2,
             WeightType::Q4_1 => 3,
+            WeightType::Q6_K => 4,
         }
     }
 
@@ -66,6 +72,7 @@ impl From<QuantType> for WeightType {
             QuantType::Q8_0 => WeightType::Q8_0,
             QuantType::Q4_0 => WeightType::Q4_0,
             QuantType::Q4_1 => WeightType::Q4_1,
+            QuantType::Q6_K => WeightType::Q6_K,
         }
     }
 }
@@ -490,9 +497,9 @@ impl Weights {
     }
 
     /// Bytes the weights occupy, by storage type (the norms and biases under bf16), in the
-    /// order bf16, Q8_0, Q4_0, Q4_1, types absent left out.
+    /// order bf16, Q8_0, Q4_0, Q4_1, Q6_K, types absent left out.
     pub fn bytes_by_type(&self) -> Vec<(WeightType, usize)> {
-        let mut by = [0usize; 4];
+        let mut by = [0usize; 5];
         let slot = |t: WeightType| t as usize;
         for m in self.matrices() {
             by[slot(m.ty())] += m.bytes();
@@ -509,6 +516,7 @@ impl Weights {
             WeightType::Q8_0,
             WeightType::Q4_0,
             WeightType::Q4_1,
+            WeightType::Q6_K,
         ]
         .into_iter()
         .zip(by)
@@ -560,20 +568,27 @@ impl Weights {
         self.layers.iter().map(|l| l.kind(k)[0].ty()).collect()
     }
 
-    /// The layers whose V and down matrices llama.cpp's Q4_K_M stores as Q6_K (its
-    /// `use_more_bits`: the first and last eighth of the layers and every third one between),
-    /// which the GGUF loader widens to bf16, q/k/v with V; this widens those matrices the same
-    /// way, so that random weights take the formats a Q4_K_M file's layers load with. Returns
-    /// the layers.
+    /// The formats a llama.cpp Q4_K_M file's matrices load with, on weights of one block format
+    /// (its Q4_K loads as Q4_1): the layers whose V and down matrices it stores as Q6_K (its
+    /// `use_more_bits`: the first and last eighth of the layers and every third one between)
+    /// get their down matrix in Q6_K and their q/k/v in bf16 (the GGUF loader widens Q and K
+    /// with V, since the three run as one matrix), and the LM head (the embedding when tied)
+    /// is Q6_K, as in every K-quant mix. Returns the layers.
     pub fn mix_like_q4_k_m(&mut self) -> Vec<usize> {
         let n = self.layers.len();
         let more_bits = |i: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
         let layers: Vec<usize> = (0..n).filter(|&i| more_bits(i)).collect();
+        let q6 = |m: &Matrix| Matrix::quantize_f32(&m.to_f32(), m.cols(), WeightType::Q6_K);
         for &i in &layers {
             let l = &mut self.layers[i];
-            for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.w_down] {
+            for m in [&mut l.wq, &mut l.wk, &mut l.wv] {
                 *m = m.to_bf16();
             }
+            l.w_down = q6(&l.w_down);
+        }
+        match &mut self.lm_head {
+            Some(m) => *m = q6(m),
+            None => self.embed = q6(&self.embed),
         }
         layers
     }
@@ -642,6 +657,7 @@ mod tests {
             WeightType::Q8_0,
             WeightType::Q4_0,
             WeightType::Q4_1,
+            WeightType::Q6_K,
         ] {
             let m = Matrix::quantize_f32(&x, 64, ty);
             assert_eq!((m.rows(), m.cols(), m.ty()), (6, 64, ty));

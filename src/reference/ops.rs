@@ -359,7 +359,7 @@ mod tests {
     #[test]
     fn quantised_one_vector_and_many_give_the_same_bits() {
         use crate::model::quant::{dequantize_row, quantize_row, QuantType};
-        for ty in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+        for ty in QuantType::ALL {
             for n in [32usize, 64, 576, 2048] {
                 let rows = 5;
                 let (_, wf) = data(n * rows, 3 * n as u32);

@@ -12,7 +12,7 @@ use std::path::Path;
 use anyhow::Result;
 
 pub use metadata::{Array, Metadata, Value};
-pub use quant::{dequantize, dequantize_f32, q4_k_as_q4_1, q5_0_as_q8_0, GgmlType};
+pub use quant::{dequantize, dequantize_f32, q4_k_as_q4_1, q5_0_as_q8_0, q6_k_as_blocks, GgmlType};
 pub use reader::{GgufFile, TensorInfo};
 pub use tensors::{unpermute_qk, unpermute_qk_rows};
 

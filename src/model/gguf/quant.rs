@@ -359,6 +359,37 @@ pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Q6_K super-blocks (210 bytes, 256 elements) as the engine's 32-element Q6_K blocks
+/// (`crate::model::quant`), exactly: each of the 8 repeats the super-block's f16 scale and takes
+/// the scales of its two 16-element sub-blocks and its quants. None unless `data` is whole
+/// super-blocks.
+pub fn q6_k_as_blocks(data: &[u8]) -> Option<Vec<u8>> {
+    if data.is_empty() || !data.len().is_multiple_of(210) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(data.len() / 210 * 8 * 28);
+    for b in data.chunks_exact(210) {
+        let (low, high, scales) = (&b[..128], &b[128..192], &b[192..208]);
+        let d = half::f16::from_le_bytes([b[208], b[209]]);
+        // As in the decoding above: element r = 32k + l of a half of 128 has its low nibble in
+        // low[64 half + l + 32 (k % 2)] (the low nibble for k < 2) and its top bits at 2k in
+        // high[32 half + l].
+        let quant = |e: usize| {
+            let (half, r) = (e / 128, e % 128);
+            let (k, l) = (r / 32, r % 32);
+            let byte = low[64 * half + l + 32 * (k % 2)];
+            let nib = if k < 2 { byte & 0x0f } else { byte >> 4 };
+            nib | (((high[32 * half + l] >> (2 * k)) & 3) << 4)
+        };
+        for s in 0..8 {
+            let q: [u8; 32] = std::array::from_fn(|j| quant(32 * s + j));
+            let sc = [scales[2 * s] as i8, scales[2 * s + 1] as i8];
+            crate::model::quant::q6_block(d, sc, &q, &mut out);
+        }
+    }
+    Some(out)
+}
+
 /// Q5_0 blocks rewritten as Q8_0, exactly: the same scale, quants q - 16 as i8.
 pub fn q5_0_as_q8_0(data: &[u8]) -> Option<Vec<u8>> {
     if data.is_empty() || !data.len().is_multiple_of(22) {

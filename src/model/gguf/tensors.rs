@@ -9,7 +9,8 @@ use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::quant::{
-    dequantize, dequantize_f32, ensure_supported, q4_k_as_q4_1, q5_0_as_q8_0, GgmlType,
+    dequantize, dequantize_f32, ensure_supported, q4_k_as_q4_1, q5_0_as_q8_0, q6_k_as_blocks,
+    GgmlType,
 };
 use super::reader::GgufFile;
 use crate::model::quant::QuantType;
@@ -152,6 +153,13 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         let err = |e: anyhow::Error| anyhow!("{src}: tensor '{name}': {e}");
         if let Some(q) = native(t.ty) {
             return Matrix::from_blocks(q, t.n_elements / cols, cols, data.to_vec()).map_err(err);
+        }
+        // Q6_K's super-blocks as 32-element blocks: the same values, kept as stored.
+        if t.ty == GgmlType::Q6_K {
+            if let Some(blocks) = q6_k_as_blocks(data) {
+                return Matrix::from_blocks(QuantType::Q6_K, t.n_elements / cols, cols, blocks)
+                    .map_err(err);
+            }
         }
         let as_blocks = match t.ty {
             GgmlType::Q4_K => q4_k_as_q4_1(data).map(|b| (QuantType::Q4_1, b)),
