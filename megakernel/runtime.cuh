@@ -617,9 +617,12 @@ __device__ __forceinline__ constexpr int x_hi_off() {
 // A block's 32 inputs as digits (see above): h[m] and l[m] the digits of inputs 4m..4m+3, four
 // int8 to a word; s the block's scale over 256; sum the term the format adds per row (Q4_0:
 // -8 Σ (256 h + l), for its quants' offset of 8; Q4_1: s Σ (256 h + l), for its minimum).
+// Q6_K, whose halves have their own scales and whose quants are offset by 32: the integers
+// Σ (256 h + l) over inputs 0..15 in sum's bits and over 16..31 in sh.
 struct XB {
     int h[8], l[8];
     float s, sum;
+    int sh;
 };
 
 // 1.5 * 2^23: a float below 2^22 in magnitude plus this is rounded to an integer, which its low
@@ -636,20 +639,31 @@ __device__ __forceinline__ int pack_low_bytes(u32 a, u32 b, u32 c, u32 d) {
 // eight lanes of a quarter warp, which read consecutive blocks, read different banks. Each
 // lane digitising its own blocks at every step, as before, cost a few hundred instructions
 // per block on the critical path of every instruction (BENCHMARKS.md).
+template <int WT>
 __device__ __forceinline__ XB xb_at(const float* xs, int b) {
     const uint4* r = (const uint4*)(xs + 32 * b);
     const int sw = b & 7;
     const uint4 h0 = r[sw], h1 = r[(sw + 1) & 7], l0 = r[(sw + 2) & 7], l1 = r[(sw + 3) & 7];
-    const float2 ss = *(const float2*)&r[(sw + 4) & 7];
+    float2 ss;
+    int sh = 0;
+    if constexpr (WT == WEIGHT_Q6_K) {
+        const float4 s4 = *(const float4*)&r[(sw + 4) & 7];
+        ss = make_float2(s4.x, s4.y);
+        sh = __float_as_int(s4.z);
+    } else {
+        ss = *(const float2*)&r[(sw + 4) & 7];
+    }
     return {{(int)h0.x, (int)h0.y, (int)h0.z, (int)h0.w, (int)h1.x, (int)h1.y, (int)h1.z, (int)h1.w},
             {(int)l0.x, (int)l0.y, (int)l0.z, (int)l0.w, (int)l1.x, (int)l1.y, (int)l1.z, (int)l1.w},
             ss.x,
-            ss.y};
+            ss.y,
+            sh};
 }
 
 // The digits of block b of xs for a lane whose block may lie past the row's end (zeros there).
+template <int WT>
 __device__ __forceinline__ XB xb_or_zero(const float* xs, int b, bool in) {
-    return in ? xb_at(xs, b) : XB{{0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}, 0.f, 0.f};
+    return in ? xb_at<WT>(xs, b) : XB{{0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}, 0.f, 0.f, 0};
 }
 
 // xs[0, cols) (cols a multiple of 32) to digits, in place, by every consumer thread: four
@@ -696,7 +710,10 @@ __device__ __forceinline__ void digitize_xs(float* xs, int cols) {
             lw[w] = (u32)pack_low_bytes(lb[0], lb[1], lb[2], lb[3]);
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        // Q6_K: inputs 0..15's sum (lanes j = 0, 1 now) and 16..31's (j = 2, 3), as integers.
+        const float half_sum = sum;
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float other_half = sum - half_sum;
         __syncwarp();
         if (in) {
             // This thread's words are h[2j], h[2j + 1] (and l's): slot j / 2, its half j % 2.
@@ -705,7 +722,13 @@ __device__ __forceinline__ void digitize_xs(float* xs, int cols) {
             ((uint2*)&r[((j >> 1) + sw) & 7])[j & 1] = make_uint2(hw[0], hw[1]);
             ((uint2*)&r[((j >> 1) + 2 + sw) & 7])[j & 1] = make_uint2(lw[0], lw[1]);
             const float s = m * (1.f / (127.f * 256.f));
-            if (j == 0) *(float2*)&r[(4 + sw) & 7] = make_float2(s, WT == WEIGHT_Q4_0 ? -8.f * sum : s * sum);
+            if constexpr (WT == WEIGHT_Q6_K) {
+                if (j == 0)
+                    *(float4*)&r[(4 + sw) & 7] =
+                        make_float4(s, __int_as_float((int)half_sum), __int_as_float((int)other_half), 0.f);
+            } else if (j == 0) {
+                *(float2*)&r[(4 + sw) & 7] = make_float2(s, WT == WEIGHT_Q4_0 ? -8.f * sum : s * sum);
+            }
         }
     }
 }
@@ -741,15 +764,17 @@ __device__ __forceinline__ float block_dot(const BlockQ& w, const XB& x, const u
         int ah = 0, al = 0, bh = 0, bl = 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
+            // Quants 0..63 are the same bytes signed or not; their offset of 32 is applied
+            // once, through the halves' digit sums.
             const uint2 q = q6_top_bits(qw[k], hw[k & 1], k);
-            const int lo = (int)q6_signed(q.x), hi = (int)q6_signed(q.y);
-            ah = dp4a(lo, x.h[k], ah);
-            al = dp4a(lo, x.l[k], al);
-            bh = dp4a(hi, x.h[4 + k], bh);
-            bl = dp4a(hi, x.l[4 + k], bl);
+            ah = dp4a((int)q.x, x.h[k], ah);
+            al = dp4a((int)q.x, x.l[k], al);
+            bh = dp4a((int)q.y, x.h[4 + k], bh);
+            bl = dp4a((int)q.y, x.l[4 + k], bl);
         }
         const float2 dsc = q6_scales(h);
-        return fmaf(x.s, fmaf(dsc.x, (float)(ah * 256 + al), dsc.y * (float)(bh * 256 + bl)), acc);
+        const int t0 = ah * 256 + al - 32 * __float_as_int(x.sum), t1 = bh * 256 + bl - 32 * x.sh;
+        return fmaf(x.s, fmaf(dsc.x, (float)t0, dsc.y * (float)t1), acc);
     }
     int th = 0, tl = 0;
     if (WT == WEIGHT_Q8_0) {
@@ -886,7 +911,7 @@ __device__ __forceinline__ void dot_rows_xs(const unsigned char* rows, int slot,
         }
     } else {
         for (int c = c0; c < cols; c += 2048) {
-            const XB q = xb_at(xs, c >> 5);
+            const XB q = xb_at<WT>(xs, c >> 5);
             BlockQ wv[R];
 #pragma unroll
             for (int k = 0; k < R; k++) wv[k] = block_quants<WT>(rows, slot, k, c);
@@ -1008,7 +1033,7 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
     } else {
         XB q[S];
 #pragma unroll
-        for (int i = 0; i < S; i++) q[i] = xb_or_zero(xs, (c0 >> 5) + 64 * i, c0 + 2048 * i < g.cols);
+        for (int i = 0; i < S; i++) q[i] = xb_or_zero<WT>(xs, (c0 >> 5) + 64 * i, c0 + 2048 * i < g.cols);
         return tiles_to_res<WT, BL>(p, instr, seq, g, pages, full, empty, q, res);
     }
 }

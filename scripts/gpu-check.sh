@@ -109,7 +109,8 @@ fi
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
 # BENCH=mixed (not in BENCH=1): layers of different formats (bench --q4-k-m-mix; OLD_BIN's too) on
-#   MIXED_PRESETS (default llama-3.2-1b) with MIXED_DTYPE (default q4_1): uniform, as stored.
+#   MIXED_PRESETS (default llama-3.2-1b) with MIXED_DTYPE (default q4_1): uniform, as stored,
+#   and with its Q6_K matrices widened to bf16 (--q6-k-widened).
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -354,11 +355,13 @@ Name three colours.}" > "$OUT/chat-input.txt"
     # uniform weights for reference; with OLD_BIN, that binary's mix too (stored-old).
     for preset in ${MIXED_PRESETS:-llama-3.2-1b}; do
       ty=${MIXED_DTYPE:-q4_1}
-      for v in uniform stored ${OLD_BIN:+stored-old}; do
+      for v in uniform stored q6-widened ${OLD_BIN:+stored-old}; do
         log="$OUT/bench-mixed-$preset-$v.log"
         case $v in
           uniform) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --paths megakernel --reps 5 > "$log" 2>&1 ;;
           stored) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix \
+            --paths megakernel,graph-pdl --reps 5 > "$log" 2>&1 ;;
+          q6-widened) "$MEGAINFER_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix --q6-k-widened \
             --paths megakernel,graph-pdl --reps 5 > "$log" 2>&1 ;;
           stored-old) "$OLD_BIN" bench --preset "$preset" --dtype "$ty" --q4-k-m-mix \
             --paths megakernel,graph-pdl --reps 5 > "$log" 2>&1 ;;

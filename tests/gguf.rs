@@ -455,9 +455,9 @@ fn hand_built_q4_k_block() {
     assert_decodes_like_reference(GgmlType::Q4_K, &block, 256);
 }
 
-/// Q6_K super-blocks as the engine's 32-element Q6_K blocks (what the loader keeps): every
-/// element the same f32 as GGUF's own decoding, bit for bit, on pseudo-random super-blocks;
-/// not whole super-blocks: refused.
+/// Q6_K super-blocks as the engine's 32-element Q6_K blocks (what the loader keeps): 8 blocks
+/// of 28 bytes each, every element the same f32 as GGUF's own decoding, bit for bit, on
+/// pseudo-random super-blocks (any quants and sub-block scales, finite f16 `d`).
 #[test]
 fn q6_k_super_blocks_rewritten_as_32_element_blocks_exactly() {
     use megainfer::model::gguf::q6_k_as_blocks;
@@ -465,8 +465,16 @@ fn q6_k_super_blocks_rewritten_as_32_element_blocks_exactly() {
     for seed in 0..6 {
         let bytes = random_blocks(5, 210, &[208], seed);
         let exact = dequantize_f32(GgmlType::Q6_K, &bytes, 5 * 256).unwrap();
-        let blocks = q6_k_as_blocks(&bytes).expect("whole super-blocks");
+        let blocks = q6_k_as_blocks(&bytes);
         assert_eq!(blocks.len(), 5 * 8 * QuantType::Q6_K.block_bytes());
+        // Each block repeats its super-block's d.
+        for (i, b) in blocks.chunks_exact(28).enumerate() {
+            assert_eq!(
+                b[..2],
+                bytes[210 * (i / 8) + 208..][..2],
+                "seed {seed} block {i}"
+            );
+        }
         let mut kept = vec![0f32; 5 * 256];
         dequantize_row(QuantType::Q6_K, &blocks, &mut kept);
         assert_eq!(
@@ -475,8 +483,7 @@ fn q6_k_super_blocks_rewritten_as_32_element_blocks_exactly() {
             "seed {seed}"
         );
     }
-    assert!(q6_k_as_blocks(&[0u8; 209]).is_none());
-    assert!(q6_k_as_blocks(&[]).is_none());
+    assert!(q6_k_as_blocks(&[]).is_empty());
 }
 
 /// A Q6_K block packed from chosen codes: element i is d * scale[i / 16] * (q - 32).

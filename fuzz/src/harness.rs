@@ -51,8 +51,8 @@ fn write(path: &Path, bytes: &[u8]) {
 }
 
 /// The GGUF reader, metadata, tensor checks, dequantization and the GGUF tokenizer. Matrices
-/// stored as Q8_0, Q4_0 or Q4_1 load as blocks, so they are then widened to bf16 as
-/// `--dtype bf16` does, decoding every block.
+/// stored as Q8_0, Q4_0, Q4_1 (and Q4_K, Q5_0, Q6_K, rewritten) load as blocks, so they are
+/// then widened to bf16 as `--dtype bf16` does, decoding every block.
 pub fn gguf(data: &[u8]) {
     in_scratch(|dir| {
         let path = dir.join("input.gguf");

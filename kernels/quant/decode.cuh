@@ -54,14 +54,6 @@ __device__ __forceinline__ uint2 q6_top_bits(q_u32 nib, q_u32 hw, int t) {
     return make_uint2((nib & 0x0F0F0F0Fu) | ((g << 4) & 0x30303030u), ((nib >> 4) & 0x0F0F0F0Fu) | ((g << 2) & 0x30303030u));
 }
 
-// Four 6-bit quants (bytes 0..63) as the signed bytes q - 32: the flip of bit 5 is q - 32 in
-// six bits, and bit 5 copied into bits 6 and 7 (0x20 * 6 = 0xC0, no carry between bytes)
-// extends its sign.
-__device__ __forceinline__ q_u32 q6_signed(q_u32 q) {
-    const q_u32 s = q ^ 0x20202020u;
-    return s | ((s & 0x20202020u) * 6u);
-}
-
 // Q6_K's element j of block b of a row whose headers start at h: (d * scale) * (q - 32),
 // ggml's order.
 __device__ __forceinline__ float q6_element(const unsigned char* row, const unsigned char* h, int b, int j) {
@@ -135,9 +127,11 @@ __device__ __forceinline__ float2 qg_dot_q6(q_u32 nib, q_u32 hw, int t, float4 l
     return make_float2(a, b);
 }
 
-// A Q6_K block header's (d * scale of elements 0..15, d * scale of 16..31).
+// A Q6_K block header's (d * scale of elements 0..15, d * scale of 16..31). The i8 scales
+// become floats as QG_BIASED bytes (scale + 128, the bias taken off), not by a conversion
+// instruction, which runs at a quarter of the FP32 rate.
 __device__ __forceinline__ float2 q6_scales(const unsigned char* h) {
-    const q_u32 w = *(const q_u32*)h;
+    const q_u32 w = *(const q_u32*)h, u = w ^ 0x80800000u;
     const float d = q_f16((q_u16)w);
-    return make_float2(d * (float)(signed char)(w >> 16), d * (float)(signed char)(w >> 24));
+    return make_float2(d * (QG_BIASED(u, 2) - (QG_2P23 + 128.f)), d * (QG_BIASED(u, 3) - (QG_2P23 + 128.f)));
 }

@@ -55,6 +55,10 @@ pub struct BenchArgs {
     /// (`Weights::mix_like_q4_k_m`).
     #[arg(long, requires = "preset")]
     pub q4_k_m_mix: bool,
+    /// With --q4-k-m-mix: its Q6_K matrices widened to bf16, as the GGUF loader widened them
+    /// before it kept Q6_K as stored (for measuring the difference).
+    #[arg(long, requires = "q4_k_m_mix")]
+    pub q6_k_widened: bool,
     /// Seed of the random weights, the prompt and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -211,6 +215,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 eprintln!(
                     "bench: layers {layers:?}: q/k/v widened to bf16, down Q6_K; LM head Q6_K (--q4-k-m-mix)"
                 );
+                if args.q6_k_widened {
+                    w.widen_type(WeightType::Q6_K);
+                    eprintln!("bench: the Q6_K matrices widened to bf16 (--q6-k-widened)");
+                }
                 (
                     c,
                     w,

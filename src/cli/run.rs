@@ -42,9 +42,10 @@ pub struct ModelArgs {
     /// GPU decode path.
     #[arg(long, value_enum, default_value_t = PathKind::Megakernel)]
     pub path: PathKind,
-    /// Storage of the weight matrices. Default: as the file stores them (GGUF Q8_0, Q4_0, Q4_1
-    /// and Q6_K stay quantised, Q4_K becomes Q4_1 and Q5_0 Q8_0; everything else is bf16). `bf16` widens them; a quantised type
-    /// quantises every matrix with the project's quantiser.
+    /// Storage of the weight matrices. Default: as the file stores them (GGUF Q8_0, Q4_0 and
+    /// Q4_1 stay quantised, Q6_K as 32-element Q6_K blocks and Q5_0 as Q8_0, both exactly, Q4_K
+    /// as Q4_1; everything else is bf16). `bf16` widens them; a quantised type quantises every
+    /// matrix with the project's quantiser.
     #[arg(long, value_enum)]
     pub dtype: Option<WeightType>,
     /// Megakernel, greedy: decode steps per launch. 0 (the default) runs the whole generation

@@ -7,14 +7,17 @@
 //!   element `j + 16` in its high nibble; an element is `(q - 8) * d`.
 //! - Q4_1, 20 bytes: f16 `d`, f16 `m`, then 16 bytes of nibbles as Q4_0; an element is
 //!   `q * d + m`.
-//! - Q6_K, 28 bytes: f16 `d`, the `i8` scales `sc0` (elements 0..15) and `sc1` (16..31), 8 bytes
-//!   of the quants' top two bits, then 16 bytes of their low four bits in Q4_0's order; quants
-//!   are 0..63 and an element is `(d * sc) * (q - 32)`. GGUF's Q6_K stores 256 elements in 210
-//!   bytes under one `d`; its super-blocks become 8 of these blocks exactly, each repeating the
-//!   `d` (`gguf::q6_k_as_blocks`). The top bits' byte `4 + 4h + i` (h = 0, 1; i = 0..3) holds,
-//!   from bit 0 up, those of elements `4h + i`, `16 + 4h + i`, `8 + 4h + i` and `24 + 4h + i`:
-//!   the order in which the GPU's lanes, each holding four of the nibble bytes, need them
-//!   (`q6_top_bits` in kernels/quant/decode.cuh).
+//! - Q6_K, 28 bytes: f16 `d`, the `i8` scales `sc0` (elements 0..15) and `sc1` (16..31), 8
+//!   bytes of the quants' top two bits, then 16 bytes of their low four bits in Q4_0's order;
+//!   quants are 0..63 and an element is `(d * sc) * (q - 32)`. Byte `4 + 4h + i` (h = 0, 1;
+//!   i = 0..3) holds, from bit 0 up, the top bits of elements `4h + i`, `16 + 4h + i`,
+//!   `8 + 4h + i` and `24 + 4h + i`, the order in which the GPU's lanes, each holding four of
+//!   the nibble bytes, take them (`q6_top_bits` in kernels/quant/decode.cuh). The top bits
+//!   count as the block's header, so its quants are laid out, moved and read as Q4's nibbles.
+//!   GGUF's Q6_K stores 256 elements in 210 bytes under one `d`; a super-block becomes 8 of
+//!   these blocks exactly, each repeating its `d` (`gguf::q6_k_as_blocks`), so the code that
+//!   works on 32-element blocks (row slicing, the GPU's row layout, the CPU's dot products)
+//!   needs no second block size.
 //!
 //! Multi-byte fields are little-endian, as in GGUF files.
 
@@ -52,8 +55,8 @@ impl QuantType {
         }
     }
 
-    /// Bytes of the block's header before its quants: the scale, and the minimum for Q4_1;
-    /// Q6_K's scales and its quants' top bits.
+    /// Bytes of the block's header before its quants: the scale `d`, then the minimum for
+    /// Q4_1, or for Q6_K the two half-block scales and the quants' top bits.
     pub fn header_bytes(self) -> usize {
         match self {
             QuantType::Q8_0 | QuantType::Q4_0 => 2,
@@ -116,49 +119,55 @@ pub fn dequantize_block(ty: QuantType, b: &[u8], out: &mut [f32]) {
             }
         }
         QuantType::Q6_K => {
+            // ggml's order: (d * sc) once per half, then times q - 32.
             let d = le_f16(b);
             let scale = [d * f32::from(b[2] as i8), d * f32::from(b[3] as i8)];
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = scale[j / 16] * f32::from(i16::from(q6_quant(b, j)) - 32);
+            for (j, (o, q)) in out.iter_mut().zip(q6_quants(b)).enumerate() {
+                *o = scale[j / 16] * f32::from(i16::from(q) - 32);
             }
         }
     }
 }
 
-/// Quant `j` (0..63) of a Q6_K block (see the module's description).
-fn q6_quant(b: &[u8], j: usize) -> u8 {
-    let (half, r) = (j / 16, j % 16);
-    let nib = if half == 0 {
-        b[12 + r] & 0x0f
-    } else {
-        b[12 + r] >> 4
-    };
-    let top = (b[4 + 4 * ((r >> 2) & 1) + (r & 3)] >> (2 * half + 4 * (r >> 3))) & 3;
-    nib | (top << 4)
-}
+/// Where a Q6_K block's top two bits (8 bytes) and low four bits (16 bytes) of its quants
+/// start.
+const Q6_TOP: usize = 4;
+const Q6_NIBBLES: usize = 12;
 
-/// The byte of a Q6_K block's top bits (offset in the block) and the shift within it of
-/// element `j`'s top two bits.
+/// The byte of a Q6_K block (its offset in the block) that holds element `j`'s top two bits,
+/// and their shift within it.
 fn q6_top_bits_at(j: usize) -> (usize, u32) {
     let (half, r) = (j / 16, j % 16);
     (
-        4 + 4 * ((r >> 2) & 1) + (r & 3),
+        Q6_TOP + 4 * ((r >> 2) & 1) + (r & 3),
         (2 * half + 4 * (r >> 3)) as u32,
     )
 }
 
-/// A Q6_K block from its scale, its two half-block scales and its 32 quants (0..63).
-pub fn q6_block(d: f16, sc: [i8; 2], q: &[u8; 32], out: &mut Vec<u8>) {
-    let start = out.len();
-    out.extend_from_slice(&d.to_bits().to_le_bytes());
-    out.extend_from_slice(&[sc[0] as u8, sc[1] as u8]);
-    out.extend_from_slice(&[0u8; 8]);
-    out.extend((0..16).map(|j| (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4)));
-    for (j, &qj) in q.iter().enumerate() {
-        debug_assert!(qj < 64);
+/// The 32 quants (0..63) of a Q6_K block.
+fn q6_quants(b: &[u8]) -> [u8; 32] {
+    std::array::from_fn(|j| {
+        let nib = (b[Q6_NIBBLES + j % 16] >> (4 * (j / 16))) & 0x0f;
         let (at, shift) = q6_top_bits_at(j);
-        out[start + at] |= (qj >> 4) << shift;
+        nib | (((b[at] >> shift) & 3) << 4)
+    })
+}
+
+/// Appends the Q6_K block of scale `d`, half-block scales `sc` (elements 0..15, 16..31) and
+/// quants `q` (each 0..63).
+pub fn q6_block(d: f16, sc: [i8; 2], q: &[u8; 32], out: &mut Vec<u8>) {
+    let mut b = [0u8; 28];
+    b[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+    b[2..4].copy_from_slice(&[sc[0] as u8, sc[1] as u8]);
+    for j in 0..16 {
+        b[Q6_NIBBLES + j] = (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4);
     }
+    for (j, &qj) in q.iter().enumerate() {
+        debug_assert!(qj < 64, "Q6_K quant {qj} is not 6 bits");
+        let (at, shift) = q6_top_bits_at(j);
+        b[at] |= ((qj >> 4) & 3) << shift;
+    }
+    out.extend_from_slice(&b);
 }
 
 /// Decodes whole blocks: `data` holds `out.len() / 32` of them. With AVX2 (and F16C for the scales) eight elements at a
@@ -236,13 +245,9 @@ pub(crate) mod avx2 {
                 let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * k) as *const __m128i);
                 values8(_mm256_cvtepi8_epi32(q), d, None)
             }),
-            // Q6_K: no vector decode of its own; the scalar values, loaded.
-            QuantType::Q6_K => {
-                let mut v = [0f32; BLOCK];
-                super::dequantize_block(ty, b, &mut v);
-                // SAFETY: 8k + 8 <= 32, within v.
-                std::array::from_fn(|k| _mm256_loadu_ps(v.as_ptr().add(8 * k)))
-            }
+            // Out of line: inlined, it made this function too large to be inlined into the
+            // dot products' loops, and the other formats' CPU decode ran at about half speed.
+            QuantType::Q6_K => q6_k_block8s(b),
             QuantType::Q4_0 | QuantType::Q4_1 => {
                 let (head, m) = if ty == QuantType::Q4_1 {
                     (4, Some(f16x8(&b[2..])))
@@ -264,6 +269,42 @@ pub(crate) mod avx2 {
                 ]
             }
         }
+    }
+
+    /// `block8s` for a Q6_K block.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline(never)]
+    unsafe fn q6_k_block8s(b: &[u8]) -> [__m256; 4] {
+        // The two half-block scales as the scalar decode computes them.
+        let d = super::le_f16(b);
+        let s0 = _mm256_set1_ps(d * f32::from(b[2] as i8));
+        let s1 = _mm256_set1_ps(d * f32::from(b[3] as i8));
+        let (mask, three) = (_mm_set1_epi8(0x0f), _mm_set1_epi8(3));
+        // SAFETY: the 16 bytes of nibbles and the 8 of top bits lie in the 28-byte block.
+        let nib = _mm_loadu_si128(b.as_ptr().add(super::Q6_NIBBLES) as *const __m128i);
+        let top = _mm_loadl_epi64(b.as_ptr().add(super::Q6_TOP) as *const __m128i);
+        // Top byte i holds elements i and 8 + i of each half (the latter four bits up):
+        // the bytes, then the bytes four bits down, give each element of a half its
+        // byte in element order, the first half's bits at 0-1 and the second's at 2-3.
+        let top = _mm_unpacklo_epi64(top, _mm_srli_epi16(top, 4));
+        let join = |nib: __m128i, top: __m128i| {
+            _mm_or_si128(
+                _mm_and_si128(nib, mask),
+                _mm_slli_epi16(_mm_and_si128(top, three), 4),
+            )
+        };
+        let lo = join(nib, top);
+        let hi = join(_mm_srli_epi16(nib, 4), _mm_srli_epi16(top, 2));
+        let bias = _mm256_set1_epi32(32);
+        let v = |x: __m128i, s: __m256| {
+            values8(_mm256_sub_epi32(_mm256_cvtepu8_epi32(x), bias), s, None)
+        };
+        [
+            v(lo, s0),
+            v(_mm_srli_si128(lo, 8), s0),
+            v(hi, s1),
+            v(_mm_srli_si128(hi, 8), s1),
+        ]
     }
 
     /// # Safety
@@ -316,9 +357,10 @@ pub fn quantize_block(ty: QuantType, x: &[f32], out: &mut Vec<u8>) {
             out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
         }
         QuantType::Q6_K => {
-            // Each half's step is its largest magnitude over 31 (quants 1..63 about 32), as
-            // an i8 multiple of d: d is the larger step over 127, so that step is exact to
-            // 1/254 and the other as close as an i8 multiple allows.
+            // Round to nearest, as the other formats (not ggml's search for each sub-block's
+            // best scale). Each half's step is its largest magnitude over 31 (quants 1..63
+            // about 32), as an i8 multiple of d: d is the larger step over 127, so that step is
+            // within half a part in 127 and the other as close as an i8 multiple allows.
             let amax = |h: &[f32]| h.iter().fold(0f32, |a, v| a.max(v.abs()));
             let step = [amax(&x[..16]) / 31.0, amax(&x[16..]) / 31.0];
             let d = f16::from_f32(step[0].max(step[1]) / 127.0);
@@ -411,34 +453,41 @@ mod tests {
         assert_eq!(out[0], -2.0);
         assert_eq!(out[16], 1.75);
 
-        // Q6_K: d = 0.5, sc0 = -3, sc1 = 2; quant j = 2j for j < 16 (top bits of 16..30 set
-        // on the upper ones), 63 - j after: each element (d * sc) * (q - 32), and the quants'
-        // bytes where the module's description puts them.
-        let q: [u8; 32] = std::array::from_fn(|j| if j < 16 { 2 * j as u8 } else { 63 - j as u8 });
-        let mut b = Vec::new();
-        q6_block(f16::from_f32(0.5), [-3, 2], &q, &mut b);
-        assert_eq!(b.len(), 28);
-        assert_eq!(&b[..4], &[0x00, 0x38, (-3i8) as u8, 2]);
-        for j in 0..16 {
-            assert_eq!(
-                b[12 + j],
-                (q[j] & 15) | ((q[j + 16] & 15) << 4),
-                "nibbles {j}"
-            );
+        // Q6_K: d = 0.5, sc0 = -3, sc1 = 2, quants q[j] = (37 j + 11) % 64 (every top-bit
+        // pattern), packed here from the format's description: byte 4 + 4h + i the top bits of
+        // elements 4h + i, 16 + 4h + i, 8 + 4h + i and 24 + 4h + i from bit 0 up, then bytes
+        // 12..28 the low nibbles. Element j is (0.5 * sc) * (q[j] - 32).
+        let q: [u8; 32] = std::array::from_fn(|j| ((37 * j + 11) % 64) as u8);
+        let mut b = h(0.5).to_vec();
+        b.extend([(-3i8) as u8, 2]);
+        for hh in 0..2 {
+            for i in 0..4 {
+                let e = 4 * hh + i;
+                b.push(
+                    (q[e] >> 4)
+                        | ((q[16 + e] >> 4) << 2)
+                        | ((q[8 + e] >> 4) << 4)
+                        | ((q[24 + e] >> 4) << 6),
+                );
+            }
         }
-        // Element 5 (h = 1, i = 1) has its top bits in byte 4 + 5, bits 0-1: q[5] = 10 -> 0.
-        // Element 9 (8 + 4h + i with h = 0, i = 1) in byte 4 + 1, bits 4-5: q[9] = 18 -> 1.
-        // Element 31 (24 + 4h + i, h = 1, i = 3) in byte 4 + 7, bits 6-7: q[31] = 32 -> 2.
-        assert_eq!((b[9] & 3, (b[5] >> 4) & 3, b[11] >> 6), (0, 1, 2));
+        b.extend((0..16).map(|j| (q[j] & 15) | ((q[16 + j] & 15) << 4)));
+        assert_eq!(b.len(), QuantType::Q6_K.block_bytes());
+        let mut packed = Vec::new();
+        q6_block(f16::from_f32(0.5), [-3, 2], &q, &mut packed);
+        assert_eq!(packed, b, "q6_block");
         dequantize_block(QuantType::Q6_K, &b, &mut out);
         for j in 0..32 {
             let sc = if j < 16 { -3.0 } else { 2.0 };
-            assert_eq!(
-                out[j],
-                0.5 * sc * (f32::from(q[j]) - 32.0),
-                "Q6_K element {j}"
-            );
+            let want = (0.5 * sc) * (f32::from(q[j]) - 32.0);
+            assert_eq!(out[j], want, "Q6_K element {j} (q {})", q[j]);
         }
+        // A few by hand: q[0] = 11, q[5] = 196 % 64 = 4, q[16] = 603 % 64 = 27, q[31] = 1158 %
+        // 64 = 6.
+        assert_eq!(
+            [out[0], out[5], out[16], out[31]],
+            [31.5, 42.0, -5.0, -26.0]
+        );
 
         // Q4_1: d = 2, m = -3; byte j = low nibble (j % 4), high nibble 15.
         let mut b = h(2.0).to_vec();
@@ -537,9 +586,14 @@ mod tests {
                 .map(|_| next() as u8)
                 .collect();
             // Finite scales (a random f16 may be NaN or infinite, which decode the same way but
-            // do not compare equal).
+            // do not compare equal). Q6_K's only f16 is `d`: its i8 scales and top bits stay
+            // random.
+            let f16s = match ty {
+                QuantType::Q6_K => 1,
+                _ => ty.header_bytes() / 2,
+            };
             for b in data.chunks_exact_mut(ty.block_bytes()) {
-                for f in 0..ty.header_bytes() / 2 {
+                for f in 0..f16s {
                     let v = (next() % 2000) as f32 / 100.0 - 10.0;
                     b[2 * f..2 * f + 2].copy_from_slice(&h(v));
                 }

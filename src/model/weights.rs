@@ -593,6 +593,32 @@ impl Weights {
         layers
     }
 
+    /// The matrices stored as `ty` widened to bf16 (the rest as they are).
+    pub fn widen_type(&mut self, ty: WeightType) {
+        let widen = |m: &mut Matrix| {
+            if m.ty() == ty {
+                *m = m.to_bf16();
+            }
+        };
+        widen(&mut self.embed);
+        if let Some(m) = &mut self.lm_head {
+            widen(m);
+        }
+        for l in &mut self.layers {
+            for m in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ] {
+                widen(m);
+            }
+        }
+    }
+
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values
     /// quantised with the project's quantiser (`bench --dtype`). Matrices already of `ty` stay
     /// as they are. Fails, changing nothing, when a matrix's rows are not whole blocks.

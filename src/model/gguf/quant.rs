@@ -6,6 +6,8 @@ use anyhow::{bail, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::model::quant::{q6_block, QuantType};
+
 /// Every ggml type a GGUF file may carry. Knowing the block geometry of types we cannot decode
 /// still matters: it is what lets the reader bound-check their data and name them in errors.
 #[allow(non_camel_case_types)]
@@ -45,8 +47,9 @@ pub enum GgmlType {
     MXFP4,
 }
 
-/// Types `dequantize` decodes. Q8_0, Q4_0 and Q4_1 matrices are also kept as stored (every
-/// path reads their blocks); the others are widened to bf16 at load.
+/// Types `dequantize` decodes. Q8_0, Q4_0 and Q4_1 matrices are also kept as stored, and Q4_K,
+/// Q5_0 and Q6_K ones rewritten into the engine's 32-element blocks (`crate::model::quant`,
+/// `tensors::load`); the others are widened to bf16 at load.
 const SUPPORTED: [GgmlType; 11] = [
     GgmlType::F32,
     GgmlType::F16,
@@ -360,20 +363,23 @@ pub fn q4_k_as_q4_1(data: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// Q6_K super-blocks (210 bytes, 256 elements) as the engine's 32-element Q6_K blocks
-/// (`crate::model::quant`), exactly: each of the 8 repeats the super-block's f16 scale and takes
-/// the scales of its two 16-element sub-blocks and its quants. None unless `data` is whole
-/// super-blocks.
-pub fn q6_k_as_blocks(data: &[u8]) -> Option<Vec<u8>> {
-    if data.is_empty() || !data.len().is_multiple_of(210) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(data.len() / 210 * 8 * 28);
+/// (`crate::model::quant`), 8 of 28 bytes each, exactly: each repeats the super-block's f16
+/// scale and takes the scales of its two 16-element sub-blocks and its 32 quants, so every
+/// element decodes to the f32 that `dequantize_f32` gives for the original. `data` is whole
+/// super-blocks (as the reader hands out a Q6_K tensor's bytes).
+pub fn q6_k_as_blocks(data: &[u8]) -> Vec<u8> {
+    assert!(
+        data.len().is_multiple_of(210),
+        "q6_k_as_blocks: {} bytes are not whole 210-byte super-blocks",
+        data.len()
+    );
+    let mut out = Vec::with_capacity(data.len() / 210 * 8 * QuantType::Q6_K.block_bytes());
     for b in data.chunks_exact(210) {
         let (low, high, scales) = (&b[..128], &b[128..192], &b[192..208]);
-        let d = half::f16::from_le_bytes([b[208], b[209]]);
-        // As in the decoding above: element r = 32k + l of a half of 128 has its low nibble in
-        // low[64 half + l + 32 (k % 2)] (the low nibble for k < 2) and its top bits at 2k in
-        // high[32 half + l].
+        let d = f16::from_le_bytes([b[208], b[209]]);
+        // As `decode_run` reads them: element r = 32k + l of a half of 128 has its low nibble
+        // in low[64 half + l + 32 (k % 2)] (the low nibble for k < 2, the high one after) and
+        // its top bits at 2k in high[32 half + l]; sub-block s of 16 has scale scales[s].
         let quant = |e: usize| {
             let (half, r) = (e / 128, e % 128);
             let (k, l) = (r / 32, r % 32);
@@ -384,10 +390,10 @@ pub fn q6_k_as_blocks(data: &[u8]) -> Option<Vec<u8>> {
         for s in 0..8 {
             let q: [u8; 32] = std::array::from_fn(|j| quant(32 * s + j));
             let sc = [scales[2 * s] as i8, scales[2 * s + 1] as i8];
-            crate::model::quant::q6_block(d, sc, &q, &mut out);
+            q6_block(d, sc, &q, &mut out);
         }
     }
-    Some(out)
+    out
 }
 
 /// Q5_0 blocks rewritten as Q8_0, exactly: the same scale, quants q - 16 as i8.

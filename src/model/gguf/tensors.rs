@@ -127,7 +127,8 @@ pub fn check(cfg: &Config, file: &GgufFile) -> Result<()> {
 }
 
 /// Reads every weight into our layout: matrices stored as Q8_0, Q4_0 or Q4_1 keep their
-/// blocks, other matrices and every norm and bias become bf16. Also returns
+/// blocks, Q4_K, Q5_0 and Q6_K ones are rewritten into 32-element blocks (`Rewritten`), other
+/// matrices and every norm and bias become bf16. Also returns
 /// `rope_freqs.weight` when the file has it. Call `check` first.
 pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)> {
     let src = file.source();
@@ -144,7 +145,7 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         let (t, data) = raw(name)?;
         dequantize(t.ty, data, t.n_elements).map_err(|e| anyhow!("{src}: tensor '{name}': {e}"))
     };
-    // What became of the matrices in block formats the engine does not compute from.
+    // What became of the matrices whose block layout the engine does not keep.
     let rewritten = std::cell::RefCell::new(Rewritten::default());
     // `check` held every matrix to its expected shape, so its row length is the dims' first.
     let matrix = |name: &str| -> Result<Matrix> {
@@ -154,16 +155,10 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
         if let Some(q) = native(t.ty) {
             return Matrix::from_blocks(q, t.n_elements / cols, cols, data.to_vec()).map_err(err);
         }
-        // Q6_K's super-blocks as 32-element blocks: the same values, kept as stored.
-        if t.ty == GgmlType::Q6_K {
-            if let Some(blocks) = q6_k_as_blocks(data) {
-                return Matrix::from_blocks(QuantType::Q6_K, t.n_elements / cols, cols, blocks)
-                    .map_err(err);
-            }
-        }
         let as_blocks = match t.ty {
             GgmlType::Q4_K => q4_k_as_q4_1(data).map(|b| (QuantType::Q4_1, b)),
             GgmlType::Q5_0 => q5_0_as_q8_0(data).map(|b| (QuantType::Q8_0, b)),
+            GgmlType::Q6_K => Some((QuantType::Q6_K, q6_k_as_blocks(data))),
             _ => None,
         };
         if let Some((q, blocks)) = as_blocks {
@@ -252,9 +247,10 @@ pub fn load(cfg: &Config, file: &GgufFile) -> Result<(Weights, Option<Vec<f32>>)
     ))
 }
 
-/// Matrices stored in block formats the engine does not compute from, and what they became:
-/// Q4_K as Q4_1 blocks (`q4_k_as_q4_1`), Q5_0 as Q8_0 (exactly), the rest (and any Q4_K
-/// sub-block the rewrite would move too far) widened to bf16, at 3-4x their blocks' memory.
+/// Matrices stored in block layouts the engine does not keep, and what they became: Q4_K as
+/// Q4_1 blocks (`q4_k_as_q4_1`), Q5_0 as Q8_0 and Q6_K as 32-element Q6_K blocks (both
+/// exactly; Q6_K's take 224 bytes for a super-block's 210), the rest (and any Q4_K sub-block
+/// the rewrite would move too far) widened to bf16, at 3-4x their blocks' memory.
 #[derive(Default)]
 struct Rewritten {
     /// (stored as, kept as or None for bf16) -> (matrices, bytes in memory).
@@ -271,7 +267,8 @@ impl Rewritten {
         c.1 += bytes;
     }
 
-    /// One line on stderr when any matrix was rewritten.
+    /// One line on stderr when any matrix was rewritten: how many of each, into what, and the
+    /// memory they take.
     fn report(&self, src: &str) {
         if self.counts.is_empty() {
             return;
@@ -280,16 +277,18 @@ impl Rewritten {
             .counts
             .iter()
             .map(|((from, to), (n, bytes))| {
-                format!(
-                    "{n} {from} as {} ({:.1} MiB)",
-                    to.unwrap_or("bf16"),
-                    *bytes as f64 / (1u64 << 20) as f64
-                )
+                let mib = *bytes as f64 / (1u64 << 20) as f64;
+                match to {
+                    Some(to) if to == from => {
+                        format!("{n} {from} as 32-element {to} blocks ({mib:.1} MiB)")
+                    }
+                    to => format!("{n} {from} as {} ({mib:.1} MiB)", to.unwrap_or("bf16")),
+                }
             })
             .collect();
         let widened = self.counts.keys().any(|(_, to)| to.is_none());
         eprintln!(
-            "megainfer: {src}: matrices the engine does not compute from as stored: {}{}",
+            "megainfer: {src}: matrices not kept in the file's block layout: {}{}",
             parts.join(", "),
             if widened {
                 " (`--dtype q8_0` stores every matrix as Q8_0 instead: half the memory of bf16)"
