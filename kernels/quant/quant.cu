@@ -131,11 +131,16 @@ extern "C" __global__ void bl_embed_q(int ty, const void* data, const q_u32* met
 // slots (2c + p) * 32 + L: every shared load is conflict-free, and a lane's inputs are loaded
 // once and used for all of its rows. Rows per block: 8 warps * QG_ROWS (QUANT_ROWS_PER_BLOCK in
 // src/gpu/baseline.rs). A lane's loads are small (4 or 8 bytes), so QG_UNROLL chunks of every
-// row are loaded before any is used: 8 keeps as many bytes in flight per lane as bl_gemv's
-// 16-byte loads do for Q8_0, half as many for Q4.
+// row are loaded before any is used. 4 rather than 8 (which keeps as many bytes in flight per
+// lane as bl_gemv's 16-byte loads do for Q8_0): on the H100, Llama-1B's graph + PDL step was
+// 9% shorter on Q8_0 and 1% on Q4_1 and Q6_K (BENCHMARKS.md), the wider batch's registers and
+// longer first wait costing more than its extra loads in flight gain. The products are added
+// in the same order either way.
 
 #define QG_ROWS 2
-#define QG_UNROLL 8
+#ifndef QG_UNROLL
+#define QG_UNROLL 4
+#endif
 #define QG_CHUNK 256
 #ifndef QG_STAGE
 #define QG_STAGE 4  // float4s a thread stages per batch (see qg_gemv)
