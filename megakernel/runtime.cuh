@@ -388,8 +388,8 @@ __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32
 // matrices have, and the host tags each of those pointers in the layer table with its
 // matrix's format in the low three bits, two in a kernel without Q6_K (Q_HAS_Q6K; device
 // allocations are 256-byte aligned, so they are otherwise zero): layer_wt and layer_mat read
-// the tag and the pointer. Without mixed layers
-// the kernel is compiled with the kinds' formats as constants, as before.
+// the tag and the pointer. Without mixed layers the kernel is compiled with the kinds' formats
+// as constants, as before.
 #ifndef MK_WT_MIXED
 #define MK_WT_MIXED 0
 #endif
@@ -757,8 +757,7 @@ template <int WT>
 __device__ __forceinline__ float block_dot(const BlockQ& w, const XB& x, const unsigned char* sc, int c, float acc) {
     const u32 qw[8] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w, w.hi.x, w.hi.y, w.hi.z, w.hi.w};
     if constexpr (WT == WEIGHT_Q6_K) {
-        // The two halves of the block have their own scales: a sum each. The quants as the
-        // signed bytes q - 32, so no offset term is needed.
+        // The two halves of the block have their own scales: a sum each.
         const unsigned char* h = sc + 12 * (c >> 5);
         const u32 hw[2] = {*(const u32*)(h + 4), *(const u32*)(h + 8)};
         int ah = 0, al = 0, bh = 0, bl = 0;

@@ -120,6 +120,7 @@ pub struct MatrixFormats {
 
 impl MatrixFormats {
     /// The definitions the megakernel is compiled with for these formats.
+    ///
     /// Without a Q6_K matrix, `Q_HAS_Q6K=0` leaves Q6_K's case out of the formats' shared
     /// arithmetic (its header size in decode.cuh), so that the kernels of the other formats are
     /// the code they were before Q6_K existed: the small shapes' kernels move with any change of
@@ -133,7 +134,7 @@ impl MatrixFormats {
             ("LM", self.lm_head),
             ("EMB", self.embed),
         ];
-        let q6 = 4;
+        let q6 = crate::model::WeightType::Q6_K.code();
         let has_q6 = kinds.iter().any(|&(_, v)| v == q6) || (self.mixed >> q6) & 1 != 0;
         kinds
             .iter()
