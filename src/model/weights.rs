@@ -595,28 +595,11 @@ impl Weights {
 
     /// The matrices stored as `ty` widened to bf16 (the rest as they are).
     pub fn widen_type(&mut self, ty: WeightType) {
-        let widen = |m: &mut Matrix| {
+        self.each_matrix_mut(|m| {
             if m.ty() == ty {
                 *m = m.to_bf16();
             }
-        };
-        widen(&mut self.embed);
-        if let Some(m) = &mut self.lm_head {
-            widen(m);
-        }
-        for l in &mut self.layers {
-            for m in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.w_gate,
-                &mut l.w_up,
-                &mut l.w_down,
-            ] {
-                widen(m);
-            }
-        }
+        });
     }
 
     /// Every matrix stored as `ty`: bf16 rounded from the exact values, or those values
@@ -657,13 +640,18 @@ impl Weights {
     }
 
     fn convert(&mut self, f: impl Fn(&Matrix) -> Matrix + Sync) {
-        self.embed = f(&self.embed);
+        self.each_matrix_mut(|m| *m = f(m));
+    }
+
+    /// `f` on every matrix once: the embedding, the LM head when untied, the layers'.
+    fn each_matrix_mut(&mut self, mut f: impl FnMut(&mut Matrix)) {
+        f(&mut self.embed);
         if let Some(h) = &mut self.lm_head {
-            *h = f(h);
+            f(h);
         }
         for l in &mut self.layers {
             for m in l.matrices_mut() {
-                *m = f(m);
+                f(m);
             }
         }
     }
