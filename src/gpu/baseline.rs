@@ -990,8 +990,10 @@ impl MvConfig {
 
     /// A rough time estimate (seconds, at `bw` bytes/s): the bytes of the busiest SM at the
     /// rate its loads in flight sustain (at most its share of the bandwidth), or one memory
-    /// latency per batch of loads in series, whichever is longer. Only ranks geometries; the
-    /// harness (tests/gpu_gemv_bench.rs) measures them.
+    /// latency per batch of loads in series, whichever is longer, plus its CTAs' epilogues; a
+    /// product whose loads all go out at once takes its bytes at the whole bandwidth. Only
+    /// ranks geometries; the harness (tests/gpu_gemv_bench.rs) measures each alone,
+    /// `scripts/graph-timeline.sh` and `bench` (`MEGAINFER_BASELINE_MV`) in the step.
     fn estimate(&self, rows: usize, cols: usize, sms: usize, bw: f64) -> f64 {
         const LATENCY: f64 = 0.8e-6;
         const LOADED_LATENCY: f64 = 1.2e-6;
@@ -1011,16 +1013,36 @@ impl MvConfig {
         let sm_rate = (bw / sms as f64).min(sm_bytes_in_flight / LOADED_LATENCY);
         let streaming = busiest / sm_rate;
         let latency = (rounds * batches) as f64 * LATENCY / self.ctas_per_sm as f64;
-        // Near-ties go to more loads in flight per thread, then to one CTA per SM (room for
-        // the next kernel's CTAs under PDL).
+        // Near-ties go to more loads in flight per thread, then to one CTA per SM.
         // Without double buffering a warp has nothing in flight during its FMAs, when a task
         // takes more than one batch.
         let bubbles = !v.double_buffered && rounds * batches > 1;
+        // Each task ends in a reduction, a barrier and the epilogue, during which its CTA
+        // issues no loads; a second CTA on the SM streams meanwhile. Measured in the step on the
+        // H100 (BENCHMARKS.md): gate/up at r2u4d:1:2 rather than r2u8d:1:1, graph + PDL
+        // 2.3-2.8% faster on Llama-3.2-1B, Qwen3-1.7B and Llama-3.2-3B, graph 3.7-4.2%.
+        const EPILOGUE: f64 = 0.25e-6;
+        let epilogues = rounds as f64 * EPILOGUE / busiest_ctas as f64;
         let margin = 1.0
             + 0.01 * (16 - in_flight.min(16)) as f64 / 8.0
             + 0.005 * (self.ctas_per_sm - 1) as f64
             + if bubbles { 0.03 } else { 0.0 };
-        streaming.max(latency) * margin
+        // A product whose every load is one batch of one task issues all of them when its CTAs
+        // start (before the wait under PDL): the busiest SM then pulls more than its share
+        // while lighter SMs are done, and the product takes about its bytes at the whole
+        // bandwidth. Measured in the step on the H100 (Llama-1B shape, BENCHMARKS.md): QKV at
+        // r2u8:1:2 (192 CTAs, all loads at once) 3 µs a layer faster than r1u8d:1:1 (three
+        // rounds of one batch), the O projection at r1u8d:1:2 1 µs faster than at r2u8:1:1.
+        // Among those, near-ties go to more CTAs (more SMs pulling).
+        if rounds == 1 && batches == 1 {
+            let whole = (rows * cols * 2) as f64 / bw;
+            // An input of more than one float4 a thread is staged in fewer round trips by the
+            // double-buffered kernels (`mv_body`'s SB), which cost more code where it is not.
+            let staged = (cols / 4 > MV_THREADS as usize) != v.double_buffered;
+            let staged = if staged { 0.01 } else { 0.0 };
+            return whole.max(LATENCY) * (1.0 + staged - 0.001 * (grid as f64 / sms as f64));
+        }
+        (streaming.max(latency) + epilogues) * margin
     }
 
     /// The geometry the estimate ranks first for a rows × cols product (`pairs`: the epilogue
@@ -1330,6 +1352,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The geometries measured fastest in the step on the H100 (BENCHMARKS.md, 2026-11-27,
+    /// `MEGAINFER_BASELINE_MV` sweeps on the Llama-3.2-1B shape, graph + PDL and graph): QKV
+    /// with every load issued at once, O the same with the batched input staging, gate/up as
+    /// two double-buffered CTAs an SM, the down projection as one with twice the loads.
+    #[test]
+    fn llama_1b_gets_the_geometries_measured_fastest() {
+        let c = presets::by_name("llama-3.2-1b").unwrap();
+        let got: Vec<String> = Proj::ALL[..4]
+            .iter()
+            .map(|p| {
+                let (rows, cols) = p.shape(&c);
+                MvConfig::choose(rows, cols, p.pairs(), 132).name()
+            })
+            .collect();
+        assert_eq!(got, ["r2u8:1:2", "r1u8d:1:2", "r2u4d:1:2", "r2u8d:1:1"]);
     }
 
     #[test]
