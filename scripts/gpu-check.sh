@@ -111,6 +111,11 @@ fi
 # BENCH=mixed (not in BENCH=1): layers of different formats (bench --q4-k-m-mix; OLD_BIN's too) on
 #   MIXED_PRESETS (default llama-3.2-1b) with MIXED_DTYPE (default q4_1): uniform, as stored,
 #   and with its Q6_K matrices widened to bf16 (--q6-k-widened).
+# BENCH=mv (not in BENCH=1): the graph paths' mat-vec geometries in the step: for each preset
+#   of MV_PRESETS (default llama-3.2-1b), `bench --paths graph-pdl,graph --reps 3` with the
+#   chosen geometries, then with each setting of MV_SWEEP (space-separated
+#   MEGAINFER_BASELINE_MV values, e.g. "qkv=r2u8:1:2 gu=r2u4d:1:2,down=r2u8d:1:1"), OLD_BIN's
+#   choices first when given.
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -326,6 +331,20 @@ Name three colours.}" > "$OUT/chat-input.txt"
             done
           done
         done
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",mv,"* ]]; then
+    mv_row() { echo "$(grep -E '^\| graph-pdl' "$1" | cut -d'|' -f3) / $(grep -E '^\| graph ' "$1" | cut -d'|' -f3)"; }
+    for preset in ${MV_PRESETS:-llama-3.2-1b}; do
+      for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+        "$bin" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$OUT/mv.log" 2>&1
+        echo "mv $preset $(basename "$bin") [chosen]: graph-pdl / graph $(mv_row "$OUT/mv.log")"
+      done
+      for setting in ${MV_SWEEP:-}; do
+        MEGAINFER_BASELINE_MV="$setting" "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph \
+          --reps 3 > "$OUT/mv.log" 2>&1
+        echo "mv $preset [$setting]: graph-pdl / graph $(mv_row "$OUT/mv.log")"
       done
     done
   fi
