@@ -1013,16 +1013,16 @@ impl MvConfig {
         let sm_rate = (bw / sms as f64).min(sm_bytes_in_flight / LOADED_LATENCY);
         let streaming = busiest / sm_rate;
         let latency = (rounds * batches) as f64 * LATENCY / self.ctas_per_sm as f64;
-        // Near-ties go to more loads in flight per thread, then to one CTA per SM.
-        // Without double buffering a warp has nothing in flight during its FMAs, when a task
-        // takes more than one batch.
-        let bubbles = !v.double_buffered && rounds * batches > 1;
         // Each task ends in a reduction, a barrier and the epilogue, during which its CTA
         // issues no loads; a second CTA on the SM streams meanwhile. Measured in the step on the
         // H100 (BENCHMARKS.md): gate/up at r2u4d:1:2 rather than r2u8d:1:1, graph + PDL
         // 2.3-2.8% faster on Llama-3.2-1B, Qwen3-1.7B and Llama-3.2-3B, graph 3.7-4.2%.
         const EPILOGUE: f64 = 0.25e-6;
         let epilogues = rounds as f64 * EPILOGUE / busiest_ctas as f64;
+        // Without double buffering a warp has nothing in flight during its FMAs, when a task
+        // takes more than one batch. Near-ties go to more loads in flight per thread, then to
+        // one CTA per SM.
+        let bubbles = !v.double_buffered && rounds * batches > 1;
         let margin = 1.0
             + 0.01 * (16 - in_flight.min(16)) as f64 / 8.0
             + 0.005 * (self.ctas_per_sm - 1) as f64
