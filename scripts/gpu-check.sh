@@ -335,7 +335,7 @@ Name three colours.}" > "$OUT/chat-input.txt"
     done
   fi
   if [[ ",${BENCH:-}," == *",mv,"* ]]; then
-    mv_row() { echo "$(grep -E '^\| graph-pdl' "$1" | cut -d'|' -f3) / $(grep -E '^\| graph ' "$1" | cut -d'|' -f3)"; }
+    mv_row() { echo "$(row "$1" graph-pdl | cut -d'|' -f3) / $(row "$1" graph | cut -d'|' -f3)"; }
     for preset in ${MV_PRESETS:-llama-3.2-1b}; do
       for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
         "$bin" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$OUT/mv.log" 2>&1

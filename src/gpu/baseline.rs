@@ -1006,6 +1006,21 @@ impl MvConfig {
         let busiest = (busiest_ctas * rounds) as f64 * task_bytes;
         let slice = (cols / 8).div_ceil(self.ksplit as usize);
         let batches = slice.div_ceil(32 * u as usize);
+        // A product whose every load is one batch of one task issues all of them when its CTAs
+        // start (before the wait under PDL): the busiest SM then pulls more than its share
+        // while lighter SMs are done, and the product takes about its bytes at the whole
+        // bandwidth. Measured in the step on the H100 (Llama-1B shape, BENCHMARKS.md): QKV at
+        // r2u8:1:2 (192 CTAs, all loads at once) 3 µs a layer faster than r1u8d:1:1 (three
+        // rounds of one batch), the O projection at r1u8d:1:2 1 µs faster than at r2u8:1:1.
+        // Among those, near-ties go to more CTAs (more SMs pulling).
+        if rounds == 1 && batches == 1 {
+            let whole = (rows * cols * 2) as f64 / bw;
+            // An input of more than one float4 a thread is staged in fewer round trips by the
+            // double-buffered kernels (`mv_body`'s SB), which cost more code where it is not.
+            let staged = (cols / 4 > MV_THREADS as usize) != v.double_buffered;
+            let staged = if staged { 0.01 } else { 0.0 };
+            return whole.max(LATENCY) * (1.0 + staged - 0.001 * (grid as f64 / sms as f64));
+        }
         // 16-byte loads in flight per warp, and per thread on average (idle lanes count).
         let warp_loads = r as usize * slice.min(32 * u as usize);
         let in_flight = warp_loads / 32;
@@ -1027,21 +1042,6 @@ impl MvConfig {
             + 0.01 * (16 - in_flight.min(16)) as f64 / 8.0
             + 0.005 * (self.ctas_per_sm - 1) as f64
             + if bubbles { 0.03 } else { 0.0 };
-        // A product whose every load is one batch of one task issues all of them when its CTAs
-        // start (before the wait under PDL): the busiest SM then pulls more than its share
-        // while lighter SMs are done, and the product takes about its bytes at the whole
-        // bandwidth. Measured in the step on the H100 (Llama-1B shape, BENCHMARKS.md): QKV at
-        // r2u8:1:2 (192 CTAs, all loads at once) 3 µs a layer faster than r1u8d:1:1 (three
-        // rounds of one batch), the O projection at r1u8d:1:2 1 µs faster than at r2u8:1:1.
-        // Among those, near-ties go to more CTAs (more SMs pulling).
-        if rounds == 1 && batches == 1 {
-            let whole = (rows * cols * 2) as f64 / bw;
-            // An input of more than one float4 a thread is staged in fewer round trips by the
-            // double-buffered kernels (`mv_body`'s SB), which cost more code where it is not.
-            let staged = (cols / 4 > MV_THREADS as usize) != v.double_buffered;
-            let staged = if staged { 0.01 } else { 0.0 };
-            return whole.max(LATENCY) * (1.0 + staged - 0.001 * (grid as f64 / sms as f64));
-        }
         (streaming.max(latency) + epilogues) * margin
     }
 
