@@ -6,10 +6,10 @@
 // After the generation stopped (or a wait failed): waits for the copies still in flight, so
 // none lands in shared memory after the CTA has exited. seq: the tiles issued.
 __device__ void loader_drain(const MkParams& p, u64* full, u32 seq) {
-    const u32 first = seq > (u32)p.pages ? seq - p.pages : 0;
+    const u32 first = seq > (u32)MK_RING(p) ? seq - MK_RING(p) : 0;
     for (u32 s = first; s < seq; s++) {
         const u64 t0 = global_ns();
-        while (!mbar_try_wait(&full[s % p.pages], (s / p.pages) & 1))
+        while (!mbar_try_wait(&full[s % MK_RING(p)], (s / MK_RING(p)) & 1))
             if (global_ns() - t0 > p.timeout_ns) return;
     }
 }
@@ -38,7 +38,7 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
         if (!MK_PREP_STAMPS && lane == 0 && prof) prof[PROF_EXTRA1] = global_ns();
         for (int t = 0; t < g.tiles; t++, seq++) {
-            u32 slot = seq % p.pages, round = seq / p.pages;
+            u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
             if (lane == 0) note(p, 3, seq);
             int rows = min(g.rpt, g.n - t * g.rpt);
             if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;

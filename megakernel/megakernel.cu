@@ -137,6 +137,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
     // Read before the first barrier: in a generation, the second step's argmax writes the slot
     // this step reads, and no SM's argmax can run before every SM is past this barrier.
     const TokenMeta m0 = p.meta[p.epoch & 1];
+#ifdef MK_PAGES
+    // Compiled for a ring of MK_PAGES pages (the host checks its plan against it): another
+    // count would put tiles in the wrong pages.
+    if (p.pages != MK_PAGES) __trap();
+#endif
     if (threadIdx.x == 0) {
         for (int i = 0; i < p.pages; i++) { mbar_init(&sm.full[i], 1); mbar_init(&sm.empty[i], MK_EMPTY_ARRIVALS); }
         mbar_fence_init();

@@ -28,6 +28,14 @@ static_assert(MK_EMPTY_ARRIVALS == CONSUMERS && MK_EMPTY_ARRIVALS % 64 == 0,
 // is not enough: pages shared round-robin by more groups than divide their count can hang.)
 static_assert(TILE_GROUPS * 2 == CONSUMER_WARPS, "a tile group is a pair of consumer warps");
 #define ABORT_CHECK_SPINS 1024
+// The ring's page count: a constant where the host compiled one in (MK_PAGES, checked at the
+// kernel's start), so that a tile's page and phase (seq % pages, seq / pages, by the loader and
+// every consumer, once per tile) are a multiply and shifts instead of a division.
+#ifdef MK_PAGES
+#define MK_RING(p) (MK_PAGES)
+#else
+#define MK_RING(p) ((p).pages)
+#endif
 
 #if !defined(MK_HEAD_DIM) || !defined(MK_GROUP) || !defined(MK_HIDDEN) || !defined(MK_Q_DIM)
 #error "the megakernel is compiled for a model: define MK_HEAD_DIM, MK_GROUP, MK_HIDDEN and MK_Q_DIM"
@@ -495,9 +503,9 @@ struct TileGeom {
 template <u32 AHEAD = MK_INFLIGHT, u32 STREAM = MK_INFLIGHT_STREAM>
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {
     const u32 limit = current_instr() == instr ? STREAM : AHEAD;
-    if (limit >= (u32)p.pages || seq < limit) return true;
+    if (limit >= (u32)MK_RING(p) || seq < limit) return true;
     const u32 s = seq - limit;
-    return page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_LOADER, instr, s);
+    return page_wait(p, &full[s % MK_RING(p)], (s / MK_RING(p)) & 1, ERR_PAGE_LOADER, instr, s);
 }
 
 // ---- consumer helpers (ct = consumer thread index, cw = consumer warp index) ----
@@ -1003,8 +1011,8 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
     const int c0 = (half * 32 + lane) * lane_cols<BL>();
     for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
-        u32 s = seq + t, slot = s % p.pages;
-        if (!page_wait(p, &full[slot], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
+        u32 s = seq + t, slot = s % MK_RING(p);
+        if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
         int rows = min(g.rpt, g.n - t * g.rpt), r = 0;
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);

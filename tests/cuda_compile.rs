@@ -107,13 +107,14 @@ fn megakernel_sampled_variant_compiles() {
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
     use megainfer::gpu::megakernel::{
         down_chunk_cols, freq_table_fits, kernel_defines, megakernel_gpu_shape,
-        megakernel_schedule, widest_xs_floats, KernelSpec,
+        megakernel_schedule, ring_pages, widest_xs_floats, KernelSpec,
     };
     let cfg = presets::by_name(name).unwrap();
     let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
     let cost = scheduler::CostModel::megakernel(64);
     let sched = megakernel_schedule(&cfg, &shape, &cost, &Default::default()).unwrap();
     let chunks = sched.options.down_chunks;
+    let freq_in_smem = freq_table_fits(&cfg, 232_448, widest_xs_floats(&cfg));
     let spec = KernelSpec {
         formats: sources::MatrixFormats::default(),
         down_cols: down_chunk_cols(&sched),
@@ -121,7 +122,8 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         attn_by_warps: false,
         sampled,
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
-        freq_in_smem: freq_table_fits(&cfg, 232_448, widest_xs_floats(&cfg)),
+        freq_in_smem,
+        pages: ring_pages(&cfg, 232_448, widest_xs_floats(&cfg), freq_in_smem).unwrap(),
     };
     (kernel_defines(&cfg, &spec, ""), chunks)
 }

@@ -60,7 +60,7 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos
     const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, pos);
     for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
-        const u32 slot = seq % p.pages, round = seq / p.pages;
+        const u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
         if (lane == 0) note(p, 3, seq);
         const int rows = min(ATT_TR, a.cached_end - r0);
         const int last = r0 + rows - 1;
@@ -252,7 +252,7 @@ __device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int 
 __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq, u64* full, int t0, int t1) {
     for (int t = t0; t < t1; t++) {
         const u32 s = seq + t;
-        if (!page_wait(p, &full[s % p.pages], (s / p.pages) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
+        if (!page_wait(p, &full[s % MK_RING(p)], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
     }
     return true;
 }
@@ -375,8 +375,8 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         }
     }
     for (int t = pair; t < ntiles; t += TILE_GROUPS) {
-        const u32 sq = seq + t, slot = sq % p.pages;
-        const bool landed = page_wait(p, &full[slot], (sq / p.pages) & 1, ERR_PAGE_CONSUMER, instr, sq);
+        const u32 sq = seq + t, slot = sq % MK_RING(p);
+        const bool landed = page_wait(p, &full[slot], (sq / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, sq);
         // The whole warp goes on or stops together (the tile's shuffles need every lane).
         if (!__all_sync(0xffffffffu, landed)) {
             set_failed(1);
@@ -540,7 +540,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     float* vn = scratch + ATT_OFF_VN;
     float* stats = scratch + ATT_OFF_STATS;  // [max][sum][corr] per head
     const int n = a.cached_end - a.p0;
-    const int round_tiles = min(p.pages, ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
+    const int round_tiles = min(MK_RING(p), ATT_ROUND / ATT_TR), ntiles = (n + ATT_TR - 1) / ATT_TR;
     // The first round's K/V rows do not depend on this step: they are waited for before the
     // inputs, so that the wait is off the critical path.
     if (!attn_pages(p, instr, seq, full, 0, min(ntiles, round_tiles))) set_failed(1);
@@ -584,7 +584,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     const float scale = rsqrtf((float)hd);
     for (int t0 = 0; t0 == 0 || t0 < ntiles; t0 += round_tiles) {
         const int t1 = min(ntiles, t0 + round_tiles);
-        const AttnRound r{pages, (int)((seq + t0) % p.pages), p.pages, min(n, t1 * ATT_TR) - t0 * ATT_TR,
+        const AttnRound r{pages, (int)((seq + t0) % MK_RING(p)), MK_RING(p), min(n, t1 * ATT_TR) - t0 * ATT_TR,
                           a.has_new && t0 == 0};
         if (t0 > 0) {
             if (!attn_pages(p, instr, seq, full, t0, t1)) set_failed(1);
@@ -603,9 +603,9 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         // The round's pages go back to the loader, every consumer past the barrier above: one
         // thread a page (racecheck's build: every consumer on every page, for its own reads).
 #if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
-        for (int i = 0; i < (int)(t1 - t0); i++) mbar_arrive(&empty[(seq + t0 + i) % p.pages]);
+        for (int i = 0; i < (int)(t1 - t0); i++) mbar_arrive(&empty[(seq + t0 + i) % MK_RING(p)]);
 #else
-        if (ct < t1 - t0) release_page_for_both(&empty[(seq + t0 + ct) % p.pages]);
+        if (ct < t1 - t0) release_page_for_both(&empty[(seq + t0 + ct) % MK_RING(p)]);
 #endif
         // The running output takes this round's values; after the last round it is divided by
         // the sum and stored.

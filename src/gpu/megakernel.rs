@@ -29,7 +29,7 @@ pub mod layout;
 pub mod profile;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
-pub use compile::{defines as kernel_defines, freq_table_fits, KernelSpec};
+pub use compile::{defines as kernel_defines, freq_table_fits, ring_pages, KernelSpec};
 pub use launch::{MAX_EPOCH, MAX_STOP_TOKENS};
 use layout::{attention_scratch, xs_floats, SmemLayout};
 pub use profile::{Profile, Timeline};
@@ -297,13 +297,15 @@ impl<'g> MegakernelPath<'g> {
             .map(|(_, schedule, ..)| schedule.options.attn_parts > 1)
             .collect();
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
+        let freq_in_smem = compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats);
         let spec = KernelSpec {
             formats,
             down_cols,
             down_chunks: chunks,
             attn_by_warps: false,
             sampled: false,
-            freq_in_smem: compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats),
+            freq_in_smem,
+            pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
         };
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
@@ -320,8 +322,17 @@ impl<'g> MegakernelPath<'g> {
         for (_, _, kernel) in &kernels {
             static_smem = static_smem.max(kernel.static_smem()?);
         }
-        let layout =
-            SmemLayout::plan(gpu.max_smem_per_block, static_smem, xs_floats, c.num_layers)?;
+        // The kernels are compiled for spec.pages pages, planned with a bound on their static
+        // shared memory; the ring must fit beside what they actually have.
+        let layout = SmemLayout::with_pages(spec.pages, xs_floats, c.num_layers);
+        if layout.bytes + static_smem > gpu.max_smem_per_block {
+            bail!(
+                "megakernel: compiled for {} pages ({} B of shared memory), but with its {static_smem} B of static shared memory a block would need more than the {} B it may have",
+                spec.pages,
+                layout.bytes,
+                gpu.max_smem_per_block
+            );
+        }
         let pages = layout.pages;
         let smem = layout.bytes as u32;
         for (_, _, kernel) in &kernels {

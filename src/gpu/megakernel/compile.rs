@@ -16,7 +16,8 @@ use crate::gpu::sources;
 /// tiles' loop for a known length, as the model's dimensions do) and k-chunk count
 /// (`down_chunks`), attention by warps (`attn_by_warps`) or by rounds, the draw inside the
 /// launch (`sampled`) or the greedy argmax only, and RoPE's frequencies in shared memory
-/// (`freq_in_smem`, where they cost no page of the ring: [`freq_table_fits`]).
+/// (`freq_in_smem`, where they cost no page of the ring: [`freq_table_fits`]), and the ring's
+/// page count (`pages`: [`ring_pages`]).
 #[derive(Clone, Copy, Debug)]
 pub struct KernelSpec {
     pub formats: sources::MatrixFormats,
@@ -25,6 +26,7 @@ pub struct KernelSpec {
     pub attn_by_warps: bool,
     pub sampled: bool,
     pub freq_in_smem: bool,
+    pub pages: usize,
 }
 
 /// Bytes of the kernel's static shared memory besides the frequency table (its flags and
@@ -49,9 +51,35 @@ pub fn freq_table_fits(
     pages(STATIC_SMEM_BOUND + table) == pages(STATIC_SMEM_BOUND)
 }
 
+/// The ring's page count for a kernel compiled with (`freq_in_smem`) or without RoPE's
+/// frequency table in shared memory: as many pages as fit beside the plan's regions and the
+/// kernel's static shared memory, bounded by STATIC_SMEM_BOUND (the host checks the bound
+/// once the kernel is loaded). The kernel is compiled for this count (`MK_PAGES`), so that a
+/// tile's page and phase are a multiply and shifts rather than a division.
+pub fn ring_pages(
+    config: &crate::model::Config,
+    max_smem_per_block: usize,
+    xs_floats: usize,
+    freq_in_smem: bool,
+) -> Result<usize> {
+    let table = if freq_in_smem {
+        4 * config.head_dim / 2
+    } else {
+        0
+    };
+    let plan = super::layout::SmemLayout::plan(
+        max_smem_per_block,
+        STATIC_SMEM_BOUND + table,
+        xs_floats,
+        config.num_layers,
+    )?;
+    Ok(plan.pages)
+}
+
 /// The NVRTC options the megakernel is compiled with for `config` and `spec`. `extra`: further
 /// options for measuring variants (`MEGAINFER_MK_DEFINES`, e.g. `-DMK_INFLIGHT_STREAM=3`),
-/// added last; an MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice.
+/// added last; an MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice (and
+/// `-UMK_PAGES` compiles the ring's size as a parameter read at run time).
 pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) -> Vec<String> {
     let mut defines = sources::megakernel_defines(config);
     defines.extend(spec.formats.defines());
@@ -59,6 +87,7 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     // sampled launches run: its calls cost the greedy kernel's loop spilled registers.
     defines.push(format!("-DMK_SAMPLING={}", u8::from(spec.sampled)));
     defines.push(format!("-DMK_FREQ_SMEM={}", u8::from(spec.freq_in_smem)));
+    defines.push(format!("-DMK_PAGES={}", spec.pages));
     if spec.down_cols != config.hidden_size && spec.down_cols != config.q_dim() {
         defines.push(format!("-DMK_DOWN_COLS={}", spec.down_cols));
     }
@@ -113,6 +142,22 @@ mod tests {
         }
     }
 
+    /// The ring each preset's kernel is compiled for on an H100 is the one its schedule was
+    /// planned with.
+    #[test]
+    fn the_compiled_ring_is_the_scheduled_one() {
+        use crate::model::presets;
+        for name in presets::NAMES {
+            let c = presets::by_name(name).unwrap();
+            let xs = crate::gpu::megakernel::widest_xs_floats(&c);
+            let fits = super::freq_table_fits(&c, 232_448, xs);
+            let pages = super::ring_pages(&c, 232_448, xs, fits).unwrap();
+            let shape = crate::gpu::megakernel::megakernel_gpu_shape(&c, 132, 232_448);
+            assert_eq!(pages, shape.smem_pages, "{name}");
+            assert!(pages >= 8 && pages % 4 == 0, "{name}: {pages}");
+        }
+    }
+
     fn spec(sampled: bool) -> KernelSpec {
         KernelSpec {
             formats: Default::default(),
@@ -121,6 +166,7 @@ mod tests {
             attn_by_warps: true,
             sampled,
             freq_in_smem: true,
+            pages: 12,
         }
     }
 
@@ -132,6 +178,7 @@ mod tests {
             "-DMK_SAMPLING=0",
             "-DMK_DOWN_CHUNKS=1",
             "-DMK_ATT_BY_WARPS=1",
+            "-DMK_PAGES=12",
         ] {
             assert!(d.iter().any(|x| x == want), "{want} missing from {d:?}");
         }
