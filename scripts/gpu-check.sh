@@ -116,6 +116,10 @@ fi
 #   chosen geometries, then with each setting of MV_SWEEP (space-separated
 #   MEGAINFER_BASELINE_MV values, e.g. "qkv=r2u8:1:2 gu=r2u4d:1:2,down=r2u8d:1:1"), OLD_BIN's
 #   choices first when given.
+# BENCH=bldefines (not in BENCH=1): graph-path kernel variants of this build: each entry of
+#   BL_DEFINES (';'-separated MEGAINFER_BASELINE_DEFINES values, an empty entry is the default
+#   build, e.g. ";-DBL_ATT_PRELOAD=1") on each preset of BL_PRESETS (default llama-3.2-1b),
+#   `bench --paths graph-pdl,graph --reps 3`, BL_ROUNDS rounds (default 2).
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -345,6 +349,20 @@ Name three colours.}" > "$OUT/chat-input.txt"
         MEGAINFER_BASELINE_MV="$setting" "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph \
           --reps 3 > "$OUT/mv.log" 2>&1
         echo "mv $preset [$setting]: graph-pdl / graph $(mv_row "$OUT/mv.log")"
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",bldefines,"* ]]; then
+    IFS=';' read -r -a bl_variants <<< "${BL_DEFINES:-}"
+    for round in $(seq "${BL_ROUNDS:-2}"); do
+      for preset in ${BL_PRESETS:-llama-3.2-1b}; do
+        for i in "${!bl_variants[@]}"; do
+          v=${bl_variants[$i]}
+          log="$OUT/bench-bldefines-$preset-v$i.log"
+          MEGAINFER_BASELINE_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph \
+            --reps 3 > "$log" 2>&1
+          echo "bldefines $preset [${v:-default}] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+        done
       done
     done
   fi

@@ -29,6 +29,12 @@ fn assert_compiles(name: &str, src: &str, defines: &[String], what: &str) {
 fn baseline_kernels_compile_for_sm90a() {
     require_nvrtc();
     assert_compiles("baseline", &sources::baseline(), &[], "");
+    // The variants for measuring: earlier K/V rows loaded before griddepcontrol.wait, and the
+    // kernels that are not double-buffered staging their input in batches.
+    for d in ["-DBL_ATT_PRELOAD=1", "-DBL_PLAIN_SB=4"] {
+        let what = format!(" ({d})");
+        assert_compiles("baseline", &sources::baseline(), &[d.to_string()], &what);
+    }
 }
 
 /// kernels/quant/quant.cu alone: the prefill unit includes it without the baseline's helpers,

@@ -36,43 +36,66 @@ template <> struct VDims<4> {
     }
 };
 
+// One block of 32 positions from `base` in a warp's registers: lane j's K row (position
+// base + j, as 16-byte words) and every V row (D = head_dim / 32 dims of each, the lane's own).
+template <int D>
+struct KvBlock {
+    VDims<D> v[32];
+    uint4 k[4 * D];
+};
+
+// Loads the rows of positions [from, to) of the block at `base` (the others are left as they
+// are, so a block can be loaded in two parts: rows that are final before griddepcontrol.wait,
+// then the rest after it). K and V together: a block costs one round trip, not three.
+template <int D>
+__device__ __forceinline__ void load_kv_block(KvBlock<D>& b, const bf16_t* k_head, const bf16_t* v_head,
+                                              int kv_stride, int base, int from, int to) {
+    const int lane = threadIdx.x & 31, pj = base + lane, i0 = from - base, n = min(32, to - base);
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        if (i >= i0 && i < n) b.v[i].load(v_head + (size_t)(base + i) * kv_stride + lane * D);
+    if (pj >= from && pj < to) {
+        const bf16_t* kr = k_head + (size_t)pj * kv_stride;
+#pragma unroll
+        for (int u = 0; u < 4 * D; u++) b.k[u] = ld_cg16(kr + 8 * u);
+    }
+}
+
+// Folds the block at `base` (positions below p_end) into the warp's online softmax state.
+template <int D>
+__device__ __forceinline__ void attend_kv_block(const KvBlock<D>& b, const float* q, float scale, int base, int p_end,
+                                                float& m, float& l, float* acc) {
+    const int lane = threadIdx.x & 31, pj = base + lane, n = min(32, p_end - base);
+    float s = NEG_INF;
+    if (pj < p_end) {
+        float dot = 0.f;
+#pragma unroll
+        for (int u = 0; u < 4 * D; u++) dot += dot8(b.k[u], q + 8 * u);
+        s = dot * scale;
+    }
+    const float m_new = fmaxf(m, warp_max(s));
+    const float e = pj < p_end ? __expf(s - m_new) : 0.f;
+    const float corr = __expf(m - m_new);  // m = -inf on the first block: corr = 0
+    l = l * corr + warp_sum(e);
+#pragma unroll
+    for (int j = 0; j < D; j++) acc[j] *= corr;
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        if (i < n) b.v[i].fma_into(__shfl_sync(0xffffffffu, e, i), acc);
+    m = m_new;
+}
+
 // q: the head's query in shared memory (all lanes read it). Blocks of 32 positions starting
 // at p_begin, this warp taking blocks first_block, first_block + block_step, ...
-// D = head_dim / 32. A block's V rows are loaded together with its K rows (they do not depend
-// on the scores), so a block costs one round trip to memory, not three.
+// D = head_dim / 32.
 template <int D>
 __device__ __forceinline__ void attend_warp(const float* q, const bf16_t* k_head, const bf16_t* v_head,
                                             int kv_stride, float scale, int p_begin, int p_end,
                                             int first_block, int block_step, float& m, float& l, float* acc) {
-    constexpr int HD = 32 * D, KW = HD / 8;  // 16-byte words per K row
-    const int lane = threadIdx.x & 31;
     for (int base = p_begin + first_block * 32; base < p_end; base += block_step * 32) {
-        const int pj = base + lane, n = min(32, p_end - base);
-        VDims<D> vr[32];
-#pragma unroll
-        for (int i = 0; i < 32; i++)
-            if (i < n) vr[i].load(v_head + (size_t)(base + i) * kv_stride + lane * D);
-        float s = NEG_INF;
-        if (pj < p_end) {
-            const bf16_t* kr = k_head + (size_t)pj * kv_stride;
-            uint4 kv[KW];
-#pragma unroll
-            for (int u = 0; u < KW; u++) kv[u] = ld_cg16(kr + 8 * u);
-            float dot = 0.f;
-#pragma unroll
-            for (int u = 0; u < KW; u++) dot += dot8(kv[u], q + 8 * u);
-            s = dot * scale;
-        }
-        const float m_new = fmaxf(m, warp_max(s));
-        const float e = pj < p_end ? __expf(s - m_new) : 0.f;
-        const float corr = __expf(m - m_new);  // m = -inf on the first block: corr = 0
-        l = l * corr + warp_sum(e);
-#pragma unroll
-        for (int j = 0; j < D; j++) acc[j] *= corr;
-#pragma unroll
-        for (int i = 0; i < 32; i++)
-            if (i < n) vr[i].fma_into(__shfl_sync(0xffffffffu, e, i), acc);
-        m = m_new;
+        KvBlock<D> b;
+        load_kv_block<D>(b, k_head, v_head, kv_stride, base, base, p_end);
+        attend_kv_block<D>(b, q, scale, base, p_end, m, l, acc);
     }
 }
 

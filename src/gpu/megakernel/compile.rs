@@ -154,7 +154,7 @@ mod tests {
             let pages = super::ring_pages(&c, 232_448, xs, fits).unwrap();
             let shape = crate::gpu::megakernel::megakernel_gpu_shape(&c, 132, 232_448);
             assert_eq!(pages, shape.smem_pages, "{name}");
-            assert!(pages >= 8 && pages % 4 == 0, "{name}: {pages}");
+            assert!(pages >= 8 && pages.is_multiple_of(4), "{name}: {pages}");
         }
     }
 
