@@ -39,7 +39,7 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
         if (!MK_PREP_STAMPS && lane == 0 && prof) prof[PROF_EXTRA1] = global_ns();
         for (int t = 0; t < g.tiles; t++, seq++) {
             u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
-            if (lane == 0) note(p, 3, seq);
+            if (MK_TILE_NOTES && lane == 0) note(p, 3, seq);
             int rows = min(g.rpt, g.n - t * g.rpt);
             if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
             if (!inflight_wait(p, full, seq, instr)) return false;

@@ -339,6 +339,11 @@ __device__ __forceinline__ float ld_value(const MkParams& p, const u64* a) {
     return tagged_float(raw);
 }
 
+// The loader's per-tile progress word (slot 3, named in a stall's report): MK_TILE_NOTES=0
+// leaves it out, for measuring what a store per tile costs the loader's loop.
+#ifndef MK_TILE_NOTES
+#define MK_TILE_NOTES 1
+#endif
 __device__ __forceinline__ void note(const MkParams& p, int slot, u32 v) {
     *(volatile u32*)(p.progress + blockIdx.x * 4 + slot) = v;
 }

@@ -108,6 +108,22 @@ fn megakernel_sampled_variant_compiles() {
     }
 }
 
+/// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
+/// BENCH=defines): without the loader's per-tile progress word, attention's part range divided
+/// in 32 bits; with attention by rounds and by warps.
+#[test]
+fn megakernel_measuring_variants_compile() {
+    require_nvrtc();
+    let (mut defines, _) = preset_kernel_defines("smollm2-135m", false);
+    defines.extend(["-DMK_TILE_NOTES=0", "-DMK_ATT_RANGE32=1"].map(String::from));
+    for by_warps in ["-DMK_ATT_BY_WARPS=0", "-DMK_ATT_BY_WARPS=1"] {
+        let mut d = defines.clone();
+        d.push(by_warps.to_string());
+        let what = format!(" (MK_TILE_NOTES=0 MK_ATT_RANGE32=1 {by_warps})");
+        assert_compiles("megakernel", &sources::megakernel(), &d, &what);
+    }
+}
+
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
 /// H100's schedule, attention by rounds, and the schedule's k-chunk count.
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {

@@ -38,9 +38,18 @@ struct AttnRange {
     bool has_new;        // the part ends at pos: row pos is folded in from kv_new
 };
 
+// MK_ATT_RANGE32=1 divides in 32 bits, for measuring against the 64-bit division's call: exact
+// while parts x len stays below 2^32 (at most 128 parts: contexts under 2^25 positions).
+#ifndef MK_ATT_RANGE32
+#define MK_ATT_RANGE32 0
+#endif
 __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
     const int part = w[W_B], parts = w[W_C], len = pos + 1;
+#if MK_ATT_RANGE32
+    const int p0 = (int)((u32)part * (u32)len / (u32)parts), p1 = (int)((u32)(part + 1) * (u32)len / (u32)parts);
+#else
     const int p0 = (int)((long long)part * len / parts), p1 = (int)((long long)(part + 1) * len / parts);
+#endif
     return {p0, p1 == len ? len - 1 : p1, p1 == len};
 }
 
@@ -61,7 +70,7 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos
     const AttnRange a = attn_range(w, pos);
     for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
         const u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
-        if (lane == 0) note(p, 3, seq);
+        if (MK_TILE_NOTES && lane == 0) note(p, 3, seq);
         const int rows = min(ATT_TR, a.cached_end - r0);
         const int last = r0 + rows - 1;
         if (last >= (int)pos0 && (u32)(last - pos0) >= verified) {
