@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaModule;
 use cudarc::nvrtc::Ptx;
 
@@ -115,6 +115,12 @@ pub(super) fn load(
     spec: &KernelSpec,
 ) -> Result<(Arc<CudaModule>, Kernel)> {
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
+    if extra.contains("-DMK_PAGES") {
+        bail!(
+            "MEGAINFER_MK_DEFINES sets MK_PAGES, which the host derives from its shared-memory plan ({} pages here); -UMK_PAGES compiles the page count as a launch parameter instead",
+            spec.pages
+        );
+    }
     let defines = defines(config, spec, &extra);
     let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
     let module = gpu
