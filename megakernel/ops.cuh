@@ -86,7 +86,7 @@ __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, c
     const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols), rpt = rows_per_tile(slot, n);
     int soff = 0;
     if (MK_ANY_QUANT && wt != WEIGHT_BF16 && !whole) soff = (int)((size_t)seg_row(w, p, lw, 0).s & 15);
-    return {n, cols, rpt, (n + rpt - 1) / rpt, wt, wt_qbytes(wt, cols), slot, whole, soff};
+    return {n, cols, rpt, geom_div(n + rpt - 1, rpt), wt, wt_qbytes(wt, cols), slot, whole, soff};
 }
 
 // The instruction's tiles (runtime.cuh, tiles_of_format), in its matrix's format: only the

@@ -469,8 +469,27 @@ __device__ __forceinline__ u32 scales_span(const unsigned char* s, int bytes) {
 
 // Rows of n rows of `slot` bytes per tile: a page's worth, but no more than an even share for
 // the warp pairs, so that a small instruction's rows are worked on by all of them at once.
+// The tile geometry's quotients (0 <= a < 2^20, 0 < b < 2^20), computed by every consumer at
+// each instruction's start. MK_FAST_GEOM=1 (for measuring) takes a float estimate and one
+// correction each way instead of the integer division's longer dependent chain: a and b are
+// exact as floats and the estimate is within a/b * 2^-23 < 1/8 of a/b, so its truncation is
+// off by at most one (the host's emulation, compile.rs' tests, checks the rule).
+#ifndef MK_FAST_GEOM
+#define MK_FAST_GEOM 0
+#endif
+__device__ __forceinline__ int geom_div(int a, int b) {
+#if MK_FAST_GEOM
+    int q = (int)(__int2float_rn(a) * __frcp_rn(__int2float_rn(b)));
+    if (q * b > a) q--;
+    else if ((q + 1) * b <= a) q++;
+    return q;
+#else
+    return a / b;
+#endif
+}
+
 __device__ __forceinline__ int rows_per_tile(int slot, int n) {
-    return max(1, min(PAGE_BYTES / slot, (n + TILE_GROUPS - 1) / TILE_GROUPS));
+    return max(1, min(geom_div(PAGE_BYTES, slot), (n + TILE_GROUPS - 1) / TILE_GROUPS));
 }
 
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the

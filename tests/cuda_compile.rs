@@ -110,16 +110,24 @@ fn megakernel_sampled_variant_compiles() {
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): without the loader's per-tile progress word, attention's part range divided
-/// in 32 bits; with attention by rounds and by warps.
+/// in 32 bits, the tile geometry's quotients from a float estimate; with attention by rounds
+/// and by warps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
     let (mut defines, _) = preset_kernel_defines("smollm2-135m", false);
-    defines.extend(["-DMK_TILE_NOTES=0", "-DMK_ATT_RANGE32=1"].map(String::from));
+    defines.extend(
+        [
+            "-DMK_TILE_NOTES=0",
+            "-DMK_ATT_RANGE32=1",
+            "-DMK_FAST_GEOM=1",
+        ]
+        .map(String::from),
+    );
     for by_warps in ["-DMK_ATT_BY_WARPS=0", "-DMK_ATT_BY_WARPS=1"] {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
-        let what = format!(" (MK_TILE_NOTES=0 MK_ATT_RANGE32=1 {by_warps})");
+        let what = format!(" (MK_TILE_NOTES=0 MK_ATT_RANGE32=1 MK_FAST_GEOM=1 {by_warps})");
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
 }
