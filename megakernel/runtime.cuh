@@ -472,14 +472,17 @@ __device__ __forceinline__ u32 scales_span(const unsigned char* s, int bytes) {
 // The tile geometry's quotients (0 <= a < 2^20, 0 < b < 2^20), computed by every consumer at
 // each instruction's start. MK_FAST_GEOM=1 (for measuring) takes a float estimate and one
 // correction each way instead of the integer division's longer dependent chain: a and b are
-// exact as floats and the estimate is within a/b * 2^-23 < 1/8 of a/b, so its truncation is
-// off by at most one (the host's emulation, compile.rs' tests, checks the rule).
+// exact as floats, and with the hardware reciprocal (rcp.approx, within 2 ulp; __frcp_rn
+// would call a slow path) the estimate is within a/b * 2^-21 < 1/2 of a/b, so its truncation
+// is off by at most one (the host's emulation, compile.rs' tests, checks the rule).
 #ifndef MK_FAST_GEOM
 #define MK_FAST_GEOM 0
 #endif
 __device__ __forceinline__ int geom_div(int a, int b) {
 #if MK_FAST_GEOM
-    int q = (int)(__int2float_rn(a) * __frcp_rn(__int2float_rn(b)));
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__int2float_rn(b)));
+    int q = (int)(__int2float_rn(a) * r);
     if (q * b > a) q--;
     else if ((q + 1) * b <= a) q++;
     return q;
