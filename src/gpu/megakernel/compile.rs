@@ -42,13 +42,8 @@ pub fn freq_table_fits(
     max_smem_per_block: usize,
     xs_floats: usize,
 ) -> bool {
-    use super::layout::SmemLayout;
-    let pages = |bytes| {
-        SmemLayout::plan(max_smem_per_block, bytes, xs_floats, config.num_layers)
-            .map_or(0, |l| l.pages)
-    };
-    let table = 4 * config.head_dim / 2;
-    pages(STATIC_SMEM_BOUND + table) == pages(STATIC_SMEM_BOUND)
+    let pages = |table| ring_pages(config, max_smem_per_block, xs_floats, table).ok();
+    pages(true) == pages(false)
 }
 
 /// The ring's page count for a kernel compiled with (`freq_in_smem`) or without RoPE's
