@@ -339,10 +339,11 @@ __device__ __forceinline__ float ld_value(const MkParams& p, const u64* a) {
     return tagged_float(raw);
 }
 
-// The loader's per-tile progress word (slot 3, named in a stall's report): MK_TILE_NOTES=0
-// leaves it out, for measuring what a store per tile costs the loader's loop.
+// The loader's per-tile progress word (slot 3, named in a stall's report): off by default,
+// since a store per tile lengthens the loader's loop, which bounds streaming when tiles are
+// small; MK_TILE_NOTES=1 adds it back when a stall's report should name the loader's tile.
 #ifndef MK_TILE_NOTES
-#define MK_TILE_NOTES 1
+#define MK_TILE_NOTES 0
 #endif
 __device__ __forceinline__ void note(const MkParams& p, int slot, u32 v) {
     *(volatile u32*)(p.progress + blockIdx.x * 4 + slot) = v;
@@ -470,13 +471,13 @@ __device__ __forceinline__ u32 scales_span(const unsigned char* s, int bytes) {
 // Rows of n rows of `slot` bytes per tile: a page's worth, but no more than an even share for
 // the warp pairs, so that a small instruction's rows are worked on by all of them at once.
 // The tile geometry's quotients (0 <= a < 2^20, 0 < b < 2^20), computed by every consumer at
-// each instruction's start. MK_FAST_GEOM=1 (for measuring) takes a float estimate and one
-// correction each way instead of the integer division's longer dependent chain: a and b are
+// each instruction's start, from a float estimate and one correction each way instead of the
+// integer division's longer dependent chain (MK_FAST_GEOM=0 divides, for measuring): a and b are
 // exact as floats, and with the hardware reciprocal (rcp.approx, within 2 ulp; __frcp_rn
 // would call a slow path) the estimate is within a/b * 2^-21 < 1/2 of a/b, so its truncation
 // is off by at most one (the host's emulation, compile.rs' tests, checks the rule).
 #ifndef MK_FAST_GEOM
-#define MK_FAST_GEOM 0
+#define MK_FAST_GEOM 1
 #endif
 __device__ __forceinline__ int geom_div(int a, int b) {
 #if MK_FAST_GEOM

@@ -118,7 +118,7 @@ fi
 #   choices first when given.
 # BENCH=bldefines (not in BENCH=1): graph-path kernel variants of this build: each entry of
 #   BL_DEFINES (';'-separated MEGAINFER_BASELINE_DEFINES values, an empty entry is the default
-#   build, e.g. ";-DBL_ATT_PRELOAD=1") on each preset of BL_PRESETS (default llama-3.2-1b),
+#   build, e.g. ";-DQG_UNROLL=2") on each preset of BL_PRESETS (default llama-3.2-1b),
 #   `bench --paths graph-pdl,graph --reps 3`, BL_ROUNDS rounds (default 2).
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),

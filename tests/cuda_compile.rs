@@ -29,12 +29,6 @@ fn assert_compiles(name: &str, src: &str, defines: &[String], what: &str) {
 fn baseline_kernels_compile_for_sm90a() {
     require_nvrtc();
     assert_compiles("baseline", &sources::baseline(), &[], "");
-    // The variants for measuring: earlier K/V rows loaded before griddepcontrol.wait, and the
-    // kernels that are not double-buffered staging their input in batches.
-    for d in ["-DBL_ATT_PRELOAD=1", "-DBL_PLAIN_SB=4"] {
-        let what = format!(" ({d})");
-        assert_compiles("baseline", &sources::baseline(), &[d.to_string()], &what);
-    }
 }
 
 /// kernels/quant/quant.cu alone: the prefill unit includes it without the baseline's helpers,
@@ -109,8 +103,8 @@ fn megakernel_sampled_variant_compiles() {
 }
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
-/// BENCH=defines): without the loader's per-tile progress word, attention's part range divided
-/// in 32 bits, the tile geometry's quotients from a float estimate; with attention by rounds
+/// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
+/// in 64 bits, the tile geometry's quotients by integer division; with attention by rounds
 /// and by warps.
 #[test]
 fn megakernel_measuring_variants_compile() {
@@ -118,16 +112,16 @@ fn megakernel_measuring_variants_compile() {
     let (mut defines, _) = preset_kernel_defines("smollm2-135m", false);
     defines.extend(
         [
-            "-DMK_TILE_NOTES=0",
-            "-DMK_ATT_RANGE32=1",
-            "-DMK_FAST_GEOM=1",
+            "-DMK_TILE_NOTES=1",
+            "-DMK_ATT_RANGE32=0",
+            "-DMK_FAST_GEOM=0",
         ]
         .map(String::from),
     );
     for by_warps in ["-DMK_ATT_BY_WARPS=0", "-DMK_ATT_BY_WARPS=1"] {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
-        let what = format!(" (MK_TILE_NOTES=0 MK_ATT_RANGE32=1 MK_FAST_GEOM=1 {by_warps})");
+        let what = format!(" (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_FAST_GEOM=0 {by_warps})");
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
 }

@@ -417,15 +417,9 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
 // The variants the host picks from (MV_VARIANTS in src/gpu/baseline.rs): R rows per warp, U
 // 16-byte loads per row per lane in one batch, D double-buffered (R * U loads in flight while
 // the previous batch's FMAs run; one CTA of those per SM for the larger ones).
-// BL_PLAIN_SB: the staging batch of the kernels that are not double-buffered, 0 (a plain loop)
-// unless set for measuring (e.g. 4, as the double-buffered kernels at two CTAs an SM: Llama-1B's
-// QKV at r2u8:1:2 then stages its input in one round trip).
-#ifndef BL_PLAIN_SB
-#define BL_PLAIN_SB 0
-#endif
 #define MV_KERNEL(NAME, R, U, DB, MIN_CTAS)                                                               \
     extern "C" __global__ void __launch_bounds__(MV_THREADS, MIN_CTAS) NAME(const __grid_constant__ MvParams p) { \
-        mv_body<R, U, DB, !(DB) ? BL_PLAIN_SB : (MIN_CTAS) == 1 ? 8 : 4>(p);                              \
+        mv_body<R, U, DB, !(DB) ? 0 : (MIN_CTAS) == 1 ? 8 : 4>(p);                                        \
     }
 MV_KERNEL(bl_mv_r1u8, 1, 8, false, 2)
 MV_KERNEL(bl_mv_r1u16, 1, 16, false, 2)
@@ -481,15 +475,11 @@ __device__ __forceinline__ void prefetch_kv(const bf16_t* k_head, const bf16_t* 
     }
 }
 
-#ifndef BL_ATT_PRELOAD
-#define BL_ATT_PRELOAD 0
-#endif
-
-#if BL_ATT_PRELOAD
-// bl_attention with each warp's first block of earlier positions loaded into registers before
-// griddepcontrol.wait (BL_ATT_PRELOAD=1, for measuring): after the wait only q and the new row
-// remain, one L2 round trip instead of two. Rows below the position read before the wait are
-// final then: a graph path replays one step per graph launch, launches in a stream run in
+// bl_attention_preload: bl_attention with each warp's first block of earlier positions loaded
+// into registers before griddepcontrol.wait: after the wait only q and the new row remain, one
+// L2 round trip instead of two. The host runs it at head_dim 128, where it measured faster; at
+// head_dim 64 the plain kernel did (BENCHMARKS.md, 2026-11-27). Rows below the position read
+// before the wait are final then: a graph path replays one step per graph launch, launches in a stream run in
 // order, and only the step's QKV kernel (which this one waits for) writes a row, the one at
 // meta->pos; rows from that position on are loaded after the wait, whatever it read.
 template <int D>
@@ -519,7 +509,18 @@ __device__ __forceinline__ void attention_preloaded(const float* q, const bf16_t
     __syncthreads();
     merge_warp_states(st, nwarps, head_dim, out);
 }
-#endif
+
+// bl_attention's launch and arguments, by bl_attention_preload.
+extern "C" __global__ void bl_attention_preload(const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                                                float* out, const TokenMeta* meta, int n_heads, int n_kv,
+                                                int head_dim) {
+    extern __shared__ float st[];
+    pdl_launch_next();
+    const int h = blockIdx.x, kvh = h / (n_heads / n_kv), kv_stride = n_kv * head_dim;
+    const bf16_t *kh = k_cache + kvh * head_dim, *vh = v_cache + kvh * head_dim;
+    if (head_dim == 64) attention_preloaded<2>(q + h * head_dim, kh, vh, out + h * head_dim, meta, 64, kv_stride, st);
+    else attention_preloaded<4>(q + h * head_dim, kh, vh, out + h * head_dim, meta, 128, kv_stride, st);
+}
 
 // One block per query head over positions [0, pos]; warps take blocks of 32 positions in
 // turn, then merge. Shared memory: the query, then per warp (m, l, acc[head_dim]).
@@ -527,15 +528,6 @@ extern "C" __global__ void bl_attention(const float* q, const bf16_t* k_cache, c
                                         const TokenMeta* meta, int n_heads, int n_kv, int head_dim) {
     extern __shared__ float st[];
     pdl_launch_next();
-#if BL_ATT_PRELOAD
-    {
-        const int h = blockIdx.x, kvh = h / (n_heads / n_kv), kv_stride = n_kv * head_dim;
-        const bf16_t *kh = k_cache + kvh * head_dim, *vh = v_cache + kvh * head_dim;
-        if (head_dim == 64) attention_preloaded<2>(q + h * head_dim, kh, vh, out + h * head_dim, meta, 64, kv_stride, st);
-        else attention_preloaded<4>(q + h * head_dim, kh, vh, out + h * head_dim, meta, 128, kv_stride, st);
-        return;
-    }
-#endif
     const int h = blockIdx.x, kvh = h / (n_heads / n_kv), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, D = head_dim >> 5, kv_stride = n_kv * head_dim;
     // Before the wait, the position only sizes the prefetch: with PDL the previous step's argmax

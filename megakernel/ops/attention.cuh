@@ -38,10 +38,11 @@ struct AttnRange {
     bool has_new;        // the part ends at pos: row pos is folded in from kv_new
 };
 
-// MK_ATT_RANGE32=1 divides in 32 bits, for measuring against the 64-bit division's call: exact
-// while parts x len stays below 2^32 (at most 128 parts: contexts under 2^25 positions).
+// The part's range in 32-bit arithmetic (a 64-bit division is a call into a slow path): exact
+// while parts x (len + 1) stays below 2^32, which the host checks for the context it allocates
+// (Megakernel::with_buckets). MK_ATT_RANGE32=0 gives the 64-bit form, for measuring.
 #ifndef MK_ATT_RANGE32
-#define MK_ATT_RANGE32 0
+#define MK_ATT_RANGE32 1
 #endif
 __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
     const int part = w[W_B], parts = w[W_C], len = pos + 1;

@@ -56,6 +56,27 @@ const ATT_THREADS: u32 = 128;
 /// wait). On the H100, Llama-1B shape, graph + PDL: at 160 positions `bl_attention` 1.120 ms,
 /// split-KV 1.140–1.150; at 256 positions 1.159 against 1.138 (BENCHMARKS.md, 2026-11-25).
 const SPLIT_KV_FROM: usize = 192;
+/// The short-cache attention kernel for `head_dim`: `bl_attention_preload` (each warp's first
+/// K/V block read before the wait for QKV) at head_dim 128, `bl_attention` at 64. On the H100,
+/// graph + PDL, 32-token prompt + 128 new (BENCHMARKS.md, 2026-11-27), the preload took
+/// 1.8–6.6% off the head_dim-128 presets (Qwen3-0.6B 0.901 → 0.841 ms, Qwen3-1.7B,
+/// Llama-3.2-3B, Llama-3.1-8B; graph 0.5–1.8%) and made the head_dim-64 ones slower (Llama-1B,
+/// SmolLM2, Qwen2.5-0.5B: graph + PDL 0.6–1.7%, graph 1.5–3.3%).
+/// MEGAINFER_BASELINE_ATT_PRELOAD=0|1 picks one for every shape, for measuring.
+fn attention_kernel(head_dim: usize) -> Result<&'static str> {
+    let preload = match std::env::var("MEGAINFER_BASELINE_ATT_PRELOAD").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        Ok(v) => bail!("MEGAINFER_BASELINE_ATT_PRELOAD: '{v}' is not 0 or 1"),
+        Err(_) => head_dim >= 128,
+    };
+    Ok(if preload {
+        "bl_attention_preload"
+    } else {
+        "bl_attention"
+    })
+}
+
 /// Split-KV parts per head at most.
 const MAX_ATT_PARTS: usize = 128;
 /// Threads of `bl_attention_kv` (GQ_THREADS in kernels/baseline/attention.cuh), and (head, dim)
@@ -244,7 +265,7 @@ impl<'g> BaselinePath<'g> {
             silu_mul: Kernel::load(&module, "bl_silu_mul")?,
             mv: MatVec::load(&module, gpu)?,
             rope_kv: Kernel::load(&module, "bl_rope_kv")?,
-            attention: Kernel::load(&module, "bl_attention")?,
+            attention: Kernel::load(&module, attention_kernel(c.head_dim)?)?,
             attention_kv: Kernel::load(&module, "bl_attention_kv")?,
             qkv_extras: Kernel::load(&module, "qkv_extras")?,
             argmax: Kernel::load(&module, "bl_argmax")?,
@@ -1254,7 +1275,7 @@ impl MatVec {
 
 /// The baseline module for this GPU (the harness loads its kernels from it).
 pub fn load_module(gpu: &Gpu) -> Result<Arc<CudaModule>> {
-    // Extra NVRTC options (e.g. `-DBL_PREFETCH_KV=0`), for measuring variants.
+    // Extra NVRTC options (e.g. `-DQG_UNROLL=2`), for measuring variants.
     let extra = std::env::var("MEGAINFER_BASELINE_DEFINES").unwrap_or_default();
     let defines: Vec<String> = extra.split_whitespace().map(String::from).collect();
     let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &defines)?;

@@ -218,6 +218,16 @@ impl<'g> MegakernelPath<'g> {
             if !same {
                 bail!("megakernel: the schedule for sequences up to {upto} differs from the first in more than its split-KV parts");
             }
+            // attn_range (megakernel/ops/attention.cuh) splits a length among the parts in
+            // 32-bit arithmetic: part × length must stay below 2^32.
+            let parts = schedule.options.attn_parts as u64;
+            if parts * (max_seq as u64 + 1) >= 1 << 32 {
+                bail!(
+                    "megakernel: {parts} split-KV parts over a {max_seq}-position context exceed \
+                     the attention's 32-bit range (parts × positions < 2^32); use fewer parts or \
+                     a shorter --max-context"
+                );
+            }
         }
         let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
         if attention_scratch > 16384 {

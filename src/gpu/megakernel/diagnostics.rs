@@ -64,12 +64,18 @@ impl MegakernelPath<'_> {
                 let pr = &progress[sm * 4..sm * 4 + 4];
                 let last = offsets[sm + 1];
                 (!sm_finished(offsets[sm], last, pr)).then(|| {
+                    // Word 3, the loader's tile, is written only by a kernel built with
+                    // MK_TILE_NOTES=1 (runtime.cuh).
+                    let tile = if pr[3] != 0 {
+                        format!(" tile {}", pr[3])
+                    } else {
+                        String::new()
+                    };
                     format!(
-                        "SM {sm} at {} ({}), loader at {} tile {}",
+                        "SM {sm} at {} ({}), loader at {}{tile}",
                         pr[0],
                         stage_name(pr[1]),
                         pr[2],
-                        pr[3]
                     )
                 })
             })
