@@ -120,6 +120,9 @@ fi
 #   BL_DEFINES (';'-separated MEGAINFER_BASELINE_DEFINES values, an empty entry is the default
 #   build, e.g. ";-DQG_UNROLL=2") on each preset of BL_PRESETS (default llama-3.2-1b),
 #   `bench --paths graph-pdl,graph --reps 3`, BL_ROUNDS rounds (default 2).
+# BENCH=blenv (not in BENCH=1): as bldefines, with BL_ENV's ';'-separated entries (each a list
+#   of NAME=VALUE words, e.g. ";MEGAINFER_BASELINE_PREFETCH=32768:131072") set in the
+#   environment instead; OLD_BIN (if given) runs first in each round with none.
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -362,6 +365,25 @@ Name three colours.}" > "$OUT/chat-input.txt"
           MEGAINFER_BASELINE_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph \
             --reps 3 > "$log" 2>&1
           echo "bldefines $preset [${v:-default}] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+        done
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",blenv,"* ]]; then
+    IFS=';' read -r -a bl_envs <<< "${BL_ENV:-}"
+    for round in $(seq "${BL_ROUNDS:-2}"); do
+      for preset in ${BL_PRESETS:-llama-3.2-1b}; do
+        if [ -n "${OLD_BIN:-}" ]; then
+          log="$OUT/bench-blenv-$preset-old.log"
+          "$OLD_BIN" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$log" 2>&1
+          echo "blenv $preset [OLD_BIN] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+        fi
+        for i in "${!bl_envs[@]}"; do
+          v=${bl_envs[$i]}
+          log="$OUT/bench-blenv-$preset-v$i.log"
+          # shellcheck disable=SC2086 # each entry is a list of NAME=VALUE words
+          env $v "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$log" 2>&1
+          echo "blenv $preset [${v:-default}] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
         done
       done
     done

@@ -64,12 +64,7 @@ const SPLIT_KV_FROM: usize = 192;
 /// SmolLM2, Qwen2.5-0.5B: graph + PDL 0.6–1.7%, graph 1.5–3.3%).
 /// MEGAINFER_BASELINE_ATT_PRELOAD=0|1 picks one for every shape, for measuring.
 fn attention_kernel(head_dim: usize) -> Result<&'static str> {
-    let preload = match std::env::var("MEGAINFER_BASELINE_ATT_PRELOAD").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        Ok(v) => bail!("MEGAINFER_BASELINE_ATT_PRELOAD: '{v}' is not 0 or 1"),
-        Err(_) => head_dim >= 128,
-    };
+    let preload = super::switches::switch("MEGAINFER_BASELINE_ATT_PRELOAD", head_dim >= 128)?;
     Ok(if preload {
         "bl_attention_preload"
     } else {
@@ -798,6 +793,8 @@ pub struct MvParams {
     pub eps: f32,
     /// Set by [`MatVec::launch`] from [`MatVec::evict_first`].
     pub evict_first: i32,
+    /// Set by [`MatVec::launch`] from [`MatVec::prefetch`].
+    pub prefetch: i32,
 }
 
 /// How `bl_mv` forms its input (MV_IN_* in kernels/baseline/baseline.cu).
@@ -871,6 +868,8 @@ pub struct MvVariant {
     pub double_buffered: bool,
     /// CTAs per SM its register budget allows (its `__launch_bounds__`).
     pub max_ctas_per_sm: u32,
+    /// The same kernel with the weights' prefetch before the wait (double-buffered only).
+    pub prefetching: Option<&'static str>,
 }
 
 const fn variant(
@@ -888,6 +887,14 @@ const fn variant(
         loads: u,
         double_buffered: db,
         max_ctas_per_sm: ctas,
+        prefetching: None,
+    }
+}
+
+const fn prefetching(v: MvVariant, kernel: &'static str) -> MvVariant {
+    MvVariant {
+        prefetching: Some(kernel),
+        ..v
     }
 }
 
@@ -897,9 +904,18 @@ pub const MV_VARIANTS: [MvVariant; 8] = [
     variant("r2u4", "bl_mv_r2u4", 2, 4, false, 2),
     variant("r2u8", "bl_mv_r2u8", 2, 8, false, 2),
     variant("r4u4", "bl_mv_r4u4", 4, 4, false, 2),
-    variant("r1u8d", "bl_mv_r1u8d", 1, 8, true, 2),
-    variant("r2u4d", "bl_mv_r2u4d", 2, 4, true, 2),
-    variant("r2u8d", "bl_mv_r2u8d", 2, 8, true, 1),
+    prefetching(
+        variant("r1u8d", "bl_mv_r1u8d", 1, 8, true, 2),
+        "bl_mv_r1u8dp",
+    ),
+    prefetching(
+        variant("r2u4d", "bl_mv_r2u4d", 2, 4, true, 2),
+        "bl_mv_r2u4dp",
+    ),
+    prefetching(
+        variant("r2u8d", "bl_mv_r2u8d", 2, 8, true, 1),
+        "bl_mv_r2u8dp",
+    ),
 ];
 const MV_WARPS: u32 = 8;
 const MV_THREADS: u32 = MV_WARPS * 32;
@@ -1156,12 +1172,67 @@ pub fn mv_configs(c: &crate::model::Config, sms: usize) -> Result<[MvConfig; 5]>
 /// The `bl_mv` kernels of a loaded baseline module, and the launch rules they need.
 pub struct MatVec {
     kernels: Vec<Kernel>,
+    /// The double-buffered variants' kernels with the weights' prefetch (`bl_mv_…p`), by
+    /// variant; None for the others.
+    prefetching: Vec<Option<Kernel>>,
     sm_count: usize,
     max_cols: usize,
     /// Weights marked first to leave L2 (on unless `MEGAINFER_BASELINE_EVICT_FIRST=0`): a
     /// token's weights stream through the L2 many times over and would otherwise evict the
     /// activations, K/V rows and kernel code that are read again soon.
     pub evict_first: bool,
+    pub prefetch: Prefetch,
+}
+
+/// How much of its weights each CTA of a mat-vec launched with PDL prefetches to L2 before its
+/// `griddepcontrol.wait`: `bytes` where a CTA's share of the matrix is at least `min_share`
+/// bytes, nothing elsewhere (nor without PDL, where nothing runs before the previous kernel
+/// has finished).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefetch {
+    pub bytes: usize,
+    pub min_share: usize,
+}
+
+impl Prefetch {
+    pub const OFF: Prefetch = Prefetch {
+        bytes: 0,
+        min_share: 0,
+    };
+
+    /// 32 KiB a CTA where its share is at least 128 KiB: on the H100, graph + PDL, 32-token
+    /// prompt + 128 new (BENCHMARKS.md, 2026-11-27), Llama-1B 1.0384 → 1.0292 ms, Llama-3.2-3B
+    /// 2.5259 → 2.4848, Llama-3.1-8B 5.3029 → 5.2344; the small shapes' projections are below
+    /// the share and unchanged. 64 KiB was slower than 32 on all three; 32 KiB on every
+    /// projection made Qwen3-0.6B 3.7% and SmolLM2 1.8% slower (same build, none).
+    pub const DEFAULT: Prefetch = Prefetch {
+        bytes: 32 << 10,
+        min_share: 128 << 10,
+    };
+
+    /// `MEGAINFER_BASELINE_PREFETCH`'s value: `BYTES` (every launch under PDL) or
+    /// `BYTES:MIN_SHARE`; 0 is off. Unset: [`Prefetch::DEFAULT`].
+    pub fn parse(v: Option<&str>) -> Result<Prefetch> {
+        let Some(v) = v.map(str::trim) else {
+            return Ok(Prefetch::DEFAULT);
+        };
+        let bad = || format!("MEGAINFER_BASELINE_PREFETCH: '{v}' is not BYTES or BYTES:MIN_SHARE");
+        let (b, m) = v.split_once(':').unwrap_or((v, "0"));
+        let bytes: usize = b.trim().parse().with_context(bad)?;
+        let min_share: usize = m.trim().parse().with_context(bad)?;
+        if bytes > 1 << 24 {
+            bail!("MEGAINFER_BASELINE_PREFETCH: {bytes} bytes a CTA is more than 16 MiB");
+        }
+        Ok(Prefetch { bytes, min_share })
+    }
+
+    /// Bytes a CTA prefetches, for a matrix of `weight_bytes` over `grid` CTAs.
+    pub fn bytes_for(self, weight_bytes: usize, grid: usize, pdl: bool) -> usize {
+        if !pdl || self.bytes == 0 || weight_bytes / grid.max(1) < self.min_share {
+            return 0;
+        }
+        self.bytes
+    }
 }
 
 impl MatVec {
@@ -1172,22 +1243,35 @@ impl MatVec {
 
     pub fn load(module: &Arc<CudaModule>, gpu: &Gpu) -> Result<Self> {
         let mut kernels = Vec::new();
+        let mut prefetching = Vec::new();
         let mut static_smem = 0;
         for v in MV_VARIANTS {
             let k = Kernel::load(module, v.kernel)?;
             static_smem = static_smem.max(k.static_smem()?);
             kernels.push(k);
+            let pf = match v.prefetching {
+                Some(name) => Some(Kernel::load(module, name)?),
+                None => None,
+            };
+            if let Some(k) = &pf {
+                static_smem = static_smem.max(k.static_smem()?);
+            }
+            prefetching.push(pf);
         }
         let dynamic = gpu.max_smem_per_block.saturating_sub(static_smem);
-        for k in &kernels {
+        for k in kernels.iter().chain(prefetching.iter().flatten()) {
             k.allow_smem(dynamic)?;
         }
         let evict_first = super::switches::switch("MEGAINFER_BASELINE_EVICT_FIRST", true)?;
+        let prefetch =
+            Prefetch::parse(std::env::var("MEGAINFER_BASELINE_PREFETCH").ok().as_deref())?;
         Ok(Self {
             kernels,
+            prefetching,
             sm_count: gpu.sm_count,
             max_cols: dynamic / 4,
             evict_first,
+            prefetch,
         })
     }
 
@@ -1255,13 +1339,22 @@ impl MatVec {
             } => (p.meta, p.history, p.part, p.done) = (meta, history, part, done),
         }
         let (_, grid) = cfg.grid(rows, self.sm_count);
+        let pf = self.prefetching[cfg.variant].as_ref();
+        let bytes = self.prefetch.bytes_for(rows * cols * 2, grid, pdl);
+        let kernel = match pf {
+            Some(k) if bytes > 0 => {
+                p.prefetch = bytes as i32;
+                k
+            }
+            _ => &self.kernels[cfg.variant],
+        };
         let mut a = kargs![&p];
         // SAFETY: bl_mv takes one MvParams by value, which `p` mirrors (#[repr(C)], field for
         // field); its addresses are the caller's device buffers of the sizes the modes read
         // and write (x cols floats, y rows — rows / 2 for Silu —, part
         // argmax_part_words(sm_count) words), live until the launch completes.
         unsafe {
-            self.kernels[cfg.variant].launch(
+            kernel.launch(
                 stream,
                 grid as u32,
                 MV_THREADS,
@@ -1328,6 +1421,27 @@ impl OldGemv {
 mod tests {
     use super::*;
     use crate::model::presets;
+
+    #[test]
+    fn prefetch_settings_parse_and_apply_by_share() {
+        assert_eq!(Prefetch::parse(None).unwrap(), Prefetch::DEFAULT);
+        assert_eq!(Prefetch::parse(Some("0")).unwrap().bytes, 0);
+        let p = Prefetch::parse(Some(" 32768:131072 ")).unwrap();
+        assert_eq!((p.bytes, p.min_share), (32768, 131072));
+        assert_eq!(Prefetch::parse(Some("8192")).unwrap().min_share, 0);
+        for bad in ["", "x", "1:y", "1:2:3", "-5", "99999999"] {
+            let e = Prefetch::parse(Some(bad)).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("MEGAINFER_BASELINE_PREFETCH"),
+                "{bad}: {e:#}"
+            );
+        }
+        // A CTA's share decides; nothing without PDL or when off.
+        assert_eq!(p.bytes_for(264 * 131072, 264, true), 32768);
+        assert_eq!(p.bytes_for(264 * 131072 - 1, 264, true), 0);
+        assert_eq!(p.bytes_for(1 << 30, 264, false), 0);
+        assert_eq!(Prefetch::OFF.bytes_for(1 << 30, 264, true), 0);
+    }
 
     /// The split rule at the lengths it was chosen from (BENCHMARKS.md, 2026-11-25, 132 SMs):
     /// 8 KV heads (Llama-1B) and 3 (SmolLM2).
