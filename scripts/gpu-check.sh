@@ -14,6 +14,14 @@ mkdir -p "$OUT" /root/models
 export MEGAINFER_CACHE=/root/mcache
 mkdir -p "$MEGAINFER_CACHE"
 MODEL="$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Compiled kernels carried from an earlier call (SAVE_CACHE=1 below): NVRTC takes 10-20 s per
+# megakernel variant and preset on a fresh machine. The cache is keyed by source, options and
+# NVRTC version (src/gpu/compile.rs), so a stale entry is never used, only ignored.
+if [ -f bundle/mcache.tar.xz ]; then
+  mkdir -p "$MEGAINFER_CACHE/kernels"
+  tar -xJf bundle/mcache.tar.xz -C "$MEGAINFER_CACHE/kernels" \
+    && echo "kernel cache: $(ls "$MEGAINFER_CACHE/kernels" | wc -l) CUBINs carried"
+fi
 for part in a b; do
   for dir in bundle bundle-model; do
     [ -f $dir/model.gguf.part-$part ] && cp $dir/model.gguf.part-$part /root/models/
@@ -436,3 +444,9 @@ Name three colours.}" > "$OUT/chat-input.txt"
   fi
 fi
 # ==== end of optional benchmarks ====
+# SAVE_CACHE=1: the newest 80 compiled kernels to $OUT/0-mcache.tar.xz (named to sort first:
+# only 8 files come back from a call), for bundle/mcache.tar.xz in later calls.
+if [ "${SAVE_CACHE:-0}" = 1 ] && [ -d "$MEGAINFER_CACHE/kernels" ]; then
+  (cd "$MEGAINFER_CACHE/kernels" && ls -t -- *.cubin 2>/dev/null | head -80 | tar -cJf "$OUT/0-mcache.tar.xz" -T -)
+  echo "kernel cache saved: $(du -h "$OUT/0-mcache.tar.xz" | cut -f1)"
+fi

@@ -64,7 +64,14 @@ const SPLIT_KV_FROM: usize = 192;
 /// SmolLM2, Qwen2.5-0.5B: graph + PDL 0.6–1.7%, graph 1.5–3.3%).
 /// MEGAINFER_BASELINE_ATT_PRELOAD=0|1 picks one for every shape, for measuring.
 fn attention_kernel(head_dim: usize) -> Result<&'static str> {
-    let preload = super::switches::switch("MEGAINFER_BASELINE_ATT_PRELOAD", head_dim >= 128)?;
+    let v = std::env::var("MEGAINFER_BASELINE_ATT_PRELOAD").ok();
+    attention_kernel_for(head_dim, v.as_deref()).map_err(anyhow::Error::msg)
+}
+
+/// [`attention_kernel`] with the variable's value given.
+fn attention_kernel_for(head_dim: usize, v: Option<&str>) -> Result<&'static str, String> {
+    let preload =
+        super::switches::parse_switch("MEGAINFER_BASELINE_ATT_PRELOAD", v, head_dim >= 128)?;
     Ok(if preload {
         "bl_attention_preload"
     } else {
@@ -1421,6 +1428,25 @@ impl OldGemv {
 mod tests {
     use super::*;
     use crate::model::presets;
+
+    #[test]
+    fn attention_preloads_at_head_dim_128_unless_told() {
+        assert_eq!(attention_kernel_for(64, None).unwrap(), "bl_attention");
+        assert_eq!(
+            attention_kernel_for(128, None).unwrap(),
+            "bl_attention_preload"
+        );
+        assert_eq!(
+            attention_kernel_for(64, Some("1")).unwrap(),
+            "bl_attention_preload"
+        );
+        assert_eq!(
+            attention_kernel_for(128, Some("0")).unwrap(),
+            "bl_attention"
+        );
+        let e = attention_kernel_for(128, Some("yes")).unwrap_err();
+        assert!(e.contains("MEGAINFER_BASELINE_ATT_PRELOAD"), "{e}");
+    }
 
     #[test]
     fn prefetch_settings_parse_and_apply_by_share() {

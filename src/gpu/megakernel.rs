@@ -218,10 +218,8 @@ impl<'g> MegakernelPath<'g> {
             if !same {
                 bail!("megakernel: the schedule for sequences up to {upto} differs from the first in more than its split-KV parts");
             }
-            // attn_range (megakernel/ops/attention.cuh) splits a length among the parts in
-            // 32-bit arithmetic: part × length must stay below 2^32.
-            let parts = schedule.options.attn_parts as u64;
-            if parts * (max_seq as u64 + 1) >= 1 << 32 {
+            let parts = schedule.options.attn_parts;
+            if !part_range_fits(parts, max_seq) {
                 bail!(
                     "megakernel: {parts} split-KV parts over a {max_seq}-position context exceed \
                      the attention's 32-bit range (parts × positions < 2^32); use fewer parts or \
@@ -945,9 +943,26 @@ impl<'g> MegakernelPath<'g> {
     }
 }
 
+/// Whether attention's part ranges over `parts` split-KV parts stay exact up to `max_seq`
+/// positions: `attn_range` (megakernel/ops/attention.cuh) computes part × length in 32 bits.
+fn part_range_fits(parts: usize, max_seq: usize) -> bool {
+    (parts as u64) * (max_seq as u64 + 1) < 1 << 32
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{last_kv_writers, WORDS};
+    use super::{last_kv_writers, part_range_fits, WORDS};
+
+    /// The largest split (MAX_ATTN_PARTS = 128) at a 128K context fits with room; 2^16 parts
+    /// (what the options allow) only below 65,535 positions.
+    #[test]
+    fn attention_part_ranges_fit_32_bits() {
+        assert!(part_range_fits(128, 131_072));
+        assert!(part_range_fits(128, (1 << 25) - 2));
+        assert!(!part_range_fits(128, (1 << 25) - 1));
+        assert!(part_range_fits(1 << 16, 65_534));
+        assert!(!part_range_fits(1 << 16, 65_535));
+    }
     use scheduler::encode::opcode;
 
     #[test]
