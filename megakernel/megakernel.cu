@@ -50,6 +50,13 @@ struct StepEnd {
     bool failed;
 };
 
+// The consumers' progress stages within an instruction (tiles, post), named in a stall's
+// report; MK_STAGE_NOTES=0 leaves out those two stores an instruction, for measuring (the
+// instruction's start and end stay: they tell a finished SM from a stuck one).
+#ifndef MK_STAGE_NOTES
+#define MK_STAGE_NOTES 1
+#endif
+
 // One step of this SM's stream: every instruction in order (the interpreter's loop).
 __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Smem sm, const u32* end, const TokenMeta m,
                                                     u32 seq, u32 buf) {
@@ -96,12 +103,12 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         if (ct == 0 && prof) prof[op_stamps_inputs(op) ? PROF_TILES : PROF_PREPARED] = global_ns();
         if (g.tiles > 0) {
             const float scale = op_scale(op, p, sm.ss);
-            if (ct == 0) note(p, 1, ST_TILES);
+            if (MK_STAGE_NOTES && ct == 0) note(p, 1, ST_TILES);
             if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, fresh, sm.res)) set_failed(1);
             seq += g.tiles;
             if (consumers_failed()) return {seq, buf, draws, true};
             if (ct == 0 && prof) prof[PROF_TILES] = global_ns();
-            if (ct == 0) note(p, 1, ST_POST);
+            if (MK_STAGE_NOTES && ct == 0) note(p, 1, ST_POST);
             op_post(op, p, w, m, sm, scale, early);
         } else if (ct == 0 && prof && !op_stamps_inputs(op)) {
             prof[PROF_TILES] = prof[PROF_PREPARED];

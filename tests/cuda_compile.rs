@@ -104,8 +104,8 @@ fn megakernel_sampled_variant_compiles() {
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
-/// in 64 bits, the tile geometry's quotients by integer division; with attention by rounds
-/// and by warps.
+/// in 64 bits, the tile geometry's quotients by integer division, without the consumers'
+/// tiles and post stage notes; with attention by rounds and by warps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -115,13 +115,16 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_TILE_NOTES=1",
             "-DMK_ATT_RANGE32=0",
             "-DMK_FAST_GEOM=0",
+            "-DMK_STAGE_NOTES=0",
         ]
         .map(String::from),
     );
     for by_warps in ["-DMK_ATT_BY_WARPS=0", "-DMK_ATT_BY_WARPS=1"] {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
-        let what = format!(" (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_FAST_GEOM=0 {by_warps})");
+        let what = format!(
+            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_FAST_GEOM=0 MK_STAGE_NOTES=0 {by_warps})"
+        );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
 }

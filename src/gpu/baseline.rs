@@ -56,6 +56,21 @@ const ATT_THREADS: u32 = 128;
 /// wait). On the H100, Llama-1B shape, graph + PDL: at 160 positions `bl_attention` 1.120 ms,
 /// split-KV 1.140–1.150; at 256 positions 1.159 against 1.138 (BENCHMARKS.md, 2026-11-25).
 const SPLIT_KV_FROM: usize = 192;
+/// Threads of a short-cache attention block: [`ATT_THREADS`], or for measuring
+/// `MEGAINFER_BASELINE_ATT_THREADS` (a multiple of 32 from 64 to 1024; each warp takes blocks of
+/// 32 positions in turn, so more warps take fewer turns on longer caches and merge more states).
+fn att_threads(v: Option<&str>) -> Result<u32, String> {
+    let Some(v) = v.map(str::trim) else {
+        return Ok(ATT_THREADS);
+    };
+    match v.parse::<u32>() {
+        Ok(n) if (64..=1024).contains(&n) && n.is_multiple_of(32) => Ok(n),
+        _ => Err(format!(
+            "MEGAINFER_BASELINE_ATT_THREADS: '{v}' is not a multiple of 32 from 64 to 1024"
+        )),
+    }
+}
+
 /// The short-cache attention kernel for `head_dim`: `bl_attention_preload` (each warp's first
 /// K/V block read before the wait for QKV) at head_dim 128, `bl_attention` at 64. On the H100,
 /// graph + PDL, 32-token prompt + 128 new (BENCHMARKS.md, 2026-11-27), the preload took
@@ -200,6 +215,8 @@ pub struct BaselinePath<'g> {
     /// Split-KV attention's per-part states, [heads][parts][2 + head_dim].
     att_parts_st: CudaSlice<f32>,
     att_parts: usize,
+    /// Threads of a `bl_attention` block ([`ATT_THREADS`] unless set for measuring).
+    att_threads: u32,
     /// `bl_attention_kv`'s arrival counter per KV head, 0 between launches.
     att_kv_done: CudaSlice<u32>,
     logits: CudaSlice<f32>,
@@ -302,6 +319,12 @@ impl<'g> BaselinePath<'g> {
                 })?;
             att_parts = n;
         }
+        let att_threads = att_threads(
+            std::env::var("MEGAINFER_BASELINE_ATT_THREADS")
+                .ok()
+                .as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
         k.attention_kv.allow_smem(gqa_smem(c.head_dim, group))?;
         let max_cols = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
         for g in &k.gemv_q {
@@ -323,6 +346,7 @@ impl<'g> BaselinePath<'g> {
                 "split-KV attention states",
             )?,
             att_parts,
+            att_threads,
             att_kv_done: gpu.alloc_zeros(c.num_kv_heads, "split-KV arrival counters")?,
             logits: gpu.alloc_zeros(c.vocab_size, "logits")?,
             argmax_part: gpu
@@ -547,7 +571,8 @@ impl<'g> BaselinePath<'g> {
                     )
                 }?;
             }
-            let att_smem = ((ATT_THREADS / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
+            let att_smem =
+                ((self.att_threads / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
             if self.att_parts > 1 {
                 let (st, parts) = (ptr(&self.att_parts_st, s), self.att_parts as i32);
                 let done = ptr(&self.att_kv_done, s);
@@ -576,7 +601,7 @@ impl<'g> BaselinePath<'g> {
                     self.k.attention.launch(
                         s,
                         c.num_heads as u32,
-                        ATT_THREADS,
+                        self.att_threads,
                         att_smem,
                         pdl,
                         &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
@@ -1428,6 +1453,18 @@ impl OldGemv {
 mod tests {
     use super::*;
     use crate::model::presets;
+
+    #[test]
+    fn attention_threads_are_whole_warps() {
+        assert_eq!(att_threads(None).unwrap(), ATT_THREADS);
+        assert_eq!(att_threads(Some(" 256 ")).unwrap(), 256);
+        for bad in ["32", "100", "2048", "x", ""] {
+            assert!(
+                att_threads(Some(bad)).unwrap_err().contains("ATT_THREADS"),
+                "{bad}"
+            );
+        }
+    }
 
     #[test]
     fn attention_preloads_at_head_dim_128_unless_told() {
