@@ -103,6 +103,7 @@ fn case(cfg: Config, seed: u64, n: usize) -> Case {
 fn fine(schedule_for: &Config) -> Options {
     Options {
         qkv_pairs: 7.min(schedule_for.head_dim / 2),
+        qkv_pieces: 0,
         oproj_rows: 7,
         upgate_rows: 9,
         down_rows: 5,
@@ -179,6 +180,41 @@ fn random_models_match_reference_over_tokens() {
                 for seed in 0..8 {
                     run_case(&c, &s, &exact, seed);
                 }
+            }
+        }
+    }
+}
+
+/// QKV cut into a given number of instructions a layer (`qkv_pieces`: heads split evenly,
+/// neighbouring heads into different counts), with and without Qwen3's q/k norms: from one
+/// instruction a head to one per two pairs.
+#[test]
+fn qkv_pieces_match_reference_over_tokens() {
+    let qwen3 = Config {
+        architecture: "Qwen3ForCausalLM".into(),
+        qk_norm: true,
+        ..tiny(72, 100, 4, 2, 64, false)
+    };
+    for (ci, cfg) in [configs()[2].clone(), qwen3].into_iter().enumerate() {
+        let c = case(cfg, 60 + ci as u64, 5);
+        let heads = c.cfg.num_heads + 2 * c.cfg.num_kv_heads;
+        let most = heads * c.cfg.head_dim / 4;
+        for (sms, pieces) in [(1, heads), (5, heads + 1), (7, 2 * heads + 3), (132, most)] {
+            let gpu = GpuShape::with_sms(sms);
+            let opts = Options {
+                qkv_pieces: pieces,
+                ..fine(&c.cfg)
+            };
+            let s = build(&shape_of(&c.cfg), &gpu, &opts).unwrap();
+            let qkv = s
+                .instrs
+                .iter()
+                .filter(|op| matches!(op, scheduler::Op::RmsQkvRope { .. }))
+                .count();
+            assert_eq!(qkv, pieces * c.cfg.num_layers, "{pieces} pieces");
+            let exact = in_global_order(&c, &s);
+            for seed in 0..3 {
+                run_case(&c, &s, &exact, seed);
             }
         }
     }
@@ -327,6 +363,7 @@ fn every_declared_dependency_is_needed_and_enough() {
     for (parts, sms) in [(2, 5), (1, 3)] {
         let opts = Options {
             qkv_pairs: 4,
+            qkv_pieces: 0,
             oproj_rows: 16,
             upgate_rows: 16,
             down_rows: 16,

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use crate::options::chunk_cols;
+use crate::options::{chunk_cols, qkv_cuts};
 use crate::{assign, validate, GpuShape, ModelShape, Op, Options, Schedule, ScheduleError};
 
 /// Builds and validates the schedule of one decode step.
@@ -68,8 +68,9 @@ fn dag(m: &ModelShape, o: &Options) -> (Vec<Op>, Vec<Range<usize>>) {
             for g in 0..kv {
                 let q_heads = g * group..(g + 1) * group;
                 let kv_heads = [m.heads as u32 + g, m.heads as u32 + kv + g];
-                for head in q_heads.chain(kv_heads) {
-                    for (pair_start, pair_count) in pieces(0..half, o.qkv_pairs) {
+                for (k, head) in q_heads.chain(kv_heads).enumerate() {
+                    let h = g as usize * (group as usize + 2) + k;
+                    for (pair_start, pair_count) in qkv_cuts(o, h, m.qkv_heads(), half) {
                         nodes.push(Op::RmsQkvRope {
                             layer: l,
                             head,

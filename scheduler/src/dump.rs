@@ -178,12 +178,14 @@ impl fmt::Display for Summary {
             "gpu: {} SMs, {} smem pages of {} bytes",
             g.sm_count, g.smem_pages, g.page_bytes
         )?;
+        let qkv = match o.qkv_pieces {
+            0 => format!("{} pairs ({} rows)", o.qkv_pairs, 2 * o.qkv_pairs),
+            n => format!("{n} pieces a layer"),
+        };
         writeln!(
             f,
-            "granularity: qkv {} pairs ({} rows), o-proj {} rows, up-gate {} rows, down {} rows × {} \
+            "granularity: qkv {qkv}, o-proj {} rows, up-gate {} rows, down {} rows × {} \
              k-chunks, attention {} parts, lm-head {} rows; fixed cost {} bytes, context {}",
-            o.qkv_pairs,
-            2 * o.qkv_pairs,
             o.oproj_rows,
             o.upgate_rows,
             o.down_rows,

@@ -114,6 +114,14 @@ impl CostModel {
 pub struct Options {
     /// RoPE pairs per `RmsQkvRope` (it computes `2 × qkv_pairs` rows of one head).
     pub qkv_pairs: usize,
+    /// 0: each head's pairs cut into pieces of `qkv_pairs`. Otherwise exactly this many
+    /// `RmsQkvRope` a layer: head `h` of the `H` in the stage's order takes
+    /// `⌊P(h+1)/H⌋ − ⌊Ph/H⌋` of them, its pairs split evenly between them in steps of two
+    /// ([`qkv_cuts`]). With P a multiple of the SM count each SM gets instructions of about the
+    /// same size, where `qkv_pairs` must cut every head alike (Qwen3-4B: 96 instructions of 32
+    /// pairs on 132 SMs leave 36 without any).
+    #[serde(default)]
+    pub qkv_pieces: usize,
     pub oproj_rows: usize,
     /// Rows of gate and of up per `RmsUpGateSilu`; instructions never straddle a down chunk.
     pub upgate_rows: usize,
@@ -144,6 +152,7 @@ impl Options {
         };
         Options {
             qkv_pairs: pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2),
+            qkv_pieces: 0,
             oproj_rows: pick(1, h, 2 * model.q_dim() as u64, ROW_GRANULE),
             upgate_rows: pick(down_chunks, chunk_len, 2 * 2 * h as u64, ROW_GRANULE),
             down_rows: pick(down_chunks, h, 2 * chunk_len as u64, ROW_GRANULE),
@@ -177,6 +186,16 @@ impl Options {
                 return bad(format!("{name} must be positive"));
             }
         }
+        let (heads, half) = (model.qkv_heads(), model.head_dim / 2);
+        let most = heads * half.div_ceil(qkv_step(half));
+        if self.qkv_pieces != 0 && !(heads..=most).contains(&self.qkv_pieces) {
+            return bad(format!(
+                "qkv_pieces = {} is outside {heads}..={most} (every head at least one piece, \
+                 a piece at least {} pairs)",
+                self.qkv_pieces,
+                qkv_step(half)
+            ));
+        }
         if self.qkv_pairs > model.head_dim / 2 {
             return bad(format!(
                 "qkv_pairs = {} exceeds head_dim/2 = {}",
@@ -195,6 +214,41 @@ impl Options {
         }
         Ok(())
     }
+}
+
+/// The step `qkv_pieces` cuts a head's `half` pairs in: two pairs (a 4-row step of the
+/// mat-vec, as [`ROW_GRANULE`]) where `half` is even.
+pub fn qkv_step(half: usize) -> usize {
+    if half.is_multiple_of(2) {
+        2
+    } else {
+        1
+    }
+}
+
+/// The `(pair_start, pair_count)` of each `RmsQkvRope` of head `h` (of `heads`, in the stage's
+/// order) over its `half` pairs: as [`Options::qkv_pieces`] says, or pieces of `qkv_pairs`.
+pub fn qkv_cuts(o: &Options, h: usize, heads: usize, half: usize) -> Vec<(u32, u32)> {
+    if o.qkv_pieces == 0 {
+        let p = o.qkv_pairs.max(1);
+        return (0..half)
+            .step_by(p)
+            .map(|s| (s as u32, p.min(half - s) as u32))
+            .collect();
+    }
+    let n = o.qkv_pieces * (h + 1) / heads - o.qkv_pieces * h / heads;
+    let step = qkv_step(half);
+    let steps = half.div_ceil(step);
+    let n = n.clamp(1, steps);
+    (0..n)
+        .map(|k| {
+            let (a, b) = (
+                (steps * k / n) * step,
+                (steps * (k + 1) / n * step).min(half),
+            );
+            (a as u32, (b - a) as u32)
+        })
+        .collect()
 }
 
 /// Down chunks start on multiples of this many columns: a chunk of a row is one bulk copy,
@@ -299,6 +353,7 @@ pub fn attn_stage_cost(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Overrides {
     pub qkv_pairs: Option<usize>,
+    pub qkv_pieces: Option<usize>,
     pub oproj_rows: Option<usize>,
     pub upgate_rows: Option<usize>,
     pub down_rows: Option<usize>,
@@ -311,6 +366,7 @@ impl Overrides {
     pub fn apply(&self, auto: Options) -> Options {
         Options {
             qkv_pairs: self.qkv_pairs.unwrap_or(auto.qkv_pairs),
+            qkv_pieces: self.qkv_pieces.unwrap_or(auto.qkv_pieces),
             oproj_rows: self.oproj_rows.unwrap_or(auto.oproj_rows),
             upgate_rows: self.upgate_rows.unwrap_or(auto.upgate_rows),
             down_rows: self.down_rows.unwrap_or(auto.down_rows),

@@ -32,6 +32,7 @@ fn tiny_shape() -> ModelShape {
 fn tiny_options() -> Options {
     Options {
         qkv_pairs: 3,
+        qkv_pieces: 0,
         oproj_rows: 16,
         upgate_rows: 16,
         down_rows: 16,
@@ -606,4 +607,102 @@ fn many_sms_build_quickly() {
         g.sm_count, sum.instrs
     );
     assert!(took.as_secs() < 60, "{took:?}");
+}
+
+/// `qkv_pieces`: exactly that many QKV instructions a layer, every head's pairs covered once,
+/// a head's pieces within one step of each other; out-of-range counts refused by name. At
+/// twice the SM count Qwen3-4B's QKV bytes are even over the SMs (the cost model's 32 pairs
+/// leave 36 of 132 SMs without any and the others 320 KiB: max/mean 1.375).
+#[test]
+fn qkv_pieces_cut_heads_evenly_and_balance_the_sms() {
+    // Qwen3-4B's shape (the crate's presets are the Llamas').
+    let m = ModelShape {
+        hidden: 2560,
+        intermediate: 9728,
+        layers: 36,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        vocab: 151_936,
+        qk_norm: true,
+    };
+    let g = GpuShape::with_sms(132);
+    let auto = Options::auto(&m, &g, &CostModel::default());
+    assert_eq!(auto.qkv_pairs, 32);
+    let half = m.head_dim / 2;
+    for pieces in [m.qkv_heads(), 132, 264, 396, m.qkv_heads() * half / 2] {
+        let s = build(
+            &m,
+            &g,
+            &Options {
+                qkv_pieces: pieces,
+                ..auto
+            },
+        )
+        .unwrap();
+        let mut cover: HashMap<u32, Vec<(u32, u32)>> = HashMap::new();
+        for op in &s.instrs {
+            if let Op::RmsQkvRope {
+                layer: 0,
+                head,
+                pair_start,
+                pair_count,
+            } = *op
+            {
+                cover
+                    .entry(head)
+                    .or_default()
+                    .push((pair_start, pair_count));
+            }
+        }
+        assert_eq!(cover.values().map(Vec::len).sum::<usize>(), pieces);
+        for (head, cuts) in &cover {
+            let mut next = 0;
+            for &(start, count) in cuts {
+                assert_eq!(start, next, "{pieces} pieces, head {head}: {cuts:?}");
+                assert!(count > 0 && count.is_multiple_of(2), "{cuts:?}");
+                next = start + count;
+            }
+            assert_eq!(next as usize, half, "{pieces} pieces, head {head}");
+            let (lo, hi) = (
+                cuts.iter().map(|c| c.1).min(),
+                cuts.iter().map(|c| c.1).max(),
+            );
+            assert!(hi.unwrap() - lo.unwrap() <= 2, "head {head}: {cuts:?}");
+        }
+        let per = cover.values().map(Vec::len);
+        assert!(per.clone().max().unwrap() - per.min().unwrap() <= 1);
+    }
+    // The bytes each SM streams in layer 0's QKV stage.
+    let qkv_load = |opts: Options| {
+        let s = build(&m, &g, &opts).unwrap();
+        let mut load = vec![0u64; 132];
+        for (sm, stream) in s.streams.iter().enumerate() {
+            for &i in stream {
+                if let Op::RmsQkvRope { layer: 0, .. } = s.instrs[i as usize] {
+                    load[sm] += s.instrs[i as usize].hbm_bytes(&m, 1);
+                }
+            }
+        }
+        let mean = load.iter().sum::<u64>() as f64 / 132.0;
+        *load.iter().max().unwrap() as f64 / mean
+    };
+    assert!(qkv_load(auto) > 1.3, "{}", qkv_load(auto));
+    let even = qkv_load(Options {
+        qkv_pieces: 264,
+        ..auto
+    });
+    assert!(even < 1.06, "{even}");
+    for bad in [m.qkv_heads() - 1, m.qkv_heads() * half / 2 + 1] {
+        let e = build(
+            &m,
+            &g,
+            &Options {
+                qkv_pieces: bad,
+                ..auto
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("qkv_pieces"), "{e}");
+    }
 }

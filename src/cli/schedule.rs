@@ -50,6 +50,10 @@ pub struct ScheduleArgs {
     /// RoPE pairs per RmsQkvRope (default: chosen by the cost model, as for all below).
     #[arg(long)]
     pub qkv_pairs: Option<usize>,
+    /// RmsQkvRope instructions a layer, every head's pairs split evenly among its share
+    /// (instead of pieces of --qkv-pairs; e.g. twice the SM count for SMs of equal loads).
+    #[arg(long)]
+    pub qkv_pieces: Option<usize>,
     #[arg(long)]
     pub oproj_rows: Option<usize>,
     #[arg(long)]
@@ -152,6 +156,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     let (gpu, source) = gpu_shape(args, &cfg)?;
     let overrides = Overrides {
         qkv_pairs: args.qkv_pairs,
+        qkv_pieces: args.qkv_pieces,
         oproj_rows: args.oproj_rows,
         upgate_rows: args.upgate_rows,
         down_rows: args.down_rows,

@@ -203,12 +203,14 @@ impl<'g> MegakernelPath<'g> {
             let same = schedule.model == first.model
                 && (
                     a.qkv_pairs,
+                    a.qkv_pieces,
                     a.oproj_rows,
                     a.upgate_rows,
                     a.down_rows,
                     a.down_chunks,
                 ) == (
                     b.qkv_pairs,
+                    b.qkv_pieces,
                     b.oproj_rows,
                     b.upgate_rows,
                     b.down_rows,

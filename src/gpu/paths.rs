@@ -74,22 +74,25 @@ impl<'g> GpuPath<'g> {
                 // follow the sequence as it grows. For measuring other granularities, each of
                 // the scheduler's choices can be set (MEGAINFER_MK_ATTN_PARTS: split-KV parts
                 // per KV head, in one bucket; MEGAINFER_MK_QKV_PAIRS: RoPE pairs per
-                // RmsQkvRope; MEGAINFER_MK_OPROJ_ROWS, _UPGATE_ROWS, _DOWN_ROWS, _DOWN_CHUNKS,
+                // RmsQkvRope; MEGAINFER_MK_QKV_PIECES: RmsQkvRope a layer, heads split
+                // evenly; MEGAINFER_MK_OPROJ_ROWS, _UPGATE_ROWS, _DOWN_ROWS, _DOWN_CHUNKS,
                 // _LMHEAD_ROWS: rows per instruction and the down projection's k-chunks).
-                const VARS: [&str; 7] = [
+                const VARS: [&str; 8] = [
                     "MEGAINFER_MK_ATTN_PARTS",
                     "MEGAINFER_MK_QKV_PAIRS",
+                    "MEGAINFER_MK_QKV_PIECES",
                     "MEGAINFER_MK_OPROJ_ROWS",
                     "MEGAINFER_MK_UPGATE_ROWS",
                     "MEGAINFER_MK_DOWN_ROWS",
                     "MEGAINFER_MK_DOWN_CHUNKS",
                     "MEGAINFER_MK_LMHEAD_ROWS",
                 ];
-                let [attn_parts, qkv_pairs, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows] =
+                let [attn_parts, qkv_pairs, qkv_pieces, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows] =
                     VARS.map(super::switches::count);
                 let overrides = scheduler::Overrides {
                     attn_parts: attn_parts?,
                     qkv_pairs: qkv_pairs?,
+                    qkv_pieces: qkv_pieces?,
                     oproj_rows: oproj_rows?,
                     upgate_rows: upgate_rows?,
                     down_rows: down_rows?,
