@@ -145,6 +145,14 @@ if [ "${BENCH:-0}" != 0 ]; then
   echo
   echo "=== benchmarks ==="
   row() { grep -E "^\| *$2 " "$1" | head -1; }
+  # BIN PRESET LOG [NAME=VALUE ...]: `bench --paths graph-pdl,graph --reps 3` with those set in
+  # the environment, into LOG; prints "graph-pdl MS graph MS".
+  graph_bench() {
+    local bin=$1 preset=$2 log=$3
+    shift 3
+    env "$@" "$bin" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$log" 2>&1
+    echo "graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+  }
   # A preset of AB_PRESETS, PRESETS or TIMELINE_PRESETS may name the weights' storage after an
   # '@' (llama-3.2-1b@q4_0: the random weights quantised, `bench --dtype q4_0`).
   preset_args() { if [[ "$1" == *@* ]]; then echo "--preset ${1%@*} --dtype ${1#*@}"; else echo "--preset $1"; fi; }
@@ -370,9 +378,8 @@ Name three colours.}" > "$OUT/chat-input.txt"
         for i in "${!bl_variants[@]}"; do
           v=${bl_variants[$i]}
           log="$OUT/bench-bldefines-$preset-v$i.log"
-          MEGAINFER_BASELINE_DEFINES="$v" "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph \
-            --reps 3 > "$log" 2>&1
-          echo "bldefines $preset [${v:-default}] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+          echo "bldefines $preset [${v:-default}] round $round: $(graph_bench "$MEGAINFER_BIN" "$preset" "$log" \
+            MEGAINFER_BASELINE_DEFINES="$v")"
         done
       done
     done
@@ -382,16 +389,13 @@ Name three colours.}" > "$OUT/chat-input.txt"
     for round in $(seq "${BL_ROUNDS:-2}"); do
       for preset in ${BL_PRESETS:-llama-3.2-1b}; do
         if [ -n "${OLD_BIN:-}" ]; then
-          log="$OUT/bench-blenv-$preset-old.log"
-          "$OLD_BIN" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$log" 2>&1
-          echo "blenv $preset [OLD_BIN] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+          echo "blenv $preset [OLD_BIN] round $round: $(graph_bench "$OLD_BIN" "$preset" "$OUT/bench-blenv-$preset-old.log")"
         fi
         for i in "${!bl_envs[@]}"; do
           v=${bl_envs[$i]}
           log="$OUT/bench-blenv-$preset-v$i.log"
           # shellcheck disable=SC2086 # each entry is a list of NAME=VALUE words
-          env $v "$MEGAINFER_BIN" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$log" 2>&1
-          echo "blenv $preset [${v:-default}] round $round: graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
+          echo "blenv $preset [${v:-default}] round $round: $(graph_bench "$MEGAINFER_BIN" "$preset" "$log" $v)"
         done
       done
     done
