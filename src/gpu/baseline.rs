@@ -1213,6 +1213,8 @@ pub struct MatVec {
     /// token's weights stream through the L2 many times over and would otherwise evict the
     /// activations, K/V rows and kernel code that are read again soon.
     pub evict_first: bool,
+    /// The weights' prefetch before the wait (`MEGAINFER_BASELINE_PREFETCH`, else
+    /// [`Prefetch::DEFAULT`]).
     pub prefetch: Prefetch,
 }
 
@@ -1281,10 +1283,10 @@ impl MatVec {
             let k = Kernel::load(module, v.kernel)?;
             static_smem = static_smem.max(k.static_smem()?);
             kernels.push(k);
-            let pf = match v.prefetching {
-                Some(name) => Some(Kernel::load(module, name)?),
-                None => None,
-            };
+            let pf = v
+                .prefetching
+                .map(|name| Kernel::load(module, name))
+                .transpose()?;
             if let Some(k) = &pf {
                 static_smem = static_smem.max(k.static_smem()?);
             }
