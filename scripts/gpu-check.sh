@@ -131,6 +131,9 @@ fi
 # BENCH=blenv (not in BENCH=1): as bldefines, with BL_ENV's ';'-separated entries (each a list
 #   of NAME=VALUE words, e.g. ";MEGAINFER_BASELINE_PREFETCH=32768:131072") set in the
 #   environment instead; OLD_BIN (if given) runs first in each round with none.
+# BENCH=mkenv (not in BENCH=1): as defines, with MK_ENV's ';'-separated entries (each a list of
+#   NAME=VALUE words, e.g. ";MEGAINFER_MK_QKV_PIECES=264") set in the environment, on each
+#   PRESET:PROMPT of MK_ENV_CASES, MK_ROUNDS rounds (default 2).
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -396,6 +399,22 @@ Name three colours.}" > "$OUT/chat-input.txt"
           log="$OUT/bench-blenv-$preset-v$i.log"
           # shellcheck disable=SC2086 # each entry is a list of NAME=VALUE words
           echo "blenv $preset [${v:-default}] round $round: $(graph_bench "$MEGAINFER_BIN" "$preset" "$log" $v)"
+        done
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",mkenv,"* ]]; then
+    IFS=';' read -r -a mk_envs <<< "${MK_ENV:-}"
+    for round in $(seq "${MK_ROUNDS:-2}"); do
+      for spec in ${MK_ENV_CASES:-llama-3.2-1b:32}; do
+        preset=${spec%%:*}; len=${spec##*:}
+        for i in "${!mk_envs[@]}"; do
+          v=${mk_envs[$i]}
+          log="$OUT/bench-mkenv-${preset/@/-}-$len-v$i-$round.log"
+          # shellcheck disable=SC2086,SC2046 # NAME=VALUE words; preset_args is two or four words
+          env $v "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" --gen 64 --reps 2 \
+            --paths megakernel > "$log" 2>&1
+          echo "mkenv $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
         done
       done
     done
