@@ -156,6 +156,16 @@ if [ "${BENCH:-0}" != 0 ]; then
     env "$@" "$bin" bench --preset "$preset" --paths graph-pdl,graph --reps 3 > "$log" 2>&1
     echo "graph-pdl $(row "$log" graph-pdl | cut -d'|' -f3) graph $(row "$log" graph | cut -d'|' -f3)"
   }
+  # PRESET PROMPT LOG [NAME=VALUE ...]: this build's megakernel, 64 new tokens, with those set
+  # in the environment, into LOG; prints its row.
+  mk_bench() {
+    local preset=$1 len=$2 log=$3
+    shift 3
+    # shellcheck disable=SC2046 # preset_args is two or four words
+    env "$@" "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" --gen 64 --reps 2 \
+      --paths megakernel > "$log" 2>&1
+    row "$log" megakernel
+  }
   # A preset of AB_PRESETS, PRESETS or TIMELINE_PRESETS may name the weights' storage after an
   # '@' (llama-3.2-1b@q4_0: the random weights quantised, `bench --dtype q4_0`).
   preset_args() { if [[ "$1" == *@* ]]; then echo "--preset ${1%@*} --dtype ${1#*@}"; else echo "--preset $1"; fi; }
@@ -279,9 +289,8 @@ if [ "${BENCH:-0}" != 0 ]; then
         for i in "${!variants[@]}"; do
           v=${variants[$i]}
           log="$OUT/bench-defines-${preset/@/-}-$len-v$i-$round.log"
-          MEGAINFER_MK_DEFINES="$v" "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" \
-            --gen 64 --reps 2 --paths megakernel > "$log" 2>&1
-          echo "defines $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
+          echo "defines $preset $len [${v:-default}] round $round: $(mk_bench "$preset" "$len" "$log" \
+            MEGAINFER_MK_DEFINES="$v")"
         done
       done
     done
@@ -411,10 +420,8 @@ Name three colours.}" > "$OUT/chat-input.txt"
         for i in "${!mk_envs[@]}"; do
           v=${mk_envs[$i]}
           log="$OUT/bench-mkenv-${preset/@/-}-$len-v$i-$round.log"
-          # shellcheck disable=SC2086,SC2046 # NAME=VALUE words; preset_args is two or four words
-          env $v "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" --gen 64 --reps 2 \
-            --paths megakernel > "$log" 2>&1
-          echo "mkenv $preset $len [${v:-default}] round $round: $(row "$log" megakernel)"
+          # shellcheck disable=SC2086 # each entry is a list of NAME=VALUE words
+          echo "mkenv $preset $len [${v:-default}] round $round: $(mk_bench "$preset" "$len" "$log" $v)"
         done
       done
     done
