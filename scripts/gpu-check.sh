@@ -166,6 +166,33 @@ if [ "${BENCH:-0}" != 0 ]; then
       --paths megakernel > "$log" 2>&1
     row "$log" megakernel
   }
+  # LABEL ROUNDS CASES ENTRIES KIND AS [OLD]: ROUNDS rounds of every case of CASES by every
+  # ';'-separated entry of ENTRIES (an empty entry: nothing set), set in the environment as
+  # NAME=VALUE words (AS=words) or as the value of the variable AS. KIND mk: the megakernel
+  # (mk_bench), a case PRESET:PROMPT, a log per round; graph: graph + PDL and graph
+  # (graph_bench), a case a preset, one log a case (the last round's), and with OLD=old
+  # OLD_BIN's run (if given) first in each round. Logs are named by the entry's index (v0 is
+  # the first): a file name holding '=' or spaces may not come back from the GPU machine.
+  sweep() {
+    local label=$1 rounds=$2 cases=$3 kind=$5 as=$6 old=${7:-} round spec i v log res
+    local -a entries env
+    IFS=';' read -r -a entries <<< "$4"
+    for round in $(seq "$rounds"); do
+      for spec in $cases; do
+        if [ "$old" = old ] && [ -n "${OLD_BIN:-}" ]; then
+          echo "$label $spec [OLD_BIN] round $round: $(graph_bench "$OLD_BIN" "$spec" "$OUT/bench-$label-$spec-old.log")"
+        fi
+        for i in "${!entries[@]}"; do
+          v=${entries[$i]}
+          if [ "$as" = words ]; then read -r -a env <<< "$v"; else env=("$as=$v"); fi
+          log="$OUT/bench-$label-${spec//[@:]/-}-v$i"
+          if [ "$kind" = mk ]; then res=$(mk_bench "${spec%%:*}" "${spec##*:}" "$log-$round.log" "${env[@]}")
+          else res=$(graph_bench "$MEGAINFER_BIN" "$spec" "$log.log" "${env[@]}"); fi
+          echo "$label ${spec/:/ } [${v:-default}] round $round: $res"
+        done
+      done
+    done
+  }
   # A preset of AB_PRESETS, PRESETS or TIMELINE_PRESETS may name the weights' storage after an
   # '@' (llama-3.2-1b@q4_0: the random weights quantised, `bench --dtype q4_0`).
   preset_args() { if [[ "$1" == *@* ]]; then echo "--preset ${1%@*} --dtype ${1#*@}"; else echo "--preset $1"; fi; }
@@ -277,23 +304,10 @@ if [ "${BENCH:-0}" != 0 ]; then
     done
   fi
   if [[ ",${BENCH:-}," == *",defines,"* ]]; then
-    # Megakernel variants of this build: each entry of DEFINES (separated by ';', an empty
-    # entry is the default build) as MEGAINFER_MK_DEFINES on each PRESET:PROMPT of
-    # DEFINES_CASES (64 new tokens), DEFINES_ROUNDS rounds (default 2).
-    # Logs are named by the variant's index (v0 is the first entry): a file name holding '=' or
-    # spaces may not come back from the GPU machine.
-    IFS=';' read -r -a variants <<< "${DEFINES:-}"
-    for round in $(seq "${DEFINES_ROUNDS:-2}"); do
-      for spec in ${DEFINES_CASES:-llama-3.2-1b:8127}; do
-        preset=${spec%%:*}; len=${spec##*:}
-        for i in "${!variants[@]}"; do
-          v=${variants[$i]}
-          log="$OUT/bench-defines-${preset/@/-}-$len-v$i-$round.log"
-          echo "defines $preset $len [${v:-default}] round $round: $(mk_bench "$preset" "$len" "$log" \
-            MEGAINFER_MK_DEFINES="$v")"
-        done
-      done
-    done
+    # Megakernel variants of this build: each entry of DEFINES (';'-separated, an empty entry
+    # is the default build) as MEGAINFER_MK_DEFINES on each PRESET:PROMPT of DEFINES_CASES
+    # (64 new tokens), DEFINES_ROUNDS rounds (default 2).
+    sweep defines "${DEFINES_ROUNDS:-2}" "${DEFINES_CASES:-llama-3.2-1b:8127}" "${DEFINES:-}" mk MEGAINFER_MK_DEFINES
   fi
   if [[ ",${BENCH:-}," == *",run,"* ]]; then
     # `megainfer run` on the default model as a user runs it (tokens streamed to stdout, the
@@ -384,47 +398,13 @@ Name three colours.}" > "$OUT/chat-input.txt"
     done
   fi
   if [[ ",${BENCH:-}," == *",bldefines,"* ]]; then
-    IFS=';' read -r -a bl_variants <<< "${BL_DEFINES:-}"
-    for round in $(seq "${BL_ROUNDS:-2}"); do
-      for preset in ${BL_PRESETS:-llama-3.2-1b}; do
-        for i in "${!bl_variants[@]}"; do
-          v=${bl_variants[$i]}
-          log="$OUT/bench-bldefines-$preset-v$i.log"
-          echo "bldefines $preset [${v:-default}] round $round: $(graph_bench "$MEGAINFER_BIN" "$preset" "$log" \
-            MEGAINFER_BASELINE_DEFINES="$v")"
-        done
-      done
-    done
+    sweep bldefines "${BL_ROUNDS:-2}" "${BL_PRESETS:-llama-3.2-1b}" "${BL_DEFINES:-}" graph MEGAINFER_BASELINE_DEFINES
   fi
   if [[ ",${BENCH:-}," == *",blenv,"* ]]; then
-    IFS=';' read -r -a bl_envs <<< "${BL_ENV:-}"
-    for round in $(seq "${BL_ROUNDS:-2}"); do
-      for preset in ${BL_PRESETS:-llama-3.2-1b}; do
-        if [ -n "${OLD_BIN:-}" ]; then
-          echo "blenv $preset [OLD_BIN] round $round: $(graph_bench "$OLD_BIN" "$preset" "$OUT/bench-blenv-$preset-old.log")"
-        fi
-        for i in "${!bl_envs[@]}"; do
-          v=${bl_envs[$i]}
-          log="$OUT/bench-blenv-$preset-v$i.log"
-          # shellcheck disable=SC2086 # each entry is a list of NAME=VALUE words
-          echo "blenv $preset [${v:-default}] round $round: $(graph_bench "$MEGAINFER_BIN" "$preset" "$log" $v)"
-        done
-      done
-    done
+    sweep blenv "${BL_ROUNDS:-2}" "${BL_PRESETS:-llama-3.2-1b}" "${BL_ENV:-}" graph words old
   fi
   if [[ ",${BENCH:-}," == *",mkenv,"* ]]; then
-    IFS=';' read -r -a mk_envs <<< "${MK_ENV:-}"
-    for round in $(seq "${MK_ROUNDS:-2}"); do
-      for spec in ${MK_ENV_CASES:-llama-3.2-1b:32}; do
-        preset=${spec%%:*}; len=${spec##*:}
-        for i in "${!mk_envs[@]}"; do
-          v=${mk_envs[$i]}
-          log="$OUT/bench-mkenv-${preset/@/-}-$len-v$i-$round.log"
-          # shellcheck disable=SC2086 # each entry is a list of NAME=VALUE words
-          echo "mkenv $preset $len [${v:-default}] round $round: $(mk_bench "$preset" "$len" "$log" $v)"
-        done
-      done
-    done
+    sweep mkenv "${MK_ROUNDS:-2}" "${MK_ENV_CASES:-llama-3.2-1b:32}" "${MK_ENV:-}" mk words
   fi
   if [[ ",${BENCH:-}," == *",draw,"* ]]; then
     for preset in smollm2-135m llama-3.2-1b; do

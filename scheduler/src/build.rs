@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use crate::options::{chunk_cols, qkv_cuts};
+use crate::options::{chunk_cols, pieces, qkv_cuts};
 use crate::{assign, validate, GpuShape, ModelShape, Op, Options, Schedule, ScheduleError};
 
 /// Builds and validates the schedule of one decode step.
@@ -39,14 +39,6 @@ pub fn build(
     };
     validate(&schedule)?;
     Ok(schedule)
-}
-
-/// `(start, count)` pieces of at most `rows` covering `range`.
-fn pieces(range: Range<usize>, rows: usize) -> impl Iterator<Item = (u32, u32)> {
-    let end = range.end;
-    range
-        .step_by(rows)
-        .map(move |s| (s as u32, (rows.min(end - s)) as u32))
 }
 
 /// The nodes in the global order and the range of each stage in it.

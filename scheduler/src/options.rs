@@ -216,6 +216,17 @@ impl Options {
     }
 }
 
+/// `(start, count)` pieces of at most `rows` covering `range`.
+pub(crate) fn pieces(
+    range: std::ops::Range<usize>,
+    rows: usize,
+) -> impl Iterator<Item = (u32, u32)> {
+    let end = range.end;
+    range
+        .step_by(rows)
+        .map(move |s| (s as u32, (rows.min(end - s)) as u32))
+}
+
 /// The step `qkv_pieces` cuts a head's `half` pairs in: two pairs (a 4-row step of the
 /// mat-vec, as [`ROW_GRANULE`]) where `half` is even.
 pub fn qkv_step(half: usize) -> usize {
@@ -230,11 +241,7 @@ pub fn qkv_step(half: usize) -> usize {
 /// order) over its `half` pairs: as [`Options::qkv_pieces`] says, or pieces of `qkv_pairs`.
 pub fn qkv_cuts(o: &Options, h: usize, heads: usize, half: usize) -> Vec<(u32, u32)> {
     if o.qkv_pieces == 0 {
-        let p = o.qkv_pairs.max(1);
-        return (0..half)
-            .step_by(p)
-            .map(|s| (s as u32, p.min(half - s) as u32))
-            .collect();
+        return pieces(0..half, o.qkv_pairs.max(1)).collect();
     }
     let n = o.qkv_pieces * (h + 1) / heads - o.qkv_pieces * h / heads;
     let step = qkv_step(half);

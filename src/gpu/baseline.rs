@@ -1229,11 +1229,6 @@ pub struct Prefetch {
 }
 
 impl Prefetch {
-    pub const OFF: Prefetch = Prefetch {
-        bytes: 0,
-        min_share: 0,
-    };
-
     /// 32 KiB a CTA where its share is at least 128 KiB: on the H100, graph + PDL, 32-token
     /// prompt + 128 new (BENCHMARKS.md, 2026-11-27), Llama-1B 1.0384 → 1.0292 ms, Llama-3.2-3B
     /// 2.5259 → 2.4848, Llama-3.1-8B 5.3029 → 5.2344; the small shapes' projections are below
@@ -1505,7 +1500,8 @@ mod tests {
         assert_eq!(p.bytes_for(264 * 131072, 264, true), 32768);
         assert_eq!(p.bytes_for(264 * 131072 - 1, 264, true), 0);
         assert_eq!(p.bytes_for(1 << 30, 264, false), 0);
-        assert_eq!(Prefetch::OFF.bytes_for(1 << 30, 264, true), 0);
+        let off = Prefetch::parse(Some("0")).unwrap();
+        assert_eq!(off.bytes_for(1 << 30, 264, true), 0);
     }
 
     /// The split rule at the lengths it was chosen from (BENCHMARKS.md, 2026-11-25, 132 SMs):
