@@ -51,10 +51,11 @@ struct StepEnd {
 };
 
 // The consumers' progress stages within an instruction (tiles, post), named in a stall's
-// report; MK_STAGE_NOTES=0 leaves out those two stores an instruction, for measuring (the
-// instruction's start and end stay: they tell a finished SM from a stuck one).
+// report with MK_STAGE_NOTES=1. Left out by default: the two stores an instruction cost
+// SmolLM2 1.7% a token (BENCHMARKS.md 2026-11-27); the instruction's start and end stay, and
+// tell a finished SM from a stuck one, which is "under way" from its prepare to its end.
 #ifndef MK_STAGE_NOTES
-#define MK_STAGE_NOTES 1
+#define MK_STAGE_NOTES 0
 #endif
 
 // One step of this SM's stream: every instruction in order (the interpreter's loop).

@@ -150,9 +150,10 @@ impl Options {
         let pick = |segments, len, bytes_per_row, granule| {
             best_rows(segments, len, bytes_per_row, fixed, sms, granule)
         };
+        let qkv_pairs = pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2);
         Options {
-            qkv_pairs: pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2),
-            qkv_pieces: 0,
+            qkv_pairs,
+            qkv_pieces: qkv_pieces(model, sms, qkv_pairs),
             oproj_rows: pick(1, h, 2 * model.q_dim() as u64, ROW_GRANULE),
             upgate_rows: pick(down_chunks, chunk_len, 2 * 2 * h as u64, ROW_GRANULE),
             down_rows: pick(down_chunks, h, 2 * chunk_len as u64, ROW_GRANULE),
@@ -289,6 +290,24 @@ fn down_chunks(model: &ModelShape, gpu: &GpuShape) -> usize {
         .clamp(1, model.intermediate)
 }
 
+/// `RmsQkvRope` instructions a layer ([`Options::qkv_pieces`]): one per SM where pieces of
+/// `qkv_pairs` fill one round but leave more than a fifth of the SMs without any (Llama-3.2-1B:
+/// 96 of 132 SMs with 16 pairs each; one piece per SM measured 0.9-1.2% faster a token in three
+/// of four rounds), else 0 (pieces of `qkv_pairs`). Not with Qwen3's q/k norms, whose heads
+/// each need all their rows: Qwen3-4B, 96 of 132 likewise, measured 1.5% slower with 132
+/// pieces. Shapes that fill more SMs (SmolLM2 120, Qwen2.5-0.5B 108 of 132) gained nothing
+/// (BENCHMARKS.md 2026-11-27).
+fn qkv_pieces(model: &ModelShape, sms: usize, qkv_pairs: usize) -> usize {
+    let (heads, half) = (model.qkv_heads(), model.head_dim / 2);
+    let most = heads * half.div_ceil(qkv_step(half));
+    let n = heads * half.div_ceil(qkv_pairs.max(1));
+    let idle_fifth = n < sms && 5 * (sms - n) > sms;
+    if model.qk_norm || !idle_fifth || !(heads..=most).contains(&sms) {
+        return 0;
+    }
+    sms
+}
+
 /// Rows per instruction minimising the stage's most loaded SM, for `segments` independent
 /// runs of `len` rows (instructions never straddle segments). Ties go to bigger instructions.
 fn best_rows(
@@ -373,7 +392,12 @@ impl Overrides {
     pub fn apply(&self, auto: Options) -> Options {
         Options {
             qkv_pairs: self.qkv_pairs.unwrap_or(auto.qkv_pairs),
-            qkv_pieces: self.qkv_pieces.unwrap_or(auto.qkv_pieces),
+            // Pairs set alone cut the heads by those pairs, not the cost model's pieces.
+            qkv_pieces: self.qkv_pieces.unwrap_or(if self.qkv_pairs.is_some() {
+                0
+            } else {
+                auto.qkv_pieces
+            }),
             oproj_rows: self.oproj_rows.unwrap_or(auto.oproj_rows),
             upgate_rows: self.upgate_rows.unwrap_or(auto.upgate_rows),
             down_rows: self.down_rows.unwrap_or(auto.down_rows),
@@ -436,5 +460,66 @@ mod tests {
         }
         // Qwen3-4B: 3,264 + 3,264 + 3,200.
         assert_eq!(chunk_cols(9728, 3, 1), 3264..6528);
+    }
+
+    #[test]
+    fn one_qkv_piece_per_sm_only_where_pairs_leave_a_fifth_of_the_sms_idle() {
+        let h100 = GpuShape::h100();
+        let cost = CostModel::megakernel(160);
+        let auto = |m: ModelShape| {
+            let o = Options::auto(&m, &h100, &cost);
+            o.check(&m).unwrap();
+            o.qkv_pieces
+        };
+        // The bench presets' shapes: [hidden, intermediate, layers, heads, kv heads, head_dim].
+        let shape = |[hidden, intermediate, layers, heads, kv_heads, head_dim]: [usize; 6],
+                     qk_norm| {
+            ModelShape {
+                hidden,
+                intermediate,
+                layers,
+                heads,
+                kv_heads,
+                head_dim,
+                vocab: 151936,
+                qk_norm,
+            }
+        };
+        // 96 instructions of 16 pairs on 132 SMs: one piece each instead.
+        assert_eq!(auto(ModelShape::preset("llama-3.2-1b").unwrap()), 132);
+        // Qwen3's q/k norms (Qwen3-4B has 96 too), and shapes filling more of the SMs.
+        for (name, m) in [
+            ("qwen3-4b", shape([2560, 9728, 36, 32, 8, 128], true)),
+            ("qwen3-0.6b", shape([1024, 3072, 28, 16, 8, 128], true)),
+            ("qwen2.5-0.5b", shape([896, 4864, 24, 14, 2, 64], false)),
+            ("qwen2.5-7b", shape([3584, 18944, 28, 28, 4, 128], false)),
+            ("llama-3.1-8b", shape([4096, 14336, 32, 32, 8, 128], false)),
+            ("smollm2-135m", ModelShape::preset("smollm2-135m").unwrap()),
+            ("llama-3.2-3b", ModelShape::preset("llama-3.2-3b").unwrap()),
+        ] {
+            assert_eq!(auto(m), 0, "{name}");
+        }
+        // The pairs set alone cut heads by them; pieces set win.
+        let m = ModelShape::preset("llama-3.2-1b").unwrap();
+        let o = Options::auto(&m, &h100, &cost);
+        let pairs = Overrides {
+            qkv_pairs: Some(8),
+            ..Default::default()
+        };
+        assert_eq!(
+            (pairs.apply(o).qkv_pairs, pairs.apply(o).qkv_pieces),
+            (8, 0)
+        );
+        let both = Overrides {
+            qkv_pieces: Some(264),
+            ..pairs
+        };
+        assert_eq!(both.apply(o).qkv_pieces, 264);
+        // Fewer SMs than heads: no piece per SM is possible.
+        let small = GpuShape {
+            sm_count: 40,
+            ..h100
+        };
+        assert_eq!(Options::auto(&m, &small, &cost).qkv_pieces, 0);
     }
 }

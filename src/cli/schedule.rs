@@ -51,7 +51,8 @@ pub struct ScheduleArgs {
     #[arg(long)]
     pub qkv_pairs: Option<usize>,
     /// RmsQkvRope instructions a layer, every head's pairs split evenly among its share
-    /// (instead of pieces of --qkv-pairs; e.g. twice the SM count for SMs of equal loads).
+    /// (instead of pieces of --qkv-pairs; the cost model takes one per SM where pieces of the
+    /// pairs would leave a fifth of the SMs idle; --qkv-pairs alone turns that off).
     #[arg(long)]
     pub qkv_pieces: Option<usize>,
     #[arg(long)]

@@ -52,9 +52,12 @@ pub mod prof {
 pub const PROF_WORDS: usize = prof::WORDS;
 
 /// A consumer's progress stage (progress word 1 of its SM), in order: (CUDA name, shown name).
+/// The default build notes only the start, `ST_PREPARE` and the end of an instruction, so an
+/// SM "under way" may be preparing, on its tiles or storing; a build with `-DMK_STAGE_NOTES=1`
+/// also notes the tiles and the storing (megakernel.cu).
 pub const STAGES: [(&str, &str); 5] = [
     ("ST_START", "start"),
-    ("ST_PREPARE", "preparing"),
+    ("ST_PREPARE", "under way"),
     ("ST_TILES", "tiles"),
     ("ST_POST", "storing"),
     ("ST_DONE", "done"),

@@ -98,7 +98,7 @@ mod tests {
     #[test]
     fn stage_names() {
         assert_eq!(stage_name(ST_DONE), "done");
-        assert_eq!(stage_name(1), "preparing");
+        assert_eq!(stage_name(1), "under way");
         assert_eq!(stage_name(99), "?");
     }
 
