@@ -293,9 +293,8 @@ fn down_chunks(model: &ModelShape, gpu: &GpuShape) -> usize {
 /// `RmsQkvRope` instructions a layer ([`Options::qkv_pieces`]): one per SM where pieces of
 /// `qkv_pairs` fill one round but leave more than a fifth of the SMs without any (Llama-3.2-1B:
 /// 96 of 132 SMs with 16 pairs each; one piece per SM measured 0.9-1.2% faster a token in three
-/// of four rounds), else 0 (pieces of `qkv_pairs`). Not with Qwen3's q/k norms, whose heads
-/// each need all their rows: Qwen3-4B, 96 of 132 likewise, measured 1.5% slower with 132
-/// pieces. Shapes that fill more SMs (SmolLM2 120, Qwen2.5-0.5B 108 of 132) gained nothing
+/// of four rounds), else 0 (pieces of `qkv_pairs`). Not with Qwen3's q/k norms: Qwen3-4B, 96
+/// of 132 likewise, measured 1.5% slower with 132 pieces (264: level). Shapes that fill more SMs (SmolLM2 120, Qwen2.5-0.5B 108 of 132) gained nothing
 /// (BENCHMARKS.md 2026-11-27).
 fn qkv_pieces(model: &ModelShape, sms: usize, qkv_pairs: usize) -> usize {
     let (heads, half) = (model.qkv_heads(), model.head_dim / 2);
