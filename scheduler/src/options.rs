@@ -187,14 +187,15 @@ impl Options {
                 return bad(format!("{name} must be positive"));
             }
         }
-        let (heads, half) = (model.qkv_heads(), model.head_dim / 2);
-        let most = heads * half.div_ceil(qkv_step(half));
-        if self.qkv_pieces != 0 && !(heads..=most).contains(&self.qkv_pieces) {
+        let range = qkv_pieces_range(model);
+        if self.qkv_pieces != 0 && !range.contains(&self.qkv_pieces) {
             return bad(format!(
-                "qkv_pieces = {} is outside {heads}..={most} (every head at least one piece, \
+                "qkv_pieces = {} is outside {}..={} (every head at least one piece, \
                  a piece at least {} pairs)",
                 self.qkv_pieces,
-                qkv_step(half)
+                range.start(),
+                range.end(),
+                qkv_step(model.head_dim / 2)
             ));
         }
         if self.qkv_pairs > model.head_dim / 2 {
@@ -294,17 +295,22 @@ fn down_chunks(model: &ModelShape, gpu: &GpuShape) -> usize {
 /// `qkv_pairs` fill one round but leave more than a fifth of the SMs without any (Llama-3.2-1B:
 /// 96 of 132 SMs with 16 pairs each; one piece per SM measured 0.9-1.2% faster a token in three
 /// of four rounds), else 0 (pieces of `qkv_pairs`). Not with Qwen3's q/k norms: Qwen3-4B, 96
-/// of 132 likewise, measured 1.5% slower with 132 pieces (264: level). Shapes that fill more SMs (SmolLM2 120, Qwen2.5-0.5B 108 of 132) gained nothing
-/// (BENCHMARKS.md 2026-11-27).
+/// of 132 likewise, measured 1.5% slower with 132 pieces (264: level). Shapes that fill more
+/// SMs (SmolLM2 120, Qwen2.5-0.5B 108 of 132) gained nothing (BENCHMARKS.md 2026-11-27).
 fn qkv_pieces(model: &ModelShape, sms: usize, qkv_pairs: usize) -> usize {
-    let (heads, half) = (model.qkv_heads(), model.head_dim / 2);
-    let most = heads * half.div_ceil(qkv_step(half));
-    let n = heads * half.div_ceil(qkv_pairs.max(1));
+    let n = model.qkv_heads() * (model.head_dim / 2).div_ceil(qkv_pairs.max(1));
     let idle_fifth = n < sms && 5 * (sms - n) > sms;
-    if model.qk_norm || !idle_fifth || !(heads..=most).contains(&sms) {
+    if model.qk_norm || !idle_fifth || !qkv_pieces_range(model).contains(&sms) {
         return 0;
     }
     sms
+}
+
+/// The `qkv_pieces` a model allows: every head at least one piece, a piece at least
+/// [`qkv_step`] pairs.
+fn qkv_pieces_range(model: &ModelShape) -> RangeInclusive<usize> {
+    let (heads, half) = (model.qkv_heads(), model.head_dim / 2);
+    heads..=heads * half.div_ceil(qkv_step(half))
 }
 
 /// Rows per instruction minimising the stage's most loaded SM, for `segments` independent
