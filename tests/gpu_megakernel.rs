@@ -119,9 +119,9 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
             let tokens = [5, 900, 33, 12, 640];
             teacher_forced(&gpu, &cfg, &w, &tokens, &sched, &label, TOL_OVER_ONE_ROUND);
         }
-        // One RmsQkvRope per SM, heads cut in two to four pieces each, so the q/k norms take
-        // their sums over pieces (MEGAINFER_MK_QKV_PIECES; the cost model chooses it only
-        // without q/k norms).
+        // One RmsQkvRope per SM, heads cut in two to four pieces each, whose raw q and k
+        // attention then norms by whole heads (MEGAINFER_MK_QKV_PIECES; the cost model chooses
+        // it only without q/k norms).
         let overrides = scheduler::Overrides {
             qkv_pieces: Some(gpu.sm_count),
             ..Default::default()
