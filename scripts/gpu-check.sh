@@ -14,6 +14,26 @@ mkdir -p "$OUT" /root/models
 export MEGAINFER_CACHE=/root/mcache
 mkdir -p "$MEGAINFER_CACHE"
 MODEL="$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+# SAVE_CACHE=1: the newest 80 compiled kernels to $OUT/0-mcache.tar.xz (named to sort first:
+# only 8 files come back from a call), for bundle/mcache.tar.xz in later calls.
+save_cache() {
+  if [ "${SAVE_CACHE:-0}" = 1 ] && [ -d "$MEGAINFER_CACHE/kernels" ]; then
+    (cd "$MEGAINFER_CACHE/kernels" && ls -t -- *.cubin 2>/dev/null | head -80 | tar -cJf "$OUT/0-mcache.tar.xz" -T -)
+    echo "kernel cache saved: $(du -h "$OUT/0-mcache.tar.xz" | cut -f1)"
+  fi
+}
+# DEADLINE=SECONDS: everything below runs in a child stopped after that long (with whatever it
+# was running: GNU timeout signals the child's whole process group), then SAVE_CACHE still
+# happens; the rows printed so far and the logs in $OUT stay. For a machine that gives a
+# command a fixed time: a DEADLINE some 30 s under it keeps the compiled kernels of a run that
+# overran.
+if [ -n "${DEADLINE:-}" ] && [ -z "${GPU_CHECK_CHILD:-}" ]; then
+  GPU_CHECK_CHILD=1 timeout -k 5 "$DEADLINE" bash "$0" "$@"
+  rc=$?
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "DEADLINE: the checks were stopped after $DEADLINE s"
+  save_cache
+  exit "$rc"
+fi
 # Compiled kernels carried from an earlier call (SAVE_CACHE=1 below): NVRTC takes 10-20 s per
 # megakernel variant and preset on a fresh machine. The cache is keyed by source, options and
 # NVRTC version (src/gpu/compile.rs), so a stale entry is never used, only ignored.
@@ -454,9 +474,5 @@ Name three colours.}" > "$OUT/chat-input.txt"
   fi
 fi
 # ==== end of optional benchmarks ====
-# SAVE_CACHE=1: the newest 80 compiled kernels to $OUT/0-mcache.tar.xz (named to sort first:
-# only 8 files come back from a call), for bundle/mcache.tar.xz in later calls.
-if [ "${SAVE_CACHE:-0}" = 1 ] && [ -d "$MEGAINFER_CACHE/kernels" ]; then
-  (cd "$MEGAINFER_CACHE/kernels" && ls -t -- *.cubin 2>/dev/null | head -80 | tar -cJf "$OUT/0-mcache.tar.xz" -T -)
-  echo "kernel cache saved: $(du -h "$OUT/0-mcache.tar.xz" | cut -f1)"
-fi
+# Under DEADLINE the parent saves the cache, once this child has ended or been stopped.
+[ -n "${GPU_CHECK_CHILD:-}" ] || save_cache
