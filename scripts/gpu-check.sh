@@ -159,7 +159,9 @@ fi
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
 # BENCH=sampled (not in BENCH=1): greedy and sampled (T 0.8, top-p 0.95) decoding, OLD_BIN and
 #   this build alternating, SAMPLED_ROUNDS rounds (default 2) of SAMPLED_PRESETS (default
-#   smollm2-135m llama-3.2-1b) on SAMPLED_PATHS (default megakernel).
+#   smollm2-135m llama-3.2-1b) on SAMPLED_PATHS (default megakernel); SAMPLED_ENV adds sampled
+#   rows of this build with each of its ';'-separated entries (NAME=VALUE words) set, e.g.
+#   SAMPLED_ENV="MEGAINFER_SAMPLER_DEFINES=-DSMP_PAR_DRAW=1".
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths;
 # AB_PRESETS, AB_ROUNDS and AB_FUSION are described at the loop.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
@@ -398,6 +400,17 @@ Name three colours.}" > "$OUT/chat-input.txt"
             for p in ${sampled_paths//,/ }; do
               echo "sampled $i $preset $(basename "$bin") [${s:-greedy}]: $(row "$log" "$p")"
             done
+          done
+        done
+        IFS=';' read -r -a sampled_envs <<< "${SAMPLED_ENV:-}"
+        for v in "${sampled_envs[@]}"; do
+          [ -n "$v" ] || continue
+          read -r -a words <<< "$v"
+          log="$OUT/bench-sampled.log"
+          env "${words[@]}" "$MEGAINFER_BIN" bench --preset "$preset" --paths "$sampled_paths" --reps 5 \
+            --temperature 0.8 --top-p 0.95 > "$log" 2>&1
+          for p in ${sampled_paths//,/ }; do
+            echo "sampled $i $preset $(basename "$MEGAINFER_BIN") [$v]: $(row "$log" "$p")"
           done
         done
       done

@@ -43,6 +43,15 @@ fn quant_kernels_compile_alone_for_sm90a() {
 fn sampling_kernels_compile_for_sm90a() {
     require_nvrtc();
     assert_compiles("sampling", &megainfer::sampling::device::source(), &[], "");
+    // The variant kept for measuring (MEGAINFER_SAMPLER_DEFINES): the draw's terms computed by
+    // the whole block.
+    let par = ["-DSMP_PAR_DRAW=1".to_string()];
+    assert_compiles(
+        "sampling",
+        &megainfer::sampling::device::source(),
+        &par,
+        " (SMP_PAR_DRAW=1)",
+    );
 }
 
 #[test]
@@ -104,8 +113,8 @@ fn megakernel_sampled_variant_compiles() {
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
-/// in 64 bits, the tile geometry's quotients by integer division, without the consumers'
-/// tiles and post stage notes; with attention by rounds and by warps.
+/// in 64 bits, the tile geometry's quotients by integer division, with the consumers' tiles
+/// and post stage notes; with attention by rounds and by warps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -115,7 +124,7 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_TILE_NOTES=1",
             "-DMK_ATT_RANGE32=0",
             "-DMK_FAST_GEOM=0",
-            "-DMK_STAGE_NOTES=0",
+            "-DMK_STAGE_NOTES=1",
         ]
         .map(String::from),
     );
@@ -123,7 +132,7 @@ fn megakernel_measuring_variants_compile() {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
         let what = format!(
-            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_FAST_GEOM=0 MK_STAGE_NOTES=0 {by_warps})"
+            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_FAST_GEOM=0 MK_STAGE_NOTES=1 {by_warps})"
         );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }

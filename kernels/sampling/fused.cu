@@ -185,6 +185,9 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
                   sm1.sel, tid);
         __syncthreads();
         smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
+#if SMP_PAR_DRAW
+        smp_draw_terms(s, m.pos, sm, tid, nthreads, sync);
+#endif
         token = SMP_NONE;
         if (tid < 32) token = smp_cut_and_draw(s, m.pos, z_all, sm, tid);
     }

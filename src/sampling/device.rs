@@ -157,12 +157,14 @@ impl DeviceSampler {
              chunks of {chunk} needs more"
         );
         let n_blocks = vocab.div_ceil(chunk);
-        let cubin = compile_cubin(
-            "sampling",
-            &source(),
-            &gpu.arch(),
-            &[format!("-DSMP_CHUNK={chunk}")],
-        )?;
+        // MEGAINFER_SAMPLER_DEFINES: compile options added for measuring variants (e.g.
+        // -DSMP_PAR_DRAW=1, kernels/sampling/select.cuh), as MEGAINFER_MK_DEFINES for the
+        // megakernel.
+        let mut defines = vec![format!("-DSMP_CHUNK={chunk}")];
+        if let Ok(extra) = std::env::var("MEGAINFER_SAMPLER_DEFINES") {
+            defines.extend(extra.split_whitespace().map(String::from));
+        }
+        let cubin = compile_cubin("sampling", &source(), &gpu.arch(), &defines)?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))
