@@ -159,10 +159,16 @@ impl DeviceSampler {
         let n_blocks = vocab.div_ceil(chunk);
         // MEGAINFER_SAMPLER_DEFINES: compile options added for measuring variants (e.g.
         // -DSMP_PAR_DRAW=1, kernels/sampling/select.cuh), as MEGAINFER_MK_DEFINES for the
-        // megakernel.
+        // megakernel; separated by spaces or commas (one word in gpu-check.sh's NAME=VALUE
+        // lists).
         let mut defines = vec![format!("-DSMP_CHUNK={chunk}")];
         if let Ok(extra) = std::env::var("MEGAINFER_SAMPLER_DEFINES") {
-            defines.extend(extra.split_whitespace().map(String::from));
+            defines.extend(
+                extra
+                    .split(|c: char| c.is_whitespace() || c == ',')
+                    .filter(|w| !w.is_empty())
+                    .map(String::from),
+            );
         }
         let cubin = compile_cubin("sampling", &source(), &gpu.arch(), &defines)?;
         let module = gpu
