@@ -391,6 +391,7 @@ Name three colours.}" > "$OUT/chat-input.txt"
   fi
   if [[ ",${BENCH:-}," == *",sampled,"* ]]; then
     sampled_paths=${SAMPLED_PATHS:-megakernel}
+    IFS=';' read -r -a sampled_envs <<< "${SAMPLED_ENV:-}"
     for i in $(seq "${SAMPLED_ROUNDS:-2}"); do
       for preset in ${SAMPLED_PRESETS:-smollm2-135m llama-3.2-1b}; do
         for s in "" "--temperature 0.8 --top-p 0.95"; do
@@ -402,7 +403,6 @@ Name three colours.}" > "$OUT/chat-input.txt"
             done
           done
         done
-        IFS=';' read -r -a sampled_envs <<< "${SAMPLED_ENV:-}"
         for v in "${sampled_envs[@]}"; do
           [ -n "$v" ] || continue
           read -r -a words <<< "$v"

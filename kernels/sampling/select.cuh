@@ -441,14 +441,22 @@ __device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpPa
 }
 
 // ---- the cuts and the draw ----
+// Candidate j's top-p weight exp(sv[j] - sv[0]) and its Gumbel-perturbed score: the one
+// definition of each, whichever threads compute them (SMP_PAR_DRAW or not).
+__device__ __forceinline__ double smp_topp_weight(const SmpShared& sm, int j, double top) {
+    return exp((double)sm.sv[j] - top);
+}
+__device__ __forceinline__ double smp_draw_score(const SmpParams& s, smp_u32 pos, const SmpShared& sm, int j, smp_u32 i) {
+    return (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
+}
 #if SMP_PAR_DRAW
 // smp_cut_and_draw's terms for the sm.count sorted candidates, one a thread (after the ranking,
 // which ends with a sync), then a sync.
 template <typename Sync>
 __device__ void smp_draw_terms(const SmpParams& s, smp_u32 pos, SmpShared& sm, int tid, int nthreads, Sync sync) {
     for (int j = tid; j < (int)sm.count; j += nthreads) {
-        if (s.top_p < 1.f) sm.sw[j] = exp((double)sm.sv[j] - (double)sm.sv[0]);
-        sm.sg[j] = (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, sm.si[j]);
+        if (s.top_p < 1.f) sm.sw[j] = smp_topp_weight(sm, j, (double)sm.sv[0]);
+        sm.sg[j] = smp_draw_score(s, pos, sm, j, sm.si[j]);
     }
     sync();
 }
@@ -472,7 +480,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
 #if SMP_PAR_DRAW
             w[q] = j < keep ? sm.sw[j] : 0.0;
 #else
-            w[q] = j < keep ? exp((double)sm.sv[j] - top) : 0.0;
+            w[q] = j < keep ? smp_topp_weight(sm, j, top) : 0.0;
 #endif
             local += w[q];
         }
@@ -514,7 +522,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
 #if SMP_PAR_DRAW
         smp_best_merge(best, idx, sm.sg[j], i);
 #else
-        smp_best_merge(best, idx, (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i), i);
+        smp_best_merge(best, idx, smp_draw_score(s, pos, sm, j, i), i);
 #endif
     }
 #pragma unroll

@@ -477,19 +477,7 @@ mod tests {
             o.qkv_pieces
         };
         // The bench presets' shapes: [hidden, intermediate, layers, heads, kv heads, head_dim].
-        let shape = |[hidden, intermediate, layers, heads, kv_heads, head_dim]: [usize; 6],
-                     qk_norm| {
-            ModelShape {
-                hidden,
-                intermediate,
-                layers,
-                heads,
-                kv_heads,
-                head_dim,
-                vocab: 151936,
-                qk_norm,
-            }
-        };
+        let shape = |dims, qk_norm| ModelShape::of(dims, 151936, qk_norm);
         // 96 instructions of 16 pairs on 132 SMs: one piece each instead.
         assert_eq!(auto(ModelShape::preset("llama-3.2-1b").unwrap()), 132);
         // Qwen3's q/k norms (Qwen3-4B has 96 too), and shapes filling more of the SMs.

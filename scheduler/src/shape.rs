@@ -28,8 +28,10 @@ pub struct ModelShape {
 pub const PRESETS: &[&str] = &["llama-3.2-1b", "llama-3.2-3b", "smollm2-135m"];
 
 impl ModelShape {
-    pub fn preset(name: &str) -> Option<ModelShape> {
-        let shape = |hidden, intermediate, layers, heads, kv_heads, head_dim, vocab| ModelShape {
+    /// A shape from `[hidden, intermediate, layers, heads, kv_heads, head_dim]`.
+    pub fn of(dims: [usize; 6], vocab: usize, qk_norm: bool) -> ModelShape {
+        let [hidden, intermediate, layers, heads, kv_heads, head_dim] = dims;
+        ModelShape {
             hidden,
             intermediate,
             layers,
@@ -37,7 +39,17 @@ impl ModelShape {
             kv_heads,
             head_dim,
             vocab,
-            qk_norm: false,
+            qk_norm,
+        }
+    }
+
+    pub fn preset(name: &str) -> Option<ModelShape> {
+        let shape = |hidden, intermediate, layers, heads, kv_heads, head_dim, vocab| {
+            ModelShape::of(
+                [hidden, intermediate, layers, heads, kv_heads, head_dim],
+                vocab,
+                false,
+            )
         };
         match name {
             "llama-3.2-1b" => Some(shape(2048, 8192, 16, 32, 8, 64, 128256)),
