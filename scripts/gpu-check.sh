@@ -161,7 +161,7 @@ fi
 #   this build alternating, SAMPLED_ROUNDS rounds (default 2) of SAMPLED_PRESETS (default
 #   smollm2-135m llama-3.2-1b) on SAMPLED_PATHS (default megakernel); SAMPLED_ENV adds sampled
 #   rows of this build with each of its ';'-separated entries (NAME=VALUE words) set, e.g.
-#   SAMPLED_ENV="MEGAINFER_SAMPLER_DEFINES=-DSMP_PAR_DRAW=1".
+#   SAMPLED_ENV="MEGAINFER_SAMPLER_DEFINES=-DNAME=VALUE".
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths;
 # AB_PRESETS, AB_ROUNDS and AB_FUSION are described at the loop.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.

@@ -43,15 +43,6 @@ fn quant_kernels_compile_alone_for_sm90a() {
 fn sampling_kernels_compile_for_sm90a() {
     require_nvrtc();
     assert_compiles("sampling", &megainfer::sampling::device::source(), &[], "");
-    // The variants kept for measuring (MEGAINFER_SAMPLER_DEFINES): the draw's terms computed by
-    // the whole block, one fence a CTA at the arrival.
-    let par = ["-DSMP_PAR_DRAW=1", "-DSMP_ONE_FENCE=1"].map(String::from);
-    assert_compiles(
-        "sampling",
-        &megainfer::sampling::device::source(),
-        &par,
-        " (SMP_PAR_DRAW=1 SMP_ONE_FENCE=1)",
-    );
 }
 
 #[test]

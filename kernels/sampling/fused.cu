@@ -11,12 +11,6 @@
 // the blocks' keys holds the global top k, which the same threshold search, now exact, finds;
 // it sorts them and applies the cuts and the draw (smp_cut_and_draw, as smp_final does).
 
-// SMP_ONE_FENCE=1: one fence a CTA at the arrival (thread 0's, after a barrier) instead of
-// every thread's (for measuring).
-#ifndef SMP_ONE_FENCE
-#define SMP_ONE_FENCE 0
-#endif
-
 #define SMP1_THREADS 512
 #define SMP1_PER (SMP_CHUNK / SMP1_THREADS)  // rows a thread holds
 #define SMP1_CAP 160                          // key slots per block (>= SMP_KMAX)
@@ -136,26 +130,12 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     }
 
     // ---- the last CTA to finish draws ----
-#if SMP_ONE_FENCE
-    // The arrival as a grid barrier makes it: the barrier orders the CTA's writes before thread
-    // 0's fence, which (cumulative) publishes them all before the counter moves; the last CTA's
-    // thread 0 fences after reading the counter and the barrier passes that on.
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        sm1.last = atomicAdd(done, 1u) == (smp_u32)nb - 1;
-        if (sm1.last) __threadfence();
-    }
-    __syncthreads();
-    if (!sm1.last) return;
-#else
     __threadfence();
     __syncthreads();
     if (tid == 0) sm1.last = atomicAdd(done, 1u) == (smp_u32)nb - 1;
     __syncthreads();
     if (!sm1.last) return;
     __threadfence();
-#endif
     if (tid == 0) { *done = 0; sm1.sel.fill = 0; }
 
     smp_u32 token;
@@ -205,9 +185,6 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
                   sm1.sel, tid);
         __syncthreads();
         smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
-#if SMP_PAR_DRAW
-        smp_draw_terms(s, m.pos, sm, tid, nthreads, sync);
-#endif
         token = SMP_NONE;
         if (tid < 32) token = smp_cut_and_draw(s, m.pos, z_all, sm, tid);
     }

@@ -16,14 +16,6 @@
 #define SMP_KMAX 128            // K_MAX in src/sampling/mod.rs
 #define SMP_NONE 0xffffffffu    // index of an empty candidate slot
 #define SMP_MAX_ROWS 4096       // rows one smp_block_part call may cover (its penalty bitmap)
-// SMP_PAR_DRAW=1: the draw's per-candidate terms (top-p's weight, the perturbed score) computed
-// by every thread of the block, one candidate each, before the one warp's cuts and draw, which
-// otherwise computes four a lane in turn. The same expressions, so the same token (for
-// measuring, in the sampler's own kernels: smp_draw_terms; the megakernel's scratch has no
-// room for the two tables, which its static_assert says).
-#ifndef SMP_PAR_DRAW
-#define SMP_PAR_DRAW 0
-#endif
 
 typedef unsigned int smp_u32;
 typedef unsigned long long smp_u64;
@@ -62,10 +54,6 @@ struct SmpShared {
     float sv[SMP_KMAX];
     smp_u32 si[SMP_KMAX];
     smp_u32 count;
-#if SMP_PAR_DRAW
-    double sw[SMP_KMAX];  // exp(sv[j] - sv[0]), where top-p is on
-    double sg[SMP_KMAX];  // sv[j] / T + Gumbel noise of si[j]
-#endif
 };
 
 __device__ __forceinline__ bool smp_truncates(const SmpParams& s) {
@@ -441,26 +429,13 @@ __device__ void smp_block_part(RawAt raw_at, smp_u32 base, int rows, const SmpPa
 }
 
 // ---- the cuts and the draw ----
-// Candidate j's top-p weight exp(sv[j] - sv[0]) and its Gumbel-perturbed score: the one
-// definition of each, whichever threads compute them (SMP_PAR_DRAW or not).
+// Candidate j's top-p weight exp(sv[j] - sv[0]) and its Gumbel-perturbed score.
 __device__ __forceinline__ double smp_topp_weight(const SmpShared& sm, int j, double top) {
     return exp((double)sm.sv[j] - top);
 }
 __device__ __forceinline__ double smp_draw_score(const SmpParams& s, smp_u32 pos, const SmpShared& sm, int j, smp_u32 i) {
     return (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
 }
-#if SMP_PAR_DRAW
-// smp_cut_and_draw's terms for the sm.count sorted candidates, one a thread (after the ranking,
-// which ends with a sync), then a sync.
-template <typename Sync>
-__device__ void smp_draw_terms(const SmpParams& s, smp_u32 pos, SmpShared& sm, int tid, int nthreads, Sync sync) {
-    for (int j = tid; j < (int)sm.count; j += nthreads) {
-        if (s.top_p < 1.f) sm.sw[j] = smp_topp_weight(sm, j, (double)sm.sv[0]);
-        sm.sg[j] = smp_draw_score(s, pos, sm, j, sm.si[j]);
-    }
-    sync();
-}
-#endif
 // Over the sorted candidates sm.sv / sm.si (sm.count of them, largest first, equal values
 // lowest index first): top-k, top-p (against z_all, the softmax denominator over the whole
 // vocabulary relative to sm.sv[0], when top-k is off) and min-p, each a prefix of the list,
@@ -477,11 +452,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
 #pragma unroll
         for (int q = 0; q < SMP_KMAX / 32; q++) {
             const int j = lane * (SMP_KMAX / 32) + q;
-#if SMP_PAR_DRAW
-            w[q] = j < keep ? sm.sw[j] : 0.0;
-#else
             w[q] = j < keep ? smp_topp_weight(sm, j, top) : 0.0;
-#endif
             local += w[q];
         }
         double incl = local;
@@ -519,11 +490,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
     smp_u32 idx = SMP_NONE;
     for (int j = lane; j < keep; j += 32) {
         const smp_u32 i = sm.si[j];
-#if SMP_PAR_DRAW
-        smp_best_merge(best, idx, sm.sg[j], i);
-#else
         smp_best_merge(best, idx, smp_draw_score(s, pos, sm, j, i), i);
-#endif
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -587,9 +554,6 @@ __device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, 
         atomicAdd(&sm.count, 1u);
     }
     sync();
-#if SMP_PAR_DRAW
-    smp_draw_terms(s, pos, sm, tid, nthreads, sync);
-#endif
     smp_u32 token = SMP_NONE;
     if (tid < 32) token = smp_cut_and_draw(s, pos, z_all, sm, tid);
     sync();

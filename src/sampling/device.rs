@@ -157,10 +157,9 @@ impl DeviceSampler {
              chunks of {chunk} needs more"
         );
         let n_blocks = vocab.div_ceil(chunk);
-        // MEGAINFER_SAMPLER_DEFINES: compile options added for measuring variants (e.g.
-        // -DSMP_PAR_DRAW=1, kernels/sampling/select.cuh), as MEGAINFER_MK_DEFINES for the
-        // megakernel; separated by spaces or commas (one word in gpu-check.sh's NAME=VALUE
-        // lists).
+        // MEGAINFER_SAMPLER_DEFINES: compile options added for measuring variants of the
+        // kernels, as MEGAINFER_MK_DEFINES for the megakernel; separated by spaces or commas
+        // (one word in gpu-check.sh's NAME=VALUE lists).
         let mut defines = vec![format!("-DSMP_CHUNK={chunk}")];
         if let Ok(extra) = std::env::var("MEGAINFER_SAMPLER_DEFINES") {
             defines.extend(
