@@ -18,15 +18,18 @@ use crate::{build, GpuShape, ModelShape, Schedule, ScheduleError};
 /// small models' stages on a fraction of the SMs, each instruction then taking longer.
 const ROW_GRANULE: usize = 4;
 /// The most split-KV partitions the cost model picks per KV head; the megakernel's reduction
-/// keeps two floats per (query head, part) of a KV head in its attention scratch, which holds
-/// 128 parts.
+/// by rounds keeps two floats per (query head, part) of a KV head in its attention scratch,
+/// which holds 128 parts (the form by warp shuffles has no such bound).
 pub const MAX_ATTN_PARTS: usize = 128;
 /// What each split-KV part adds to its KV head's reduction, µs: `AttnReduce` reads every
-/// part's output, max and sum, 16 parts per round trip to L2. Fitted to the megakernel's
-/// times per token over the part counts measured on an H100 (SmolLM2 at 2K and 8K,
+/// part's output, max and sum, 8 parts per round trip to L2. Fitted to the megakernel's times
+/// per token with an earlier, slower merge (shared-memory tables and two barriers) over the
+/// part counts measured on an H100 (SmolLM2 at 2K and 8K,
 /// Qwen2.5-0.5B, Llama-1B, Llama-3.2-3B and Qwen3-0.6B at 8K, Llama-1B at 32K), together with
 /// the 2 µs per instruction of [`CostModel::megakernel`]; without it the model filled every
 /// SM with parts, and few-KV-head shapes lost 6-16% to the extra reduction (BENCHMARKS.md).
+/// With the current merge SmolLM2 at 8K is 2% faster at 32 parts than at the 21 this picks,
+/// so a refit over the same cases may lower it.
 pub const REDUCE_PART_US: f64 = 0.15;
 
 /// Machine and workload figures the granularity and the time estimate are computed from.
