@@ -24,6 +24,14 @@
 #endif
 constexpr int ATT_RED_BATCH = MK_RED_BATCH;
 static_assert(32 % ATT_RED_BATCH == 0, "a chunk of 32 parts is whole batches");
+#ifndef MK_RED_HOIST
+#define MK_RED_HOIST 0
+#endif
+#ifndef MK_RED_HOIST_VALUES
+#define MK_RED_HOIST_VALUES 16
+#endif
+static_assert(!MK_RED_HOIST || (MK_RED_HOIST_VALUES % ATT_RED_BATCH == 0 && MK_RED_HOIST_VALUES <= 32),
+              "the batches after the hoisted values stay within and aligned to 32-part chunks");
 static_assert(ATT_HD % 32 == 0, "a warp's threads must share their head");
 
 __device__ void op_attn_reduce(const MkParams& p, const u32* w, float*) {
@@ -43,10 +51,52 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float*) {
         const int g = idx / hd, d = idx % hd;
         const u64* head = base + (size_t)g * parts * stride;
         float M = NEG_INF, S = 0.f, acc = 0.f, wl = 0.f;
+        int first = 0;
+#if MK_RED_HOIST
+        // MK_RED_HOIST=1 (for measuring, not run yet): where one round covers the outputs, the
+        // first chunk's stats and its first MK_RED_HOIST_VALUES values are read at the top
+        // level, outside any loop, and waited for together (one round trip up to that many
+        // parts), as the earlier form read its first batch; the batches after it as below.
+        if (ROUNDS == 1) {
+            constexpr int NH = MK_RED_HOIST_VALUES;
+            const bool has = lane < parts;
+            const int nv = min(NH, parts);
+            auto addr = [&](int e) {
+                return e < 2 ? head + (size_t)lane * stride + hd + e : head + (size_t)(e - 2) * stride + d;
+            };
+            u64 st[2], v[NH];
+#pragma unroll
+            for (int e = 0; e < 2; e++) st[e] = has ? ld_tagged(addr(e)) : 0;
+#pragma unroll
+            for (int k = 0; k < NH; k++) v[k] = k < nv ? ld_tagged(addr(k + 2)) : 0;
+            settle_with<2 + NH>(
+                p,
+                [&](int e) {
+                    return e < 2 ? (has ? (u32)(st[e] >> 32) : tag) : (e - 2 < nv ? (u32)(v[e - 2] >> 32) : tag);
+                },
+                [&](int e) {
+                    if (e < 2) st[e] = ld_tagged(addr(e));
+                    else v[e - 2] = ld_tagged(addr(e));
+                },
+                addr, 2 + NH);
+            prep_stamp(PROF_EXTRA2);
+            if (__any_sync(0xffffffffu, any_failed())) return;
+            const float l = has ? tagged_float(st[1]) : 0.f, m = tagged_float(st[0]);
+            M = warp_max(l > 0.f ? m : NEG_INF);
+            wl = l > 0.f ? l * __expf(m - M) : 0.f;
+            S = warp_sum(wl);
+#pragma unroll
+            for (int k = 0; k < NH; k++) {
+                const float wk = __shfl_sync(0xffffffffu, wl, k);
+                if (k < nv) acc = fmaf(wk, tagged_float(v[k]), acc);
+            }
+            first = NH;
+        }
+#endif
         // Batches of ATT_RED_BATCH parts; the first of each 32 also reads their stats. One wait
         // site for both kinds: a second one, inlined, spilled the interpreter loop's registers.
 #pragma unroll 1
-        for (int b0 = 0; b0 < parts; b0 += ATT_RED_BATCH) {
+        for (int b0 = first; b0 < parts; b0 += ATT_RED_BATCH) {
             // Element e: part c0 + lane's max (e 0) and sum (e 1), then value b0 + e - 2.
             const int c0 = b0 & ~31, nv = min(ATT_RED_BATCH, parts - b0);
             const bool has = b0 == c0 && c0 + lane < parts;
