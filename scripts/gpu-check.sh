@@ -132,7 +132,8 @@ fi
 # BENCH=defines (not in BENCH=1): megakernel compile variants (DEFINES, ';'-separated
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES (PRESET[@DTYPE]:PROMPT_LEN ...).
 # BENCH=timeline (not in BENCH=1): a profiled step's per-instruction table and a layer's
-#   critical path (scripts/timeline.py) for each preset of TIMELINE_PRESETS.
+#   critical path (scripts/timeline.py) for each preset of TIMELINE_PRESETS, after a prompt of
+#   TIMELINE_PROMPT tokens (default 32).
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
@@ -317,7 +318,7 @@ if [ "${BENCH:-0}" != 0 ]; then
       name=${preset/@/-}
       log="$OUT/bench-timeline-$name.log"
       # shellcheck disable=SC2046
-      "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len 32 --gen 20 --reps 1 --paths megakernel \
+      "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "${TIMELINE_PROMPT:-32}" --gen 20 --reps 1 --paths megakernel \
         --profile --timeline "$OUT/timeline-$name.csv" > "$log" 2>&1
       echo "timeline $preset:"
       grep -E "^\| (megakernel|Rms|Attention|AttnReduce|OProj|Down)" "$log"

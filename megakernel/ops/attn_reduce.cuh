@@ -6,8 +6,8 @@
 // the parts are taken 32 at a time, lane k reading part k's max and sum, and the warp works
 // out their weights by shuffles: no shared memory and no barrier. Past 32 parts the running
 // max, sum and output are rescaled as in an online softmax. A chunk's stats and the thread's
-// first ATT_RED_BATCH values are read together and waited for together (one round trip to L2
-// after the last part landed); each further batch of values takes one more.
+// first values are read together and waited for together (one round trip to L2 after the last
+// part landed); each further batch of values takes one more.
 // Measured on the H100 (BENCHMARKS.md): the earlier form (tables of maxes, sums and weights in
 // shared memory behind two consumer barriers, the stats one uncoalesced word per thread) took
 // 2.9 µs from start to store with every input already in L2, on every layer's critical path
@@ -24,8 +24,12 @@
 #endif
 constexpr int ATT_RED_BATCH = MK_RED_BATCH;
 static_assert(32 % ATT_RED_BATCH == 0, "a chunk of 32 parts is whole batches");
+// MK_RED_HOIST (1 by default; 0 for measuring): the first chunk's stats and first
+// MK_RED_HOIST_VALUES values read outside the batches' loop, in one round trip. Against the
+// loop alone on the H100 (BENCHMARKS.md, 2026-11-27): SmolLM2 at 8K (21 parts) 3% faster a
+// token in three runs, Llama-1B at 32K 1.1%, Llama-1B at 8K (16 parts) unchanged.
 #ifndef MK_RED_HOIST
-#define MK_RED_HOIST 0
+#define MK_RED_HOIST 1
 #endif
 #ifndef MK_RED_HOIST_VALUES
 #define MK_RED_HOIST_VALUES 16
@@ -53,10 +57,11 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float*) {
         float M = NEG_INF, S = 0.f, acc = 0.f, wl = 0.f;
         int first = 0;
 #if MK_RED_HOIST
-        // MK_RED_HOIST=1 (for measuring, not run yet): where one round covers the outputs, the
-        // first chunk's stats and its first MK_RED_HOIST_VALUES values are read at the top
-        // level, outside any loop, and waited for together (one round trip up to that many
-        // parts), as the earlier form read its first batch; the batches after it as below.
+        // Where one round covers the outputs: the first chunk's stats and its first
+        // MK_RED_HOIST_VALUES values read at the top level, outside any loop, and waited for
+        // together (one round trip up to that many parts); the batches after them as below.
+        // (16 values a batch inside the loop instead slowed the attention parts themselves:
+        // see MK_RED_BATCH.)
         if (ROUNDS == 1) {
             constexpr int NH = MK_RED_HOIST_VALUES;
             const bool has = lane < parts;
