@@ -50,7 +50,10 @@ struct Kernels {
     gemv_q: [Kernel; 4],
 }
 
-const ATT_THREADS: u32 = 128;
+/// Measured on the H100 (BENCHMARKS.md, 2026-11-27), graph + PDL, 32-token prompt + 128 new:
+/// 256 threads (a warp per 32 positions up to 256) against 128, SmolLM2 0.5216 -> 0.5050 ms a
+/// token, Qwen3-0.6B 0.8414 -> 0.8232, Llama-1B 1.0288 -> 1.0217, Llama-3.2-3B level.
+const ATT_THREADS: u32 = 256;
 /// Sequences expected to grow past this get split-KV attention (`bl_attention_kv`); shorter ones
 /// a block per query head (`bl_attention`, whose blocks prefetch their rows to L2 before they
 /// wait). On the H100, Llama-1B shape, graph + PDL: at 160 positions `bl_attention` 1.120 ms,
@@ -1084,11 +1087,19 @@ impl MvConfig {
         // Among those, near-ties go to more CTAs (more SMs pulling).
         if rounds == 1 && batches == 1 {
             let whole = (rows * cols * 2) as f64 / bw;
-            // An input of more than one float4 a thread is staged in fewer round trips by the
-            // double-buffered kernels (`mv_body`'s SB), which cost more code where it is not.
-            let staged = (cols / 4 > MV_THREADS as usize) != v.double_buffered;
+            // The double-buffered kernels' batched input staging (`mv_body`'s SB) costs code
+            // where the input is at most one float4 a thread. Two CTAs on an SM cost more than
+            // the staging saves: measured in the step on the H100 (BENCHMARKS.md, 2026-11-27,
+            // graph + PDL), the O projection one CTA an SM without double buffering, Llama-1B
+            // at r2u8:1:1 0.9970 ms a token against 1.0213 at r1u8d:1:2, Qwen3-0.6B at
+            // r1u8:1:1 0.8134 against 0.8231 at r1u8d:2:2.
+            let staged = cols / 4 <= MV_THREADS as usize && v.double_buffered;
             let staged = if staged { 0.01 } else { 0.0 };
-            return whole.max(LATENCY) * (1.0 + staged - 0.001 * (grid as f64 / sms as f64));
+            // (Only where the grid fills most SMs twice: a product too small to fill them once
+            // gains from a second CTA, as SmolLM2's O projection at r1u8:2:2 does.)
+            let shared_sm = if 10 * grid >= 18 * sms { 0.02 } else { 0.0 };
+            return whole.max(LATENCY)
+                * (1.0 + staged + shared_sm - 0.001 * (grid as f64 / sms as f64));
         }
         // 16-byte loads in flight per warp, and per thread on average (idle lanes count).
         let warp_loads = r as usize * slice.min(32 * u as usize);
@@ -1552,8 +1563,8 @@ mod tests {
 
     /// The geometries measured fastest in the step on the H100 (BENCHMARKS.md, 2026-11-27,
     /// `MEGAINFER_BASELINE_MV` sweeps on the Llama-3.2-1B shape, graph + PDL and graph): QKV
-    /// with every load issued at once, O the same with the batched input staging, gate/up as
-    /// two double-buffered CTAs an SM, the down projection as one with twice the loads.
+    /// with every load issued at once, O the same at one CTA an SM, gate/up as two
+    /// double-buffered CTAs an SM, the down projection as one with twice the loads.
     #[test]
     fn llama_1b_gets_the_geometries_measured_fastest() {
         let c = presets::by_name("llama-3.2-1b").unwrap();
@@ -1564,7 +1575,7 @@ mod tests {
                 MvConfig::choose(rows, cols, p.pairs(), 132).name()
             })
             .collect();
-        assert_eq!(got, ["r2u8:1:2", "r1u8d:1:2", "r2u4d:1:2", "r2u8d:1:1"]);
+        assert_eq!(got, ["r2u8:1:2", "r2u8:1:1", "r2u4d:1:2", "r2u8d:1:1"]);
     }
 
     #[test]
