@@ -1578,6 +1578,68 @@ mod tests {
         assert_eq!(got, ["r2u8:1:2", "r2u8:1:1", "r2u4d:1:2", "r2u8d:1:1"]);
     }
 
+    /// Every preset's geometries (qkv, o, gu, down, lm) as the estimate ranks them on an
+    /// H100's 132 SMs, so a change to the estimate shows which products it moves. Measured in
+    /// the step (BENCHMARKS.md, 2026-11-27, c5808c9): Llama-1B's, Qwen3-1.7B's and Qwen3-0.6B's
+    /// O projections one CTA an SM; the rest as ranked.
+    #[test]
+    fn every_preset_gets_its_geometries() {
+        let want = [
+            (
+                "llama-3.2-1b",
+                "r2u8:1:2 r2u8:1:1 r2u4d:1:2 r2u8d:1:1 r2u4d:1:2",
+            ),
+            (
+                "llama-3.2-3b",
+                "r1u8d:2:2 r1u8d:2:2 r2u4d:1:2 r1u8d:2:2 r1u8d:1:2",
+            ),
+            (
+                "llama-3.1-8b",
+                "r1u8d:1:2 r2u4d:1:2 r2u4d:1:2 r2u8d:1:1 r1u8d:1:2",
+            ),
+            (
+                "smollm2-135m",
+                "r1u8:1:1 r1u8:2:2 r2u4:1:2 r1u8:2:2 r4u4:1:2",
+            ),
+            (
+                "qwen3-0.6b",
+                "r4u4:1:1 r1u8:1:1 r4u4:1:2 r1u16:1:1 r4u4:1:2",
+            ),
+            (
+                "qwen3-1.7b",
+                "r2u8:1:2 r2u8:1:1 r2u4d:1:2 r2u8d:1:1 r2u4d:1:2",
+            ),
+            (
+                "qwen3-4b",
+                "r1u8d:1:2 r1u8d:4:2 r2u4d:1:2 r1u8d:4:2 r2u4d:1:2",
+            ),
+            (
+                "qwen3-8b",
+                "r1u8d:1:2 r2u4d:1:2 r2u4d:1:2 r2u8d:1:1 r2u4d:1:2",
+            ),
+            (
+                "qwen2.5-0.5b",
+                "r1u8:1:2 r1u8:2:2 r1u8d:1:2 r1u16:2:2 r4u4:1:2",
+            ),
+            (
+                "qwen2.5-7b",
+                "r1u8d:4:2 r1u8d:4:2 r2u4d:1:2 r1u8d:4:2 r2u4d:1:2",
+            ),
+        ];
+        assert_eq!(want.len(), presets::NAMES.len());
+        for (name, geometries) in want {
+            let c = presets::by_name(name).unwrap();
+            let got: Vec<String> = Proj::ALL
+                .iter()
+                .map(|p| {
+                    let (rows, cols) = p.shape(&c);
+                    MvConfig::choose(rows, cols, p.pairs(), 132).name()
+                })
+                .collect();
+            assert_eq!(got.join(" "), geometries, "{name}");
+        }
+    }
+
     #[test]
     fn geometry_strings_round_trip_and_bad_ones_are_named() {
         for cfg in MvConfig::all() {
