@@ -61,7 +61,9 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float*) {
         // MK_RED_HOIST_VALUES values read at the top level, outside any loop, and waited for
         // together (one round trip up to that many parts); the batches after them as below.
         // (16 values a batch inside the loop instead slowed the attention parts themselves:
-        // see MK_RED_BATCH.)
+        // see MK_RED_BATCH. This read and the loop's are written out twice on purpose: one
+        // helper for both changed the kernel's code generation, two more spill instructions
+        // on Llama-1B's, in a form not measured on a GPU.)
         if (ROUNDS == 1) {
             constexpr int NH = MK_RED_HOIST_VALUES;
             const bool has = lane < parts;
