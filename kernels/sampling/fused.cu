@@ -185,8 +185,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
                   sm1.sel, tid);
         __syncthreads();
         smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
-        token = SMP_NONE;
-        if (tid < 32) token = smp_cut_and_draw(s, m.pos, z_all, sm, tid);
+        token = smp_cut_and_draw(s, m.pos, z_all, sm, tid, nthreads, sync);
     }
     if (tid == 0) smp_store_token(m, token, history, meta_out);
 }

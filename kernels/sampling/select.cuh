@@ -40,18 +40,27 @@ struct SmpBlock {
     smp_u32 pad[2];
 };
 
-// Shared-memory scratch of either part.
+// Shared-memory scratch of either part. Members never live at the same time share space, so
+// that the megakernel's copy fits its MK_SMP_SCRATCH_BYTES.
 struct SmpShared {
-    smp_u32 hist[256];
+    union {
+        smp_u32 hist[256];      // smp_radix_select's
+        double ss[SMP_KMAX];    // after the sort: candidate j's draw score (smp_cut_and_draw)
+    };
     smp_u32 sh[4];
     smp_u64 wt[32];
     double redd[32];
     smp_u32 redi[32];
     float redf[32];
     smp_u32 bitmap[SMP_MAX_ROWS / 32];
-    float cv[SMP_KMAX];
-    smp_u32 ci[SMP_KMAX];
-    float sv[SMP_KMAX];
+    union {
+        struct {                // the candidates before the sort, in any order
+            float cv[SMP_KMAX];
+            smp_u32 ci[SMP_KMAX];
+        };
+        double sw[SMP_KMAX];    // after it: candidate j's top-p weight (smp_cut_and_draw)
+    };
+    float sv[SMP_KMAX];         // the sorted candidates
     smp_u32 si[SMP_KMAX];
     smp_u32 count;
 };
@@ -437,22 +446,41 @@ __device__ __forceinline__ double smp_draw_score(const SmpParams& s, smp_u32 pos
     return (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
 }
 // Over the sorted candidates sm.sv / sm.si (sm.count of them, largest first, equal values
-// lowest index first): top-k, top-p (against z_all, the softmax denominator over the whole
-// vocabulary relative to sm.sv[0], when top-k is off) and min-p, each a prefix of the list,
-// then the Gumbel-max among what is left. Run by one warp (lane 0 .. 31); returns the token
-// in every lane.
-__device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_all, SmpShared& sm, int lane) {
-    // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3.
+// lowest index first), at T != 0: top-k, top-p (against z_all, the softmax denominator over
+// the whole vocabulary relative to sm.sv[0], when top-k is off) and min-p, each a prefix of
+// the list, then the Gumbel-max among what is left. Run by all nthreads threads (any number,
+// a multiple of 32) after the barrier that ends the sort; returns the token in threads
+// 0 .. 31. Its sm.ss and sm.sw take the place of sm.hist and sm.cv / sm.ci.
+//
+// Every candidate top-k keeps first gets its score (and, with top-p, its weight) in sm.ss
+// (sm.sw), a thread each: a score is a Philox draw and two double-precision logs, which the
+// one warp that makes the cuts would otherwise compute four a lane, one after the other. That
+// warp reads them back and adds them in its own fixed order, so the token does not depend on
+// which thread computed which term.
+template <typename Sync>
+__device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_all, SmpShared& sm, int tid,
+                                    int nthreads, Sync sync) {
     const int count = sm.count;
     int keep = count;
     if (s.top_k > 0) keep = min(keep, (int)s.top_k);
     const double top = count > 0 ? (double)sm.sv[0] : 0.0;
+    // Scores by threads 0 .. SMP_KMAX - 1, weights by the next SMP_KMAX (fewer threads loop).
+    for (int t = tid; t < (s.top_p < 1.f ? 2 * SMP_KMAX : SMP_KMAX); t += nthreads) {
+        const int j = t % SMP_KMAX;
+        if (j >= keep) continue;
+        if (t < SMP_KMAX) sm.ss[j] = smp_draw_score(s, pos, sm, j, sm.si[j]);
+        else sm.sw[j] = smp_topp_weight(sm, j, top);
+    }
+    sync();
+    if (tid >= 32) return SMP_NONE;
+    // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3.
+    const int lane = tid;
     if (s.top_p < 1.f && count > 0) {
         double w[SMP_KMAX / 32], local = 0.0;
 #pragma unroll
         for (int q = 0; q < SMP_KMAX / 32; q++) {
             const int j = lane * (SMP_KMAX / 32) + q;
-            w[q] = j < keep ? smp_topp_weight(sm, j, top) : 0.0;
+            w[q] = j < keep ? sm.sw[j] : 0.0;
             local += w[q];
         }
         double incl = local;
@@ -489,8 +517,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
     double best = -__longlong_as_double(0x7ff0000000000000ll);
     smp_u32 idx = SMP_NONE;
     for (int j = lane; j < keep; j += 32) {
-        const smp_u32 i = sm.si[j];
-        smp_best_merge(best, idx, smp_draw_score(s, pos, sm, j, i), i);
+        smp_best_merge(best, idx, sm.ss[j], sm.si[j]);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -554,8 +581,7 @@ __device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, 
         atomicAdd(&sm.count, 1u);
     }
     sync();
-    smp_u32 token = SMP_NONE;
-    if (tid < 32) token = smp_cut_and_draw(s, pos, z_all, sm, tid);
+    const smp_u32 token = smp_cut_and_draw(s, pos, z_all, sm, tid, nthreads, sync);
     sync();
     return token;
 }

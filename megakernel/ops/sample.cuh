@@ -353,8 +353,7 @@ __device__ __forceinline__ u32 mk_sample_draw(const MkParams& p, const TokenMeta
                 sh.sel, ct);
     consumers_sync();
     smp_rank<CONSUMERS>(kk, sh.base, ct, sync);
-    smp_u32 token = SMP_NONE;
-    if (ct < 32) token = smp_cut_and_draw(s, m.pos, z_all, sh.base, ct);
+    const smp_u32 token = smp_cut_and_draw(s, m.pos, z_all, sh.base, ct, CONSUMERS, sync);
     consumers_sync();  // the scratch is xs and res again for the next instruction
     return token;
 }
