@@ -1096,8 +1096,18 @@ impl MvConfig {
             let staged = cols / 4 <= MV_THREADS as usize && v.double_buffered;
             let staged = if staged { 0.01 } else { 0.0 };
             // (Only where the grid fills most SMs twice: a product too small to fill them once
-            // gains from a second CTA, as SmolLM2's O projection at r1u8:2:2 does.)
-            let shared_sm = if 10 * grid >= 18 * sms { 0.02 } else { 0.0 };
+            // gains from a second CTA, as SmolLM2's O projection at r1u8:2:2 does. And only
+            // where each CTA's staging of the whole input shows: inputs of more than one float4
+            // a thread, or a product shorter than a memory latency. Measured in the step on the
+            // H100, graph + PDL (BENCHMARKS.md, 2026-11-27): Qwen3-0.6B's QKV, 1024 wide and
+            // 8 MB, 2.9% faster at r2u4:1:2 (two CTAs an SM) than at r4u4:1:1; SmolLM2's, 1 MB,
+            // 0.6% slower at r1u8:2:2 than at r1u8:1:1.)
+            let staged_twice = cols / 4 > MV_THREADS as usize || whole < LATENCY;
+            let shared_sm = if staged_twice && 10 * grid >= 18 * sms {
+                0.02
+            } else {
+                0.0
+            };
             return whole.max(LATENCY)
                 * (1.0 + staged + shared_sm - 0.001 * (grid as f64 / sms as f64));
         }
@@ -1588,7 +1598,7 @@ mod tests {
             ),
             (
                 "qwen3-0.6b",
-                "r4u4:1:1 r1u8:1:1 r4u4:1:2 r1u16:1:1 r4u4:1:2",
+                "r2u4:1:2 r1u8:1:1 r4u4:1:2 r1u16:1:1 r4u4:1:2",
             ),
             (
                 "qwen3-1.7b",
