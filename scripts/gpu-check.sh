@@ -68,7 +68,9 @@ for t in ${TESTS:-bundle/tests/*}; do
   rows+=("$(printf '%-28s rc=%-3s %6ss ignored=%s %s' "$name" "$rc" "$secs" "${ignored:-?}" "$summary")")
   grep -E "rel L2|tok/s|ms/token|near-tie|FAILED|panicked|error" "$OUT/$name.log" | tail -40
 done
-if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi
+# EXTRA: a command run after the tests; its output is printed and kept in $OUT/0-extra.log
+# (named to sort first, beside the kernel cache: only 8 files come back from a call).
+if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA" 2>&1 | tee "$OUT/0-extra.log"; fi
 echo
 echo "=== GPU check summary ==="
 printf '%s\n' "${rows[@]}"
