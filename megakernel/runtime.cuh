@@ -138,8 +138,8 @@ struct Smem {
 // MK_PREP_STAMPS=1 (for measuring, through MEGAINFER_MK_DEFINES; scripts/timeline.py --prep
 // reads it): in a profiled step, consumer thread 0 stamps the profile's two extra words of a
 // mat-vec instruction (the loader's otherwise) when its prepare starts and when its own inputs
-// have settled (prepare_normed_small, copy_in; AttnReduce: its maxes, sums and first values), splitting an instruction's wait for its inputs
-// from the work around it.
+// have settled (prepare_normed_small, copy_in; AttnReduce: its maxes, sums and first values),
+// splitting an instruction's wait for its inputs from the work around it.
 #ifndef MK_PREP_STAMPS
 #define MK_PREP_STAMPS 0
 #endif

@@ -22,7 +22,8 @@ const ROW_GRANULE: usize = 4;
 /// which holds 128 parts (the form by warp shuffles has no such bound).
 pub const MAX_ATTN_PARTS: usize = 128;
 /// What each split-KV part adds to its KV head's reduction, µs: `AttnReduce` reads every
-/// part's output, max and sum, 8 parts per round trip to L2. Fitted to the megakernel's times
+/// part's output, max and sum, the first 16 parts in one round trip to L2, then 8 per round
+/// trip. Fitted to the megakernel's times
 /// per token with an earlier, slower merge (shared-memory tables and two barriers) over the
 /// part counts measured on an H100 (SmolLM2 at 2K and 8K,
 /// Qwen2.5-0.5B, Llama-1B, Llama-3.2-3B and Qwen3-0.6B at 8K, Llama-1B at 32K), together with

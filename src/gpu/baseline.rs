@@ -51,8 +51,8 @@ struct Kernels {
 }
 
 /// Measured on the H100 (BENCHMARKS.md, 2026-11-27), graph + PDL, 32-token prompt + 128 new:
-/// 256 threads (a warp per 32 positions up to 256) against 128, SmolLM2 0.5216 -> 0.5050 ms a
-/// token, Qwen3-0.6B 0.8414 -> 0.8232, Llama-1B 1.0288 -> 1.0217, Llama-3.2-3B level.
+/// 256 threads (a warp per 32 positions up to 256) against 128, SmolLM2 0.5211 -> 0.5047 ms a
+/// token, Qwen3-0.6B 0.8414 -> 0.8232, Llama-1B 1.0288 -> 1.0216, Llama-3.2-3B level.
 const ATT_THREADS: u32 = 256;
 /// Sequences expected to grow past this get split-KV attention (`bl_attention_kv`); shorter ones
 /// a block per query head (`bl_attention`, whose blocks prefetch their rows to L2 before they
