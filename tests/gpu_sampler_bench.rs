@@ -238,8 +238,19 @@ fn sampler_bench() {
             );
             for (chunk, sampler) in &mut fused {
                 sampler.set_params(&g.stream, &p).unwrap();
+                let fell_back = sampler.fallbacks(&g).unwrap();
                 let new = draws(&g, &mut b, sampler);
+                let fell_back = sampler.fallbacks(&g).unwrap() - fell_back;
                 let differ = (0..DRAWS).filter(|&i| old[i] != new[i]).count();
+                // The searches after a failed first attempt draw the same tokens too.
+                sampler.force_searches(true);
+                let searched = draws(&g, &mut b, sampler);
+                sampler.force_searches(false);
+                let differ_searched = (0..DRAWS).filter(|&i| new[i] != searched[i]).count();
+                assert_eq!(
+                    differ_searched, 0,
+                    "{model}, {name}, chunk {chunk}: the draws after failed first attempts differ"
+                );
                 if *chunk == 4096 {
                     if let Some(i) = (0..DRAWS).find(|&i| old[i] != new[i]) {
                         panic!(
@@ -259,8 +270,13 @@ fn sampler_bench() {
                 }
                 let t = time_draws(&g, &mut b, sampler, false);
                 let t_pdl = time_draws(&g, &mut b, sampler, true);
+                let fast = if sampler.fast() {
+                    format!(", {fell_back} first attempts failed")
+                } else {
+                    String::new()
+                };
                 line += &format!(
-                    "   fused/{chunk} {t:6.2} (PDL {t_pdl:6.2}, {differ} of {DRAWS} differ)"
+                    "   fused/{chunk} {t:6.2} (PDL {t_pdl:6.2}, {differ} of {DRAWS} differ{fast})"
                 );
             }
             println!("{line}");

@@ -10,6 +10,15 @@
 // top k. The CTA that finishes last (an atomic counter, which it resets) merges: the union of
 // the blocks' keys holds the global top k, which the same threshold search, now exact, finds;
 // it sorts them and applies the cuts and the draw (smp_cut_and_draw, as smp_final does).
+//
+// With `fast` set (the host sets it where every CTA is resident at once: no more CTAs than
+// SMs), a truncating draw first tries without the blocks' threshold searches: the CTAs share
+// their maxima (a grid-wide wait), then each writes its keys within `hint` (a logit distance
+// the previous draw left) of the global maximum; the last CTA merges and draws as above
+// and checks that those keys decided the cuts (smp1_complete). If they did, the token is the
+// one the searches would have given; if not (or a CTA had more than SMP1_CAP such keys), it
+// tells the waiting CTAs so, and all of them search and merge as above. Either way the last
+// merge leaves `hint` for the next draw.
 
 #define SMP1_THREADS 512
 #define SMP1_PER (SMP_CHUNK / SMP1_THREADS)  // rows a thread holds
@@ -20,6 +29,7 @@ struct Smp1Shared {
     SmpShared base;
     SmpSel sel;
     smp_u32 last;
+    smp_u32 verdict;  // the fast attempt's, for the whole CTA
 };
 
 __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
@@ -33,12 +43,123 @@ __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
     return b;
 }
 
+// The gate's words (6, zero at first): the fast attempt's arrival counter for its keys (0
+// between launches), the verdict's epoch (advanced once an attempt), draws that fell back (a
+// statistic), the verdict, the arrival counter for the maxima, and their epoch (advanced
+// with the verdict's, so the two are equal between launches).
+#define SMP1_GATE_ARRIVE 0
+#define SMP1_GATE_EPOCH 1
+#define SMP1_GATE_FALLBACKS 2
+#define SMP1_GATE_VERDICT 3
+#define SMP1_GATE_MAX_ARRIVE 4
+#define SMP1_GATE_MAX_EPOCH 5
+
+// Thread 0 waits until the epoch word moves past `epoch`. Every CTA is resident (the host's
+// condition for the fast attempt), so the CTA that moves it arrives; a launch that never sees
+// it move is stopped, not left hanging.
+__device__ __forceinline__ void smp1_wait_epoch(const smp_u32* word, smp_u32 epoch) {
+    for (unsigned long long spins = 0; *(const volatile smp_u32*)word == epoch; spins++)
+        if (spins > (1ull << 26)) __trap();
+    __threadfence();
+}
+#define SMP1_VERDICT_DRAWN 1u
+#define SMP1_VERDICT_SEARCH 2u
+#define SMP1_OVER 0xffffffffu  // a block's fast count when it had more than SMP1_CAP keys
+
+// The last CTA's merge (the union of the blocks' keys, nb * SMP1_CAP slots, zero past each
+// block's count in blk.pad[0]) and draw: the token in thread 0; the sorted candidates stay in
+// sm, their number in sm.count, how many the cuts kept in sm.sh[3], the global maximum in gmax.
+__device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, const SmpBlock* blocks, const smp_u64* keys,
+                                       int nb, Smp1Shared& sm1, int tid, float& gmax) {
+    SmpShared& sm = sm1.base;
+    const auto sync = [] { __syncthreads(); };
+    const int nthreads = SMP1_THREADS;
+    const float ninf = __int_as_float(0xff800000u);
+    // The union, loaded first so that its latency overlaps the reductions below
+    // (nb * SMP1_CAP <= SMP1_THREADS * SMP1_FINAL_PER: the host's check).
+    smp_u64 c[SMP1_FINAL_PER];
+    const int slots = nb * SMP1_CAP;
+#pragma unroll
+    for (int r = 0; r < SMP1_FINAL_PER; r++) {
+        const int i = tid + r * SMP1_THREADS;
+        c[r] = i < slots ? __ldcg(keys + i) : 0ull;
+    }
+    // As smp_final_part (one block a thread, nb <= SMP1_THREADS): the maximum, the number of
+    // keys, and the softmax denominator for top-p without top-k.
+    SmpBlock blk;
+    blk.max = ninf;
+    blk.sumexp = 0.0;
+    blk.pad[0] = 0;
+    if (tid < nb) blk = smp1_load_block(blocks + tid);
+    gmax = smp_block_max(blk.max, sm, tid, nthreads, sync);
+    const smp_u32 n = (smp_u32)smp_block_sum((double)blk.pad[0], sm, tid, nthreads, sync);
+    double z_all = 0.0;
+    if (s.top_p < 1.f && s.top_k == 0) {
+        if (tid < nb && blk.max != ninf) z_all += blk.sumexp * exp((double)blk.max - (double)gmax);
+        z_all = smp_block_sum(z_all, sm, tid, nthreads, sync);
+    }
+    // The top k of the union: exactly k keys, then ranked (largest logit first, equal logits
+    // lowest token first, as smp_final_part's sort).
+    const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
+    smp_u32 kk;
+    const smp_u64 t = smp_threshold<SMP1_THREADS>(c, n, k, 0, sm1.sel, tid, sync, kk);
+    smp_emit(c, [&](smp_u64 key) { return key >= t; },
+             [&](smp_u32 slot, smp_u64 key) {
+                 sm.cv[slot] = smp_unkey((smp_u32)(key >> 32));
+                 sm.ci[slot] = ~(smp_u32)key;
+             },
+             sm1.sel, tid);
+    __syncthreads();
+    smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
+    return smp_cut_and_draw(s, m.pos, z_all, sm, tid, nthreads, sync);
+}
+
+// Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
+// every key at or above tau (the global maximum less the hint) was among them, so they are
+// the exact list down to tau. The draw is exact if that part holds all k candidates the rule
+// can take; else (top-p over top-k needs the whole top-k list for its denominator) if top-p's
+// cut fell inside it, or min-p's first excluded candidate is in it. By thread 0, after
+// smp1_merge_and_draw (smp_cut_and_draw's sm.sh words).
+__device__ bool smp1_complete(const SmpParams& s, const SmpShared& sm, float tau) {
+    const int kk = sm.count;
+    const int k = s.top_k > 0 ? (int)s.top_k : SMP_KMAX;
+    // Candidates at or above tau: a prefix of the sorted list, found by bisection.
+    int lo = 0, hi = kk;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (smp_key(sm.sv[mid]) >= smp_key(tau)) lo = mid + 1;
+        else hi = mid;
+    }
+    if (kk == k && lo == k) return true;
+    if (s.top_k > 0 && s.top_p < 1.f) return false;
+    const int keep_p = sm.sh[1], keep = sm.sh[3];
+    if (keep < keep_p) return keep < lo;  // min-p cut: the first excluded candidate decided it
+    return sm.sh[2] != 0 && keep <= lo;     // top-p cut at keep - 1
+}
+
+// The hint for the next draw, by thread 0 of the CTA that drew. After a first attempt that
+// failed, -16: the next 16 draws search without one (a negative hint counts them up). Else
+// 1.25 times the distance below the maximum of the candidate that decided the cuts (the first
+// one excluded, or the last kept), plus 1/16: what this draw needed, with room.
+__device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, bool failed, float h) {
+    if (failed) { *hint = -16.f; return; }
+    if (h < 0.f && h + 1.f < 0.f) { *hint = h + 1.f; return; }
+    const int kk = sm.count, j = min((int)sm.sh[3], kk - 1);
+    if (j < 0) return;
+    const float depth = gmax - sm.sv[j];
+    if (depth >= 0.f && depth < 1e30f) *hint = 1.25f * depth + 0.0625f;
+}
+
 // Grid: ceil(vocab / SMP_CHUNK) CTAs of SMP1_THREADS, at most 12288 / SMP1_CAP of them.
 // blocks: a summary per CTA (pad[0]: its number of keys); keys: SMP1_CAP slots per CTA;
-// done: a counter, 0 between launches. meta, history and meta_out as smp_final's.
+// done: a counter, 0 between launches. meta, history and meta_out as smp_final's. hint: the
+// fast attempt's distance below the maximum; gate: its six words (SMP1_GATE_*); fast: 1 to
+// attempt it (every CTA resident at once), 2 to attempt it at a distance of 0 (for tests: the
+// searches then run after nearly every attempt), else 0.
 extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     smp_sample(const float* logits, int vocab, const SmpMeta* meta, smp_u32* history, const SmpParams* sp,
-               SmpBlock* blocks, smp_u64* keys, smp_u32* done, SmpMeta* meta_out) {
+               SmpBlock* blocks, smp_u64* keys, smp_u32* done, SmpMeta* meta_out, float* hint, smp_u32* gate,
+               int fast) {
     __shared__ Smp1Shared sm1;
     SmpShared& sm = sm1.base;
     smp_pdl_launch_next();
@@ -110,16 +231,100 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         z = smp_block_sum(z, sm, tid, nthreads, sync);
     }
     smp_u32 count = 0;
+    smp_u64 c[SMP1_PER];
     if (!draw_all) {
-        smp_u64 c[SMP1_PER];
 #pragma unroll
         for (int r = 0; r < SMP1_PER; r++) {
             const int j = tid + r * SMP1_THREADS;
             c[r] = j < rows ? (smp_u64)smp_key(x[r]) << 32 | (smp_u32)~(base + j) : 0ull;
         }
-        const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
+    }
+    smp_u64* out = keys + (size_t)blockIdx.x * SMP1_CAP;
+    const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
+
+    // ---- the fast attempt: this CTA's keys within the hint of the global maximum ----
+    const float h = fast ? *hint : 0.f;
+    const bool attempt = !draw_all && (fast == 2 || (fast == 1 && h > 0.f));
+    if (attempt) {
+        const float delta = fast == 2 ? 0.f : h;
+        // Every CTA's maximum first (a grid-wide wait), so that all of them cut at the same
+        // logit and their keys together are exactly those at or above it.
+        smp_u32 epoch = 0;
+        if (tid == 0) {
+            epoch = *(volatile smp_u32*)(gate + SMP1_GATE_MAX_EPOCH);
+            blocks[blockIdx.x].max = mx;
+            __threadfence();
+            if (atomicAdd(gate + SMP1_GATE_MAX_ARRIVE, 1u) == (smp_u32)nb - 1) {
+                gate[SMP1_GATE_MAX_ARRIVE] = 0;
+                __threadfence();
+                *(volatile smp_u32*)(gate + SMP1_GATE_MAX_EPOCH) = epoch + 1;
+            } else {
+                smp1_wait_epoch(gate + SMP1_GATE_MAX_EPOCH, epoch);
+            }
+        }
+        __syncthreads();
+        const float gm = smp_block_max(tid < nb ? __ldcg(&blocks[tid].max) : ninf, sm, tid, nthreads, sync);
+        const smp_u64 tk = (smp_u64)smp_key(gm - delta) << 32;
+        smp_u32 mine = 0;
+#pragma unroll
+        for (int r = 0; r < SMP1_PER; r++) mine += c[r] >= tk;
+        const smp_u32 fcount = (smp_u32)smp_block_sum((double)mine, sm, tid, nthreads, sync);
+        if (fcount <= SMP1_CAP) {
+            smp_emit(c, [&](smp_u64 key) { return key >= tk; }, [&](smp_u32 slot, smp_u64 key) { out[slot] = key; },
+                     sm1.sel, tid);
+            for (int i = fcount + tid; i < SMP1_CAP; i += nthreads) out[i] = 0;
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            SmpBlock b;
+            b.sumexp = z; b.best = best; b.max = mx; b.best_idx = best_idx;
+            b.pad[0] = fcount <= SMP1_CAP ? fcount : 0; b.pad[1] = fcount <= SMP1_CAP ? 0 : SMP1_OVER;
+            blocks[blockIdx.x] = b;
+            __threadfence();
+            sm1.last = atomicAdd(gate + SMP1_GATE_ARRIVE, 1u) == (smp_u32)nb - 1;
+        }
+        __syncthreads();
+        smp_u32 verdict;
+        if (sm1.last) {
+            __threadfence();
+            if (tid == 0) { gate[SMP1_GATE_ARRIVE] = 0; sm1.sel.fill = 0; }
+            const smp_u32 over = tid < nb ? __ldcg(&blocks[tid].pad[1]) : 0u;
+            const bool any_over = __syncthreads_or(over != 0);
+            float gmax = ninf;
+            smp_u32 token = SMP_NONE;
+            if (!any_over) token = smp1_merge_and_draw(s, m, blocks, keys, nb, sm1, tid, gmax);
+            if (tid == 0) {
+                const bool drawn = !any_over && smp1_complete(s, sm, gmax - delta);
+                if (drawn) {
+                    smp1_leave_hint(sm, gmax, hint, false, h);
+                    smp_store_token(m, token, history, meta_out);
+                } else {
+                    gate[SMP1_GATE_FALLBACKS] += 1;  // the merge after the searches leaves the hint
+                }
+                sm1.verdict = drawn ? SMP1_VERDICT_DRAWN : SMP1_VERDICT_SEARCH;
+                *(volatile smp_u32*)(gate + SMP1_GATE_VERDICT) = sm1.verdict;
+                __threadfence();
+                *(volatile smp_u32*)(gate + SMP1_GATE_EPOCH) = epoch + 1;
+            }
+            __syncthreads();
+            verdict = sm1.verdict;
+        } else {
+            if (tid == 0) {
+                smp1_wait_epoch(gate + SMP1_GATE_EPOCH, epoch);
+                sm1.verdict = *(volatile smp_u32*)(gate + SMP1_GATE_VERDICT);
+            }
+            __syncthreads();
+            verdict = sm1.verdict;
+        }
+        if (verdict == SMP1_VERDICT_DRAWN) return;
+        if (tid == 0) sm1.sel.fill = 0;
+        __syncthreads();
+    }
+
+    // ---- the searches: this CTA's top k and more, by radix passes ----
+    if (!draw_all) {
         const smp_u64 t = smp_threshold<SMP1_THREADS>(c, rows, k, SMP1_CAP, sm1.sel, tid, sync, count);
-        smp_u64* out = keys + (size_t)blockIdx.x * SMP1_CAP;
         smp_emit(c, [&](smp_u64 key) { return key >= t; }, [&](smp_u32 slot, smp_u64 key) { out[slot] = key; }, sm1.sel, tid);
         for (int i = count + tid; i < SMP1_CAP; i += nthreads) out[i] = 0;
     }
@@ -149,43 +354,9 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         smp_block_best(best, best_idx, sm, tid, nthreads, sync);
         token = best_idx;
     } else {
-        // The union of the blocks' keys, loaded first so that its latency overlaps the
-        // reductions below (nb * SMP1_CAP <= SMP1_THREADS * SMP1_FINAL_PER: the host's check).
-        smp_u64 c[SMP1_FINAL_PER];
-        const int slots = nb * SMP1_CAP;
-#pragma unroll
-        for (int r = 0; r < SMP1_FINAL_PER; r++) {
-            const int i = tid + r * SMP1_THREADS;
-            c[r] = i < slots ? __ldcg(keys + i) : 0ull;
-        }
-        // As smp_final_part (one block a thread, nb <= SMP1_THREADS): the maximum, the number
-        // of keys, and the softmax denominator for top-p without top-k.
-        SmpBlock blk;
-        blk.max = ninf;
-        blk.sumexp = 0.0;
-        blk.pad[0] = 0;
-        if (tid < nb) blk = smp1_load_block(blocks + tid);
-        const float gmax = smp_block_max(blk.max, sm, tid, nthreads, sync);
-        const smp_u32 n = (smp_u32)smp_block_sum((double)blk.pad[0], sm, tid, nthreads, sync);
-        double z_all = 0.0;
-        if (s.top_p < 1.f && s.top_k == 0) {
-            if (tid < nb && blk.max != ninf) z_all += blk.sumexp * exp((double)blk.max - (double)gmax);
-            z_all = smp_block_sum(z_all, sm, tid, nthreads, sync);
-        }
-        // The global top k: exactly k keys of the union, then ranked (largest logit first,
-        // equal logits lowest token first, as smp_final_part's sort).
-        const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
-        smp_u32 kk;
-        const smp_u64 t = smp_threshold<SMP1_THREADS>(c, n, k, 0, sm1.sel, tid, sync, kk);
-        smp_emit(c, [&](smp_u64 key) { return key >= t; },
-                  [&](smp_u32 slot, smp_u64 key) {
-                      sm.cv[slot] = smp_unkey((smp_u32)(key >> 32));
-                      sm.ci[slot] = ~(smp_u32)key;
-                  },
-                  sm1.sel, tid);
-        __syncthreads();
-        smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
-        token = smp_cut_and_draw(s, m.pos, z_all, sm, tid, nthreads, sync);
+        float gmax;
+        token = smp1_merge_and_draw(s, m, blocks, keys, nb, sm1, tid, gmax);
+        if (tid == 0 && fast) smp1_leave_hint(sm, gmax, hint, attempt, h);
     }
     if (tid == 0) smp_store_token(m, token, history, meta_out);
 }

@@ -456,7 +456,10 @@ __device__ __forceinline__ double smp_draw_score(const SmpParams& s, smp_u32 pos
 // (sm.sw), a thread each: a score is a Philox draw and two double-precision logs, which the
 // one warp that makes the cuts would otherwise compute four a lane, one after the other. That
 // warp reads them back and adds them in its own fixed order, so the token does not depend on
-// which thread computed which term.
+// which thread computed which term. Lane 0 leaves how the cuts ended, for the fused sampler's
+// check that the candidates it was given decided them: in sm.sh[1] the candidates top-k and
+// top-p kept, in sm.sh[2] whether the top-p cut fell inside the list, in sm.sh[3] the
+// candidates kept in the end (after min-p).
 template <typename Sync>
 __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_all, SmpShared& sm, int tid,
                                     int nthreads, Sync sync) {
@@ -501,7 +504,11 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) cut = min(cut, __shfl_xor_sync(0xffffffffu, cut, o));
         keep = min(keep, cut);
+        if (lane == 0) sm.sh[2] = cut <= SMP_KMAX;
+    } else if (lane == 0) {
+        sm.sh[2] = 0;
     }
+    if (lane == 0) sm.sh[1] = keep;
     if (s.min_p > 0.f && count > 0) {
         const double floor = top + log((double)s.min_p);
         int below = SMP_KMAX + 1;
@@ -514,6 +521,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
         for (int o = 16; o > 0; o >>= 1) below = min(below, __shfl_xor_sync(0xffffffffu, below, o));
         keep = max(1, min(keep, below));
     }
+    if (lane == 0) sm.sh[3] = keep;
     double best = -__longlong_as_double(0x7ff0000000000000ll);
     smp_u32 idx = SMP_NONE;
     for (int j = lane; j < keep; j += 32) {

@@ -33,6 +33,9 @@ const SAMPLE_THREADS: u32 = 512;
 /// (`SMP1_THREADS * SMP1_FINAL_PER`).
 const SAMPLE_CAP: usize = 160;
 const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
+/// Where the fast attempt first looks: keys within 4 of the block's maximum logit (each
+/// draw then leaves the distance it needed, with room, for the next).
+const INITIAL_HINT: f32 = 4.0;
 /// `SmpBlock` is 32 bytes.
 const BLOCK_WORDS: usize = 4;
 
@@ -116,6 +119,13 @@ pub struct DeviceSampler {
     /// `smp_sample`'s key slots and its arrival counter.
     keys: CudaSlice<u64>,
     done: CudaSlice<u32>,
+    /// `smp_sample`'s fast attempt (fused.cu): the logit distance below the maximum it looks
+    /// within, left by the previous draw; its gate (the words of its two grid-wide waits, and
+    /// how many draws fell back to the searches); and whether it is made at all (0 no, 1 yes,
+    /// 2 made to fail: [`Self::force_searches`]).
+    hint: CudaSlice<f32>,
+    gate: CudaSlice<u32>,
+    fast: i32,
     vocab: usize,
     n_blocks: usize,
 }
@@ -175,6 +185,12 @@ impl DeviceSampler {
             .load_module(Ptx::from_binary(cubin))
             .context("loading the sampling CUBIN")?;
         let fused = kernels == Kernels::Fused;
+        // The fast attempt's CTAs wait for the last one's verdict, so all of them must be
+        // resident at once: one CTA an SM (its 512 threads' registers), no more CTAs than SMs.
+        // MEGAINFER_SAMPLER_FAST=0 turns it off (for comparisons).
+        let fast = fused
+            && n_blocks <= gpu.sm_count
+            && crate::gpu::switches::switch("MEGAINFER_SAMPLER_FAST", true)?;
         let (cand_len, key_len) = if fused {
             (1, n_blocks * SAMPLE_CAP)
         } else {
@@ -194,6 +210,9 @@ impl DeviceSampler {
             cand_i: gpu.alloc_zeros(cand_len, "sampling candidate tokens")?,
             keys: gpu.alloc_zeros(key_len, "sampling candidate keys")?,
             done: gpu.alloc_zeros(1, "sampling arrival counter")?,
+            hint: gpu.upload(&[INITIAL_HINT], "sampling hint")?,
+            gate: gpu.alloc_zeros(6, "sampling gate")?,
+            fast: fast as i32,
             vocab,
             n_blocks,
         })
@@ -201,6 +220,24 @@ impl DeviceSampler {
 
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// Whether truncating draws first try without the blocks' threshold searches.
+    pub fn fast(&self) -> bool {
+        self.fast != 0
+    }
+
+    /// For tests: every truncating draw's first attempt made to fail (as if the hint were 0),
+    /// so that each one takes the searches after it.
+    pub fn force_searches(&mut self, on: bool) {
+        if self.fast != 0 {
+            self.fast = if on { 2 } else { 1 };
+        }
+    }
+
+    /// How many draws so far tried without the searches and then needed them.
+    pub fn fallbacks(&self, gpu: &Gpu) -> Result<u32> {
+        Ok(gpu.stream.clone_dtoh(&self.gate)?[2])
     }
 
     /// Philox4x32-10 of each counter under `key`, computed on the device (for tests).
@@ -281,11 +318,14 @@ impl DeviceSampler {
         let (vocab, nb) = (self.vocab as i32, self.n_blocks as i32);
         if self.kernels == Kernels::Fused {
             let (keys, done) = (ptr(&self.keys, stream), ptr(&self.done, stream));
+            let (hint, gate, fast) = (ptr(&self.hint, stream), ptr(&self.gate, stream), self.fast);
             // SAFETY: the arguments match smp_sample's parameters in fused.cu, in order; params,
-            // blocks, keys (SMP1_CAP per block) and done (zero between launches: the kernel's
-            // last CTA resets it) are this sampler's buffers, sized for `vocab` at construction,
-            // and logits, meta, meta_out and history are the caller's live buffers of the same
-            // vocabulary.
+            // blocks, keys (SMP1_CAP per block), done (zero between launches: the kernel's
+            // last CTA resets it), hint (one float) and gate (six words, its arrival counters
+            // zero between launches) are this sampler's buffers, sized for `vocab` at
+            // construction, and logits, meta, meta_out and history are the caller's live buffers
+            // of the same vocabulary. `fast` is set only where every CTA fits on the GPU at once
+            // (one an SM, no more than its SMs), which its waiting CTAs need.
             return unsafe {
                 self.sample_k.launch(
                     stream,
@@ -294,7 +334,8 @@ impl DeviceSampler {
                     0,
                     pdl,
                     &mut kargs![
-                        &logits, &vocab, &meta, &history, &params, &blocks, &keys, &done, &meta_out
+                        &logits, &vocab, &meta, &history, &params, &blocks, &keys, &done,
+                        &meta_out, &hint, &gate, &fast
                     ],
                 )
             };
