@@ -12,10 +12,10 @@
 // it sorts them and applies the cuts and the draw (smp_cut_and_draw, as smp_final does).
 //
 // With `fast` set (the host sets it where every CTA is resident at once: no more CTAs than
-// SMs), a truncating draw first tries without the blocks' threshold searches: the CTAs share
-// their maxima (a grid-wide wait), then each writes its keys within `hint` (a logit distance
-// the previous draw left) of the global maximum; the last CTA merges and draws as above
-// and checks that those keys decided the cuts (smp1_complete). If they did, the token is the
+// SMs), a truncating draw without top-k first tries without the blocks' threshold searches:
+// the CTAs share their maxima (a grid-wide wait), then each writes its keys within `hint` (a
+// logit distance the previous draw left) of the global maximum; the last CTA merges and draws
+// as above and checks that those keys decided the cuts (smp1_complete). If they did, the token is the
 // one the searches would have given; if not (or a CTA had more than SMP1_CAP such keys), it
 // tells the waiting CTAs so, and all of them search and merge as above. Either way the last
 // merge leaves `hint` for the next draw.
@@ -243,8 +243,11 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
 
     // ---- the fast attempt: this CTA's keys within the hint of the global maximum ----
+    // Not with top-k: its searches stop early (k keys, not 128), so the grid-wide wait costs
+    // more than they do (on the H100, SmolLM2's vocabulary with top-k 40 drew 3 µs slower
+    // alone with the attempt, and decoding the default model was level).
     const float h = fast ? *hint : 0.f;
-    const bool attempt = !draw_all && (fast == 2 || (fast == 1 && h > 0.f));
+    const bool attempt = !draw_all && (fast == 2 || (fast == 1 && h > 0.f && s.top_k == 0));
     if (attempt) {
         const float delta = fast == 2 ? 0.f : h;
         // Every CTA's maximum first (a grid-wide wait), so that all of them cut at the same
