@@ -33,7 +33,7 @@ const SAMPLE_THREADS: u32 = 512;
 /// (`SMP1_THREADS * SMP1_FINAL_PER`).
 const SAMPLE_CAP: usize = 160;
 const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
-/// Where the fast attempt first looks: keys within 4 of the block's maximum logit (each
+/// Where the fast attempt first looks: keys within 4 of the vocabulary's maximum logit (each
 /// draw then leaves the distance it needed, with room, for the next).
 const INITIAL_HINT: f32 = 4.0;
 /// `SmpBlock` is 32 bytes.
