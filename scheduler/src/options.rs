@@ -23,14 +23,13 @@ const ROW_GRANULE: usize = 4;
 pub const MAX_ATTN_PARTS: usize = 128;
 /// What each split-KV part adds to its KV head's reduction, µs: `AttnReduce` reads every
 /// part's output, max and sum, the first 16 parts in one round trip to L2, then 8 per round
-/// trip. Fitted to the megakernel's times
-/// per token with an earlier, slower merge (shared-memory tables and two barriers) over the
-/// part counts measured on an H100 (SmolLM2 at 2K and 8K,
-/// Qwen2.5-0.5B, Llama-1B, Llama-3.2-3B and Qwen3-0.6B at 8K, Llama-1B at 32K), together with
-/// the 2 µs per instruction of [`CostModel::megakernel`]; without it the model filled every
-/// SM with parts, and few-KV-head shapes lost 6-16% to the extra reduction (BENCHMARKS.md).
-/// With the current merge SmolLM2 at 8K is 2% faster at 32 parts than at the 21 this picks,
-/// so a refit over the same cases may lower it.
+/// trip. Fitted to the megakernel's times per token with an earlier, slower merge
+/// (shared-memory tables and two barriers) over the part counts measured on an H100 (SmolLM2
+/// at 2K and 8K, Qwen2.5-0.5B, Llama-1B, Llama-3.2-3B and Qwen3-0.6B at 8K, Llama-1B at
+/// 32K), together with the 2 µs per instruction of [`CostModel::megakernel`]; without it the
+/// model filled every SM with parts, and few-KV-head shapes lost 6-16% to the extra reduction
+/// (BENCHMARKS.md). With the current merge SmolLM2 at 8K is 2% faster at 32 parts than at the
+/// 21 this picks, so a refit over the same cases may lower it.
 pub const REDUCE_PART_US: f64 = 0.15;
 
 /// Machine and workload figures the granularity and the time estimate are computed from.

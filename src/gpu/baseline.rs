@@ -1126,7 +1126,8 @@ impl MvConfig {
         let epilogues = rounds as f64 * EPILOGUE / busiest_ctas as f64;
         // Without double buffering a warp has nothing in flight during its FMAs, when a task
         // takes more than one batch. Near-ties go to more loads in flight per thread, then to
-        // one CTA per SM.
+        // one CTA per SM where CTAs loop over several tasks (in one round, `lone` below makes
+        // two CTAs an SM the cheaper).
         let bubbles = !v.double_buffered && rounds * batches > 1;
         // Where every CTA has one task of several batches, one CTA an SM (8 warps, two a
         // scheduler) is slower than two CTAs of half the rows, although the estimate above
