@@ -25,11 +25,36 @@
 #define SMP1_CAP 160                          // key slots per block (>= SMP_KMAX)
 #define SMP1_FINAL_PER 24                     // slots a thread of the last CTA holds: nb * SMP1_CAP <= 12288
 
+// SMP_PROF=1 (for measuring, through MEGAINFER_SAMPLER_DEFINES): the CTA that draws prints
+// where one draw in 40 spent its time (globaltimer, ns from the earliest CTA's start after
+// griddepcontrol.wait): its own start, its logits read and maximum, the maxima's exchange,
+// its keys written, its arrival as the last CTA, the merge and draw, the token stored.
+#ifndef SMP_PROF
+#define SMP_PROF 0
+#endif
+#if SMP_PROF
+__device__ unsigned long long smp_prof_first = ~0ull;
+__device__ __forceinline__ unsigned long long smp_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define SMP_STAMP(i) \
+    if (tid == 0) pt[i] = smp_now()
+__device__ unsigned long long smp_prof_merge[5];
+#define SMP_MSTAMP(i) \
+    if (tid == 0) smp_prof_merge[i] = smp_now()
+#else
+#define SMP_MSTAMP(i)
+#define SMP_STAMP(i)
+#endif
+
 struct Smp1Shared {
     SmpShared base;
     SmpSel sel;
     smp_u32 last;
     smp_u32 verdict;  // the fast attempt's, for the whole CTA
+    smp_u32 used;     // the most key slots a block filled in the fast attempt
 };
 
 __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
@@ -43,24 +68,33 @@ __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
     return b;
 }
 
-// The gate's words (6, zero at first): the fast attempt's arrival counter for its keys (0
-// between launches), the verdict's epoch (advanced once an attempt), draws that fell back (a
-// statistic), the verdict, the arrival counter for the maxima, and their epoch (advanced
-// with the verdict's, so the two are equal between launches).
+// The gate's words (zero at first; the host allocates SMP1_GATE_MAXIMA + 2 * nb): the fast
+// attempt's arrival counter for its keys (0 between launches), the attempts made so far (an
+// attempt's tag is that count + 1: its words below carry it, so no reader takes an older
+// attempt's), draws that fell back (a statistic), the attempt's verdict (a 64-bit word: the
+// tag above the verdict), and from SMP1_GATE_MAXIMA each CTA's maximum (a 64-bit word: the tag
+// above the float's bits). A word that carries its tag needs no fence and no counter: one
+// relaxed 64-bit store, single-copy atomic, hands over the value and its readiness together.
 #define SMP1_GATE_ARRIVE 0
-#define SMP1_GATE_EPOCH 1
+#define SMP1_GATE_ATTEMPTS 1
 #define SMP1_GATE_FALLBACKS 2
-#define SMP1_GATE_VERDICT 3
-#define SMP1_GATE_MAX_ARRIVE 4
-#define SMP1_GATE_MAX_EPOCH 5
+#define SMP1_GATE_VERDICT 4  // words 4 and 5
+#define SMP1_GATE_MAXIMA 8   // words 8 .. 8 + 2 * nb
 
-// Thread 0 waits until the epoch word moves past `epoch`. Every CTA is resident (the host's
-// condition for the fast attempt), so the CTA that moves it arrives; a launch that never sees
-// it move is stopped, not left hanging.
-__device__ __forceinline__ void smp1_wait_epoch(const smp_u32* word, smp_u32 epoch) {
-    for (unsigned long long spins = 0; *(const volatile smp_u32*)word == epoch; spins++)
+__device__ __forceinline__ void smp1_st_tagged(smp_u32* word, smp_u32 tag, smp_u32 v) {
+    const smp_u64 t = (smp_u64)tag << 32 | v;
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(word), "l"(t) : "memory");
+}
+// The value of the 64-bit word at `word` once it carries `tag`. Every CTA is resident (the
+// host's condition for the fast attempt), so the CTA that writes it runs; a launch that never
+// sees it is stopped, not left hanging.
+__device__ __forceinline__ smp_u32 smp1_wait_tagged(const smp_u32* word, smp_u32 tag) {
+    for (unsigned long long spins = 0;; spins++) {
+        smp_u64 v;
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(word));
+        if ((smp_u32)(v >> 32) == tag) return (smp_u32)v;
         if (spins > (1ull << 26)) __trap();
-    __threadfence();
+    }
 }
 #define SMP1_VERDICT_DRAWN 1u
 #define SMP1_VERDICT_SEARCH 2u
@@ -70,7 +104,7 @@ __device__ __forceinline__ void smp1_wait_epoch(const smp_u32* word, smp_u32 epo
 // block's count in blk.pad[0]) and draw: the token in thread 0; the sorted candidates stay in
 // sm, their number in sm.count, how many the cuts kept in sm.sh[3], the global maximum in gmax.
 __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, const SmpBlock* blocks, const smp_u64* keys,
-                                       int nb, Smp1Shared& sm1, int tid, float& gmax) {
+                                       int nb, int used, Smp1Shared& sm1, int tid, float& gmax) {
     SmpShared& sm = sm1.base;
     const auto sync = [] { __syncthreads(); };
     const int nthreads = SMP1_THREADS;
@@ -82,7 +116,7 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
 #pragma unroll
     for (int r = 0; r < SMP1_FINAL_PER; r++) {
         const int i = tid + r * SMP1_THREADS;
-        c[r] = i < slots ? __ldcg(keys + i) : 0ull;
+        c[r] = i < slots && i % SMP1_CAP < used ? __ldcg(keys + i) : 0ull;
     }
     // As smp_final_part (one block a thread, nb <= SMP1_THREADS): the maximum, the number of
     // keys, and the softmax denominator for top-p without top-k.
@@ -90,6 +124,7 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
     blk.max = ninf;
     blk.sumexp = 0.0;
     blk.pad[0] = 0;
+    SMP_MSTAMP(0);
     if (tid < nb) blk = smp1_load_block(blocks + tid);
     gmax = smp_block_max(blk.max, sm, tid, nthreads, sync);
     const smp_u32 n = (smp_u32)smp_block_sum((double)blk.pad[0], sm, tid, nthreads, sync);
@@ -102,6 +137,7 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
     // lowest token first, as smp_final_part's sort).
     const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
     smp_u32 kk;
+    SMP_MSTAMP(1);
     const smp_u64 t = smp_threshold<SMP1_THREADS>(c, n, k, 0, sm1.sel, tid, sync, kk);
     smp_emit(c, [&](smp_u64 key) { return key >= t; },
              [&](smp_u32 slot, smp_u64 key) {
@@ -110,8 +146,12 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
              },
              sm1.sel, tid);
     __syncthreads();
+    SMP_MSTAMP(2);
     smp_rank<SMP1_THREADS>(kk, sm, tid, sync);
-    return smp_cut_and_draw(s, m.pos, z_all, sm, tid, nthreads, sync);
+    SMP_MSTAMP(3);
+    const smp_u32 tok = smp_cut_and_draw(s, m.pos, z_all, sm, tid, nthreads, sync);
+    SMP_MSTAMP(4);
+    return tok;
 }
 
 // Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
@@ -150,10 +190,23 @@ __device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, bo
     if (depth >= 0.f && depth < 1e30f) *hint = 1.25f * depth + 0.0625f;
 }
 
+#if SMP_PROF
+__device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u32 pos, int attempt, smp_u32 verdict) {
+    const unsigned long long f = smp_prof_first;
+    smp_prof_first = ~0ull;
+    if (pos % 40 != 0) return;
+    long long d[7], e[5];
+    for (int i = 0; i < 7; i++) d[i] = pt[i] ? (long long)(pt[i] - f) : -1;
+    for (int i = 0; i < 5; i++) e[i] = smp_prof_merge[i] > f ? (long long)(smp_prof_merge[i] - f) : -1;
+    printf("smp-prof nb %d pos %u attempt %d verdict %u: start %lld loaded+max %lld exchanged %lld emitted %lld last %lld drawn %lld stored %lld merge %lld %lld %lld %lld %lld\n",
+           (int)gridDim.x, pos, attempt, verdict, d[0], d[1], d[2], d[3], d[4], d[5], d[6], e[0], e[1], e[2], e[3], e[4]);
+}
+#endif
+
 // Grid: ceil(vocab / SMP_CHUNK) CTAs of SMP1_THREADS, at most 12288 / SMP1_CAP of them.
 // blocks: a summary per CTA (pad[0]: its number of keys); keys: SMP1_CAP slots per CTA;
 // done: a counter, 0 between launches. meta, history and meta_out as smp_final's. hint: the
-// fast attempt's distance below the maximum; gate: its six words (SMP1_GATE_*); fast: 1 to
+// fast attempt's distance below the maximum; gate: its words (SMP1_GATE_*); fast: 1 to
 // attempt it (every CTA resident at once), 2 to attempt it at a distance of 0 (for tests: the
 // searches then run after nearly every attempt), else 0.
 extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
@@ -165,6 +218,11 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     smp_pdl_launch_next();
     smp_pdl_wait();
     const int tid = threadIdx.x, nb = gridDim.x, nthreads = SMP1_THREADS;
+#if SMP_PROF
+    unsigned long long pt[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    SMP_STAMP(0);
+    if (tid == 0) atomicMin(&smp_prof_first, pt[0]);
+#endif
     const auto sync = [] { __syncthreads(); };
     const smp_u32 base = blockIdx.x * SMP_CHUNK;
     const int rows = min(SMP_CHUNK, vocab - (int)base);
@@ -180,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     const SmpMeta m = *meta;
     const float ninf = __int_as_float(0xff800000u);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
-    if (tid == 0) sm1.sel.fill = 0;
+    if (tid == 0) { sm1.sel.fill = 0; sm1.used = 0; }
 
     // ---- this CTA's rows: as smp_block_part, from registers ----
     const bool pen = smp_penalises(s);
@@ -207,6 +265,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         }
     }
     mx = smp_block_max(mx, sm, tid, nthreads, sync);
+    SMP_STAMP(1);
     double best = -__longlong_as_double(0x7ff0000000000000ll);
     smp_u32 best_idx = SMP_NONE;
     if (draw_all) {
@@ -251,22 +310,15 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     if (attempt) {
         const float delta = fast == 2 ? 0.f : h;
         // Every CTA's maximum first (a grid-wide wait), so that all of them cut at the same
-        // logit and their keys together are exactly those at or above it.
-        smp_u32 epoch = 0;
-        if (tid == 0) {
-            epoch = *(volatile smp_u32*)(gate + SMP1_GATE_MAX_EPOCH);
-            blocks[blockIdx.x].max = mx;
-            __threadfence();
-            if (atomicAdd(gate + SMP1_GATE_MAX_ARRIVE, 1u) == (smp_u32)nb - 1) {
-                gate[SMP1_GATE_MAX_ARRIVE] = 0;
-                __threadfence();
-                *(volatile smp_u32*)(gate + SMP1_GATE_MAX_EPOCH) = epoch + 1;
-            } else {
-                smp1_wait_epoch(gate + SMP1_GATE_MAX_EPOCH, epoch);
-            }
-        }
-        __syncthreads();
-        const float gm = smp_block_max(tid < nb ? __ldcg(&blocks[tid].max) : ninf, sm, tid, nthreads, sync);
+        // logit and their keys together are exactly those at or above it: each CTA writes its
+        // own, tagged with this attempt's tag, and thread b waits for CTA b's. (The draw
+        // before this one, which advanced the count, has completed: this grid waited for it.)
+        const smp_u32 tag = *(volatile smp_u32*)(gate + SMP1_GATE_ATTEMPTS) + 1;
+        smp_u32* maxima = gate + SMP1_GATE_MAXIMA;
+        if (tid == 0) smp1_st_tagged(maxima + 2 * blockIdx.x, tag, __float_as_uint(mx));
+        const float gm = smp_block_max(tid < nb ? __uint_as_float(smp1_wait_tagged(maxima + 2 * tid, tag)) : ninf, sm,
+                                       tid, nthreads, sync);
+        SMP_STAMP(2);
         const smp_u64 tk = (smp_u64)smp_key(gm - delta) << 32;
         smp_u32 mine = 0;
 #pragma unroll
@@ -279,6 +331,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         }
         __threadfence();
         __syncthreads();
+        SMP_STAMP(3);
         if (tid == 0) {
             SmpBlock b;
             b.sumexp = z; b.best = best; b.max = mx; b.best_idx = best_idx;
@@ -289,34 +342,39 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         }
         __syncthreads();
         smp_u32 verdict;
+        SMP_STAMP(4);
         if (sm1.last) {
             __threadfence();
             if (tid == 0) { gate[SMP1_GATE_ARRIVE] = 0; sm1.sel.fill = 0; }
+            // The blocks' overflow flags, and their key counts: the merge loads only the slots
+            // some block used (sm1.used, 0 since the start).
+            if (tid < nb) atomicMax(&sm1.used, __ldcg(&blocks[tid].pad[0]));
             const smp_u32 over = tid < nb ? __ldcg(&blocks[tid].pad[1]) : 0u;
             const bool any_over = __syncthreads_or(over != 0);
             float gmax = ninf;
             smp_u32 token = SMP_NONE;
-            if (!any_over) token = smp1_merge_and_draw(s, m, blocks, keys, nb, sm1, tid, gmax);
+            if (!any_over) token = smp1_merge_and_draw(s, m, blocks, keys, nb, (int)sm1.used, sm1, tid, gmax);
+            SMP_STAMP(5);
             if (tid == 0) {
                 const bool drawn = !any_over && smp1_complete(s, sm, gmax - delta);
                 if (drawn) {
-                    smp1_leave_hint(sm, gmax, hint, false, h);
                     smp_store_token(m, token, history, meta_out);
+                    smp1_leave_hint(sm, gmax, hint, false, h);
                 } else {
                     gate[SMP1_GATE_FALLBACKS] += 1;  // the merge after the searches leaves the hint
                 }
                 sm1.verdict = drawn ? SMP1_VERDICT_DRAWN : SMP1_VERDICT_SEARCH;
-                *(volatile smp_u32*)(gate + SMP1_GATE_VERDICT) = sm1.verdict;
-                __threadfence();
-                *(volatile smp_u32*)(gate + SMP1_GATE_EPOCH) = epoch + 1;
+                smp1_st_tagged(gate + SMP1_GATE_VERDICT, tag, sm1.verdict);
+                *(volatile smp_u32*)(gate + SMP1_GATE_ATTEMPTS) = tag;
             }
+            SMP_STAMP(6);
+#if SMP_PROF
+            if (tid == 0) smp_prof_print(pt, m.pos, 1, sm1.verdict);
+#endif
             __syncthreads();
             verdict = sm1.verdict;
         } else {
-            if (tid == 0) {
-                smp1_wait_epoch(gate + SMP1_GATE_EPOCH, epoch);
-                sm1.verdict = *(volatile smp_u32*)(gate + SMP1_GATE_VERDICT);
-            }
+            if (tid == 0) sm1.verdict = smp1_wait_tagged(gate + SMP1_GATE_VERDICT, tag);
             __syncthreads();
             verdict = sm1.verdict;
         }
@@ -340,8 +398,10 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     // ---- the last CTA to finish draws ----
     __threadfence();
     __syncthreads();
+    SMP_STAMP(3);
     if (tid == 0) sm1.last = atomicAdd(done, 1u) == (smp_u32)nb - 1;
     __syncthreads();
+    SMP_STAMP(4);
     if (!sm1.last) return;
     __threadfence();
     if (tid == 0) { *done = 0; sm1.sel.fill = 0; }
@@ -358,8 +418,13 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         token = best_idx;
     } else {
         float gmax;
-        token = smp1_merge_and_draw(s, m, blocks, keys, nb, sm1, tid, gmax);
+        token = smp1_merge_and_draw(s, m, blocks, keys, nb, SMP1_CAP, sm1, tid, gmax);
         if (tid == 0 && fast) smp1_leave_hint(sm, gmax, hint, attempt, h);
     }
+    SMP_STAMP(5);
     if (tid == 0) smp_store_token(m, token, history, meta_out);
+#if SMP_PROF
+    SMP_STAMP(6);
+    if (tid == 0) smp_prof_print(pt, m.pos, 0, 0);
+#endif
 }

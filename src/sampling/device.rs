@@ -33,6 +33,9 @@ const SAMPLE_THREADS: u32 = 512;
 /// (`SMP1_THREADS * SMP1_FINAL_PER`).
 const SAMPLE_CAP: usize = 160;
 const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
+/// `smp_sample`'s gate words before its CTAs' maxima (`SMP1_GATE_MAXIMA` in fused.cu).
+const GATE_WORDS: usize = 8;
+
 /// Where the fast attempt first looks: keys within 4 of the vocabulary's maximum logit (each
 /// draw then leaves the distance it needed, with room, for the next).
 const INITIAL_HINT: f32 = 4.0;
@@ -120,9 +123,10 @@ pub struct DeviceSampler {
     keys: CudaSlice<u64>,
     done: CudaSlice<u32>,
     /// `smp_sample`'s fast attempt (fused.cu): the logit distance below the maximum it looks
-    /// within, left by the previous draw; its gate (the words of its two grid-wide waits, and
-    /// how many draws fell back to the searches); and whether it is made at all (0 no, 1 yes,
-    /// 2 made to fail: [`Self::force_searches`]).
+    /// within, left by the previous draw; its gate ([`GATE_WORDS`] words and two a block: the
+    /// attempts' count, arrival counter and verdict, how many draws fell back to the searches,
+    /// and each CTA's maximum); and whether it is made at all (0 no, 1 yes, 2 made to fail:
+    /// [`Self::force_searches`]).
     hint: CudaSlice<f32>,
     gate: CudaSlice<u32>,
     fast: i32,
@@ -211,7 +215,7 @@ impl DeviceSampler {
             keys: gpu.alloc_zeros(key_len, "sampling candidate keys")?,
             done: gpu.alloc_zeros(1, "sampling arrival counter")?,
             hint: gpu.upload(&[INITIAL_HINT], "sampling hint")?,
-            gate: gpu.alloc_zeros(6, "sampling gate")?,
+            gate: gpu.alloc_zeros(GATE_WORDS + 2 * n_blocks, "sampling gate")?,
             fast: fast as i32,
             vocab,
             n_blocks,
@@ -321,8 +325,8 @@ impl DeviceSampler {
             let (hint, gate, fast) = (ptr(&self.hint, stream), ptr(&self.gate, stream), self.fast);
             // SAFETY: the arguments match smp_sample's parameters in fused.cu, in order; params,
             // blocks, keys (SMP1_CAP per block), done (zero between launches: the kernel's
-            // last CTA resets it), hint (one float) and gate (six words, its arrival counters
-            // zero between launches) are this sampler's buffers, sized for `vocab` at
+            // last CTA resets it), hint (one float) and gate (GATE_WORDS + 2 * n_blocks words,
+            // its arrival counter zero between launches) are this sampler's buffers, sized for `vocab` at
             // construction, and logits, meta, meta_out and history are the caller's live buffers
             // of the same vocabulary. `fast` is set only where every CTA fits on the GPU at once
             // (one an SM, no more than its SMs), which its waiting CTAs need.
