@@ -107,7 +107,7 @@ fn device_draws_match_the_host_and_the_distribution() {
 /// Sampled decoding on the megakernel, eager, graph and graph + PDL: tokens chained on the
 /// device reproduce themselves with the same seed, and each is the token the host draws from
 /// the same path's logits (teacher-forced), the repetition penalty's window kept on the device
-/// included.
+/// included, and the fused sampler's first attempt with and without the LM head's maxima.
 #[test]
 #[ignore = "needs a GPU"]
 fn sampled_decoding_on_every_path_matches_host_draws() {
@@ -138,6 +138,20 @@ fn sampled_decoding_on_every_path_matches_host_draws() {
             repeat_penalty: 1.5,
             repeat_last_n: 64,
             seed: 11,
+            ..SamplingParams::greedy()
+        },
+        // Without a penalty the fused sampler's first attempt after a megakernel step cuts
+        // below the LM head's maxima instead of sharing its CTAs' own.
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            seed: 5,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            temperature: 1.2,
+            min_p: 0.02,
+            seed: 9,
             ..SamplingParams::greedy()
         },
     ];

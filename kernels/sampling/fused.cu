@@ -155,7 +155,7 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
 }
 
 // Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
-// every key at or above tau (the global maximum less the hint) was among them, so they are
+// every key at or above tau (the logit every CTA cut at) was among them, so they are
 // the exact list down to tau. The draw is exact if that part holds all k candidates the rule
 // can take; else (top-p over top-k needs the whole top-k list for its denominator) if top-p's
 // cut fell inside it, or min-p's first excluded candidate is in it. By thread 0, after
@@ -208,11 +208,14 @@ __device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u3
 // done: a counter, 0 between launches. meta, history and meta_out as smp_final's. hint: the
 // fast attempt's distance below the maximum; gate: its words (SMP1_GATE_*); fast: 1 to
 // attempt it (every CTA resident at once), 2 to attempt it at a distance of 0 (for tests: the
-// searches then run after nearly every attempt), else 0.
+// searches then run after nearly every attempt), else 0. lm_max: null, or n_lm_max (at most
+// SMP1_THREADS) tagged words two apart (a float's bits in the low half), whose largest is the
+// largest logit: the megakernel's LM-head blocks' maxima (lm_best), written before this grid
+// started. Without a penalty the attempt cuts below that maximum and skips the exchange.
 extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     smp_sample(const float* logits, int vocab, const SmpMeta* meta, smp_u32* history, const SmpParams* sp,
                SmpBlock* blocks, smp_u64* keys, smp_u32* done, SmpMeta* meta_out, float* hint, smp_u32* gate,
-               int fast) {
+               int fast, const smp_u64* lm_max, int n_lm_max) {
     __shared__ Smp1Shared sm1;
     SmpShared& sm = sm1.base;
     smp_pdl_launch_next();
@@ -234,6 +237,8 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         const int j = tid + r * SMP1_THREADS;
         raw[r] = j < rows ? logits[base + j] : 0.f;
     }
+    // The LM head's maxima are read with the logits, in the same round trip.
+    const smp_u64 lm_word = lm_max != nullptr && tid < n_lm_max ? __ldcg(lm_max + 2 * tid) : 0ull;
     const SmpParams s = *sp;
     const SmpMeta m = *meta;
     const float ninf = __int_as_float(0xff800000u);
@@ -309,15 +314,23 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     const bool attempt = !draw_all && (fast == 2 || (fast == 1 && h > 0.f && s.top_k == 0));
     if (attempt) {
         const float delta = fast == 2 ? 0.f : h;
-        // Every CTA's maximum first (a grid-wide wait), so that all of them cut at the same
-        // logit and their keys together are exactly those at or above it: each CTA writes its
-        // own, tagged with this attempt's tag, and thread b waits for CTA b's. (The draw
-        // before this one, which advanced the count, has completed: this grid waited for it.)
+        // Every CTA cuts at the same logit, below the vocabulary's maximum, so that their keys
+        // together are exactly those at or above it. That maximum is the LM head's (lm_max)
+        // where it is given and no penalty lowers a logit; else every CTA's own maximum is
+        // shared first (a grid-wide wait): each CTA writes its own, tagged with this attempt's
+        // tag, and thread b waits for CTA b's. (The draw before this one, which advanced the
+        // count, has completed: this grid waited for it.)
         const smp_u32 tag = *(volatile smp_u32*)(gate + SMP1_GATE_ATTEMPTS) + 1;
-        smp_u32* maxima = gate + SMP1_GATE_MAXIMA;
-        if (tid == 0) smp1_st_tagged(maxima + 2 * blockIdx.x, tag, __float_as_uint(mx));
-        const float gm = smp_block_max(tid < nb ? __uint_as_float(smp1_wait_tagged(maxima + 2 * tid, tag)) : ninf, sm,
-                                       tid, nthreads, sync);
+        float gm;
+        if (n_lm_max > 0 && !pen) {
+            gm = smp_block_max(tid < n_lm_max ? smp_clean(__uint_as_float((smp_u32)lm_word)) : ninf, sm, tid, nthreads,
+                               sync);
+        } else {
+            smp_u32* maxima = gate + SMP1_GATE_MAXIMA;
+            if (tid == 0) smp1_st_tagged(maxima + 2 * blockIdx.x, tag, __float_as_uint(mx));
+            gm = smp_block_max(tid < nb ? __uint_as_float(smp1_wait_tagged(maxima + 2 * tid, tag)) : ninf, sm, tid,
+                               nthreads, sync);
+        }
         SMP_STAMP(2);
         const smp_u64 tk = (smp_u64)smp_key(gm - delta) << 32;
         smp_u32 mine = 0;
@@ -356,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             if (!any_over) token = smp1_merge_and_draw(s, m, blocks, keys, nb, (int)sm1.used, sm1, tid, gmax);
             SMP_STAMP(5);
             if (tid == 0) {
-                const bool drawn = !any_over && smp1_complete(s, sm, gmax - delta);
+                const bool drawn = !any_over && smp1_complete(s, sm, gm - delta);
                 if (drawn) {
                     smp_store_token(m, token, history, meta_out);
                     smp1_leave_hint(sm, gmax, hint, false, h);

@@ -18,7 +18,7 @@ use super::device::{ptr, Gpu};
 use super::launch::Kernel;
 use super::model::{DeviceModel, KvCache};
 use super::stepping::{self, GenerationRun, Sequence, Steps};
-use crate::sampling::device::DeviceSampler;
+use crate::sampling::device::{DeviceSampler, LmMaxima};
 use crate::sampling::SamplingParams;
 
 pub mod abi;
@@ -685,13 +685,20 @@ impl Steps for MegakernelPath<'_> {
         let meta = ptr(&self.meta, s);
         // Four u32 words per TokenMeta.
         let (cur, next) = (meta + 16 * slot as u64, meta + 16 * (1 - slot) as u64);
-        sampler.enqueue(
+        // Every LM-head block left its maximum in lm_best (the greedy kernel's store, which
+        // the launch's argmax does not read): the sampler's first attempt starts from it.
+        let maxima = LmMaxima {
+            words: self.params.lm_best,
+            blocks: n_lm as usize,
+        };
+        sampler.enqueue_after_lm_head(
             s,
             ptr(&self.logits, s),
             cur,
             next,
             ptr(&self.history, s),
             sampler_pdl()?,
+            Some(maxima),
         )
     }
 

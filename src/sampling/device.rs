@@ -33,6 +33,15 @@ const SAMPLE_THREADS: u32 = 512;
 /// (`SMP1_THREADS * SMP1_FINAL_PER`).
 const SAMPLE_CAP: usize = 160;
 const SAMPLE_SLOTS: usize = SAMPLE_THREADS as usize * 24;
+/// Where the kernel before a draw left the largest logit: `blocks` 64-bit words, two apart
+/// from `words`, each a block's maximum (f32 bits in the low half; the megakernel's LM-head
+/// blocks, `lm_best`), all written before the draw starts.
+#[derive(Clone, Copy, Debug)]
+pub struct LmMaxima {
+    pub words: u64,
+    pub blocks: usize,
+}
+
 /// `smp_sample`'s gate words before its CTAs' maxima (`SMP1_GATE_MAXIMA` in fused.cu).
 const GATE_WORDS: usize = 8;
 
@@ -313,6 +322,23 @@ impl DeviceSampler {
         history: u64,
         pdl: bool,
     ) -> Result<()> {
+        self.enqueue_after_lm_head(stream, logits, meta, meta_out, history, pdl, None)
+    }
+
+    /// [`Self::enqueue`], where the kernel before it also left the logits' maximum as
+    /// `maxima`: the fused sampler's first attempt then cuts below it at once instead of
+    /// sharing its CTAs' maxima first (without a repetition penalty, which lowers logits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_after_lm_head(
+        &self,
+        stream: &Arc<CudaStream>,
+        logits: u64,
+        meta: u64,
+        meta_out: u64,
+        history: u64,
+        pdl: bool,
+        maxima: Option<LmMaxima>,
+    ) -> Result<()> {
         let (params, blocks, cand_v, cand_i) = (
             ptr(&self.params, stream),
             ptr(&self.blocks, stream),
@@ -323,13 +349,21 @@ impl DeviceSampler {
         if self.kernels == Kernels::Fused {
             let (keys, done) = (ptr(&self.keys, stream), ptr(&self.done, stream));
             let (hint, gate, fast) = (ptr(&self.hint, stream), ptr(&self.gate, stream), self.fast);
+            let (lm_max, n_lm_max) = match maxima {
+                Some(m) if m.blocks > 0 && m.blocks <= SAMPLE_THREADS as usize => {
+                    (m.words, m.blocks as i32)
+                }
+                _ => (0u64, 0i32),
+            };
             // SAFETY: the arguments match smp_sample's parameters in fused.cu, in order; params,
             // blocks, keys (SMP1_CAP per block), done (zero between launches: the kernel's
             // last CTA resets it), hint (one float) and gate (GATE_WORDS + 2 * n_blocks words,
-            // its arrival counter zero between launches) are this sampler's buffers, sized for `vocab` at
-            // construction, and logits, meta, meta_out and history are the caller's live buffers
-            // of the same vocabulary. `fast` is set only where every CTA fits on the GPU at once
-            // (one an SM, no more than its SMs), which its waiting CTAs need.
+            // its arrival counter zero between launches) are this sampler's buffers, sized for
+            // `vocab` at construction, and logits, meta, meta_out and history are the caller's
+            // live buffers of the same vocabulary; lm_max is null or the caller's 2 * n_lm_max
+            // words (LmMaxima), n_lm_max at most the CTA's threads. `fast` is set only where
+            // every CTA fits on the GPU at once (one an SM, no more than its SMs), which its
+            // waiting CTAs need.
             return unsafe {
                 self.sample_k.launch(
                     stream,
@@ -339,7 +373,7 @@ impl DeviceSampler {
                     pdl,
                     &mut kargs![
                         &logits, &vocab, &meta, &history, &params, &blocks, &keys, &done,
-                        &meta_out, &hint, &gate, &fast
+                        &meta_out, &hint, &gate, &fast, &lm_max, &n_lm_max
                     ],
                 )
             };
