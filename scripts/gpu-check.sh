@@ -165,6 +165,13 @@ fi
 #   smollm2-135m llama-3.2-1b) on SAMPLED_PATHS (default megakernel); SAMPLED_ENV adds sampled
 #   rows of this build with each of its ';'-separated entries (NAME=VALUE words) set, e.g.
 #   SAMPLED_ENV="MEGAINFER_SAMPLER_DEFINES=-DNAME=VALUE".
+# BENCH=rules (not in BENCH=1): the default model (real logits), greedy, T 0.8 top-p 0.95 and T
+#   0.8 min-p 0.05 (`bench --prompt-len 37 --reps 5 --paths megakernel,graph-pdl [RULE]`),
+#   OLD_BIN (if given) and this build, RULES_ROUNDS rounds (default 2).
+# BENCH=smpprof (not in BENCH=1): the fused sampler's phases: bundle/tests/gpu_sampler_bench-*
+#   with MEGAINFER_SAMPLER_DEFINES=-DSMP_PROF=1, its printed draws summarised (median ns after
+#   the first CTA's start, per test case, CTA count and attempt outcome) by
+#   scripts/smp-prof.py.
 # AB_PATHS (default megakernel) and LONG_PATHS (default megakernel,graph) pick the paths;
 # AB_PRESETS, AB_ROUNDS and AB_FUSION are described at the loop.
 # BENCH=1 runs ab, prefill, default and sampling; BENCH=ab,prefill,default,sampling,long,qwen picks.
@@ -482,6 +489,27 @@ Name three colours.}" > "$OUT/chat-input.txt"
         grep -E "^\| (megakernel|graph-pdl) |weights [0-9.]+ MiB|rror" "$log" | sed "s/^/mixed $preset $ty $v: /"
       done
     done
+  fi
+  if [[ ",${BENCH:-}," == *",rules,"* ]]; then
+    for round in $(seq "${RULES_ROUNDS:-2}"); do
+      for rule in "" "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05"; do
+        for bin in ${OLD_BIN:-} "$MEGAINFER_BIN"; do
+          # shellcheck disable=SC2086 # the rule is several words
+          "$bin" bench --prompt-len 37 --reps 5 --paths megakernel,graph-pdl $rule > "$OUT/bench-rules.log" 2>&1
+          echo "rules $round $(basename "$bin") [${rule:-greedy}]: $(grep -E '^\| (megakernel|graph-pdl) ' "$OUT/bench-rules.log" | cut -d'|' -f2,3 | tr '\n' ' ')"
+        done
+      done
+    done
+  fi
+  if [[ ",${BENCH:-}," == *",smpprof,"* ]]; then
+    t=$(ls bundle/tests/gpu_sampler_bench-* 2>/dev/null | grep -v '\.xz$' | head -1)
+    if [ -n "$t" ]; then
+      MEGAINFER_SAMPLER_DEFINES=-DSMP_PROF=1 timeout 300 "$t" --include-ignored --nocapture > "$OUT/smp-prof.log" 2>&1
+      echo "smpprof: rc=$?"
+      python3 scripts/smp-prof.py "$OUT/smp-prof.log"
+    else
+      echo "smpprof: no gpu_sampler_bench binary in bundle/tests"
+    fi
   fi
   if [ "${PEERS:-0}" = 1 ]; then
     python3 scripts/peers.py --preset llama-3.2-1b --prefill-lens 1,32,1024,8192,32768 \

@@ -194,7 +194,8 @@ __device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, bo
 __device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u32 pos, int attempt, smp_u32 verdict) {
     const unsigned long long f = smp_prof_first;
     smp_prof_first = ~0ull;
-    if (pos % 40 != 0) return;
+    // After a failed attempt the searches' draw finds the start already taken by its print.
+    if (pos % 40 != 0 || f == ~0ull) return;
     long long d[7], e[5];
     for (int i = 0; i < 7; i++) d[i] = pt[i] ? (long long)(pt[i] - f) : -1;
     for (int i = 0; i < 5; i++) e[i] = smp_prof_merge[i] > f ? (long long)(smp_prof_merge[i] - f) : -1;
