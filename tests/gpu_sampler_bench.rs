@@ -135,7 +135,7 @@ impl Buffers {
             ptr(&self.meta, s),
             ptr(&self.history, s),
         );
-        sampler.enqueue(s, lp, mp, mp, hp, pdl)
+        sampler.enqueue(s, lp, mp, mp, hp, pdl, None)
     }
 }
 

@@ -79,7 +79,7 @@ fn device_draws_match_the_host_and_the_distribution() {
             for pos in first..first + DRAWS {
                 let m = [window[pos % window.len()], pos as u32, 0, 0];
                 s.memcpy_htod(&m, &mut meta).unwrap();
-                sampler.enqueue(s, lp, mp, mp, hp, false).unwrap();
+                sampler.enqueue(s, lp, mp, mp, hp, false, None).unwrap();
                 let out = s.clone_dtoh(&meta).unwrap();
                 assert_eq!(out[1], pos as u32 + 1, "{name}: position not advanced");
                 let t = out[2];

@@ -635,7 +635,7 @@ impl<'g> BaselinePath<'g> {
         self.project(Proj::LmHead, lm_head, input, logits, how, MvOut::Store)?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
-            return sampler.enqueue(s, logits, meta, meta, history, pdl);
+            return sampler.enqueue(s, logits, meta, meta, history, pdl, None);
         }
         let vocab = c.vocab_size as i32;
         // SAFETY: the arguments are the values bl_argmax declares, in order (see

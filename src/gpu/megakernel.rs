@@ -691,7 +691,7 @@ impl Steps for MegakernelPath<'_> {
             words: self.params.lm_best,
             blocks: n_lm as usize,
         };
-        sampler.enqueue_after_lm_head(
+        sampler.enqueue(
             s,
             ptr(&self.logits, s),
             cur,

@@ -312,24 +312,11 @@ impl DeviceSampler {
 
     /// Enqueues the draw from `logits` (f32 [vocab]) for the step described by the
     /// TokenMeta at `meta`: the token goes to the TokenMeta at `meta_out` (which may be `meta`)
-    /// and to `history[pos + 1]`.
-    pub fn enqueue(
-        &self,
-        stream: &Arc<CudaStream>,
-        logits: u64,
-        meta: u64,
-        meta_out: u64,
-        history: u64,
-        pdl: bool,
-    ) -> Result<()> {
-        self.enqueue_after_lm_head(stream, logits, meta, meta_out, history, pdl, None)
-    }
-
-    /// [`Self::enqueue`], where the kernel before it also left the logits' maximum as
-    /// `maxima`: the fused sampler's first attempt then cuts below it at once instead of
-    /// sharing its CTAs' maxima first (without a repetition penalty, which lowers logits).
+    /// and to `history[pos + 1]`. `maxima`: where the kernel before it also left the logits'
+    /// maximum; the fused sampler's first attempt then cuts below it at once instead of sharing
+    /// its CTAs' maxima first (without a repetition penalty, which lowers logits).
     #[allow(clippy::too_many_arguments)]
-    pub fn enqueue_after_lm_head(
+    pub fn enqueue(
         &self,
         stream: &Arc<CudaStream>,
         logits: u64,
