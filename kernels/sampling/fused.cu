@@ -238,8 +238,9 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         const int j = tid + r * SMP1_THREADS;
         raw[r] = j < rows ? logits[base + j] : 0.f;
     }
-    // The LM head's maxima are read with the logits, in the same round trip.
-    const smp_u64 lm_word = lm_max != nullptr && tid < n_lm_max ? __ldcg(lm_max + 2 * tid) : 0ull;
+    // The LM head's maxima are read with the logits, in the same round trip (only the first
+    // attempt uses them).
+    const smp_u64 lm_word = fast != 0 && lm_max != nullptr && tid < n_lm_max ? __ldcg(lm_max + 2 * tid) : 0ull;
     const SmpParams s = *sp;
     const SmpMeta m = *meta;
     const float ninf = __int_as_float(0xff800000u);
