@@ -284,17 +284,28 @@ constexpr int ATT_WROWS = ATT_TR / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4
 #define MK_ATT_BY_WARPS 1
 #endif
 constexpr bool ATT_BY_WARPS = MK_ATT_BY_WARPS && ATT_G * ATT_LANE_DIMS <= 32;
+// Short parts spread over every warp (attn_by_warps): rows a block (4, 8 or 16: a divisor of a
+// tile's rows, so no block straddles two pages) and the longest part spread (0: none).
+#ifndef MK_ATT_SPREAD_ROWS
+#define MK_ATT_SPREAD_ROWS 8
+#endif
+#ifndef MK_ATT_SPREAD_MAX
+#define MK_ATT_SPREAD_MAX 192
+#endif
+constexpr int ATT_SPREAD_ROWS = MK_ATT_SPREAD_ROWS, ATT_SPREAD_MAX = MK_ATT_SPREAD_MAX;
+static_assert(ATT_SPREAD_ROWS % 4 == 0 && ATT_TR % ATT_SPREAD_ROWS == 0, "spread blocks lie within a tile");
 
 __device__ __forceinline__ int attn_lane_dim(int q8, int k) { return (k >> 3) * 64 + q8 * 8 + (k & 7); }
 
-// Rows [0, rows) of a block of the warp's (1 <= rows <= ATT_BROWS): scores, the online
+// Rows [0, rows) of a block of the warp's (1 <= rows <= 4 ST: ST steps of 4 positions): scores, the online
 // softmax step (running max m, sum l, output acc; per lane a slice of the dims, summed over
 // its octet's positions) and the weighted values. Positions past rows are computed on the last
 // valid row and weigh 0.
+template <int ST>
 __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* vp, int rows,
                                                const float (&q)[ATT_G][ATT_LANE_DIMS], float (&m)[ATT_G],
                                                float (&l)[ATT_G], float (&acc)[ATT_G][ATT_LANE_DIMS], float scale) {
-    constexpr int G = ATT_G, LD = ATT_LANE_DIMS, HD = ATT_HD, ST = ATT_WSTEPS;
+    constexpr int G = ATT_G, LD = ATT_LANE_DIMS, HD = ATT_HD;
     const int lane = threadIdx.x & 31, octet = lane >> 3, q8 = lane & 7;
     float s[G][ST];
 #pragma unroll
@@ -384,7 +395,21 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
             acc[g][i] = 0.f;
         }
     }
-    for (int t = pair; t < ntiles; t += TILE_GROUPS) {
+    // A short part whose tiles all landed before the inputs were read (op_attention) is spread
+    // over every warp, ATT_SPREAD_ROWS rows a block, block b to warp b % 8, instead of a tile
+    // to a pair: at the short contexts of a chat the pairs left most warps idle (one tile of up
+    // to 64 positions: two warps, the first taking 32 rows in two blocks). Its pages go back
+    // after the barrier below, when every warp is done with them.
+    const bool spread = n <= ATT_SPREAD_MAX && ntiles <= min(MK_RING(p), ATT_ROUND / ATT_TR);
+    if (spread) {
+        for (int r0 = cw * ATT_SPREAD_ROWS; r0 < n; r0 += CW * ATT_SPREAD_ROWS) {
+            const u32 slot = (seq + r0 / ATT_TR) % MK_RING(p);
+            const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + (r0 % ATT_TR) * HD;
+            attn_warp_block<ATT_SPREAD_ROWS / 4>(kp, kp + ATT_TR * HD, min(n - r0, ATT_SPREAD_ROWS), q, m, l, acc,
+                                                  scale);
+        }
+    }
+    for (int t = spread ? ntiles : pair; t < ntiles; t += TILE_GROUPS) {
         const u32 sq = seq + t, slot = sq % MK_RING(p);
         const bool landed = page_wait(p, &full[slot], (sq / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, sq);
         // The whole warp goes on or stops together (the tile's shuffles need every lane).
@@ -397,7 +422,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
 #pragma unroll
         for (int b = 0; b < ATT_WROWS / ATT_BROWS; b++)
             if (rows > b * ATT_BROWS)
-                attn_warp_block(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
+                attn_warp_block<ATT_WSTEPS>(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
                                 min(rows - b * ATT_BROWS, ATT_BROWS), q, m, l, acc, scale);
         release_page(&empty[slot], lane);
     }
@@ -433,6 +458,13 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
             if (lane == 0) wstat[2 * CW * G + g] = d * scale;
         }
     if (consumers_failed()) return ntiles;
+    if (spread) {
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+        for (int t = 0; t < ntiles; t++) mbar_arrive(&empty[(seq + t) % MK_RING(p)]);
+#else
+        if (ct < ntiles) release_page_for_both(&empty[(seq + ct) % MK_RING(p)]);
+#endif
+    }
     // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
     if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
     for (int i = ct; i < G * HD; i += CONSUMERS) {

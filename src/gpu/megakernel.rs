@@ -298,13 +298,21 @@ impl<'g> MegakernelPath<'g> {
             encoded[0].2.down_chunks as usize,
         );
         let xs_floats = xs_floats(max_cols, attention_scratch);
-        // Attention by rounds is faster for a bucket whose one part covers a short sequence
-        // (measured on the H100: by warps costs 2% per token on Llama-1B and 6% on SmolLM2 at a
-        // 160-token context); by warps streams long parts faster (4% at 8K). So the buckets
-        // with split-KV parts run a variant compiled by warps, the others one by rounds.
+        // Attention by warps (where a lane's queries and output fit its registers,
+        // megakernel/ops/attention.cuh) streams long parts faster than by rounds (4% a token at
+        // 8K on Llama-1B), and with short parts spread over every warp it is level with rounds
+        // at a 160-token context on SmolLM2 and Llama-1B and 1.4% faster on Qwen3-0.6B
+        // (measured on the H100, BENCHMARKS.md). So on those shapes every bucket runs the
+        // kernel compiled by warps (one kernel a model; MEGAINFER_MK_ATT_BY_WARPS=0 compiles
+        // the buckets of one part by rounds, for measuring). The other shapes compute by rounds
+        // either way, and compile the split-KV buckets' merge (attn_reduce.cuh's by-warps form)
+        // only into the kernel of the buckets that have parts.
+        let warps_fit = c.num_heads / c.num_kv_heads * c.head_dim / 8 <= 32;
+        let short_by_warps =
+            warps_fit && super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
         let by_warps: Vec<bool> = encoded
             .iter()
-            .map(|(_, schedule, ..)| schedule.options.attn_parts > 1)
+            .map(|(_, schedule, ..)| short_by_warps || schedule.options.attn_parts > 1)
             .collect();
         let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
         let freq_in_smem = compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats);
