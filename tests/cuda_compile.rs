@@ -49,17 +49,24 @@ fn sampling_kernels_compile_for_sm90a() {
 fn megakernel_compiles_for_sm90a() {
     require_nvrtc();
     // Each attention shape the GPU paths support: head_dim 64 and 128, 1 to 9 query heads
-    // per KV head (more than one pass of four); attention by warps and by rounds where the
-    // shape allows both (the short-context bucket runs the latter).
-    for (hd, group) in [(64, 4), (64, 3), (128, 2), (64, 9), (128, 1)] {
+    // per KV head (more than one pass of four); attention by warps (at head_dim 128 with 3 or
+    // 4 query heads a KV head: two head groups, one with a head past the group's last) and by
+    // rounds.
+    for (hd, group) in [
+        (64, 4),
+        (64, 3),
+        (128, 2),
+        (64, 9),
+        (128, 1),
+        (128, 3),
+        (128, 4),
+        (128, 7),
+    ] {
         let mut cfg = presets::by_name("smollm2-135m").unwrap();
         cfg.head_dim = hd;
         cfg.num_kv_heads = 1;
         cfg.num_heads = group;
         for by_warps in [1, 0] {
-            if by_warps == 0 && group * hd / 8 > 32 {
-                continue; // by rounds only: nothing to choose
-            }
             let mut defines = sources::megakernel_defines(&cfg);
             defines.push(format!("-DMK_ATT_BY_WARPS={by_warps}"));
             let what = format!(" (head_dim {hd}, group {group}, MK_ATT_BY_WARPS={by_warps})");
@@ -163,7 +170,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
 #[test]
 fn megakernel_compiles_for_racecheck() {
     require_nvrtc();
-    for (hd, group, by_warps) in [(64, 3, 1), (64, 3, 0), (128, 2, 1)] {
+    for (hd, group, by_warps) in [(64, 3, 1), (64, 3, 0), (128, 2, 1), (128, 3, 1)] {
         let mut cfg = presets::by_name("smollm2-135m").unwrap();
         cfg.head_dim = hd;
         cfg.num_kv_heads = 1;

@@ -173,7 +173,10 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
 
 /// Attention stages earlier K/V rows in the page ring: 900 positions are more tiles than the
 /// ring holds (64 positions a page at head_dim 64, 32 at 128; 12 pages on an H100), so they are
-/// taken a ring's worth at a time, in one part and split in three.
+/// taken a ring's worth at a time, in one part and split in three. The first 192 positions of
+/// a part are spread over every warp (attention by warps), the rest stream; at head_dim 128
+/// three and four query heads a KV head take two head groups (with three, the second holds a
+/// head past the group's last, computed and not kept).
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_attention_longer_than_the_page_ring() {
@@ -182,6 +185,8 @@ fn megakernel_attention_longer_than_the_page_ring() {
     for (label, cfg) in [
         ("hd64", tiny(192, 3, 1, 64, 520)),
         ("hd128", tiny(256, 4, 2, 128, 520)),
+        ("hd128-g3", tiny(384, 6, 2, 128, 520)),
+        ("hd128-g4", tiny(512, 8, 2, 128, 520)),
     ] {
         let w = random_weights(&cfg, 21);
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();

@@ -5,11 +5,13 @@
 // load_attention below). Row pos (this token's) comes tagged from kv_new.
 //
 // Two ways to compute it, chosen at compile time by the shape (ATT_BY_WARPS):
-// - by warps (when a lane's queries and output fit its registers: group x head_dim / 8 <= 32,
-//   e.g. Llama-1B and SmolLM2): tile t goes to warp pair t % TILE_GROUPS and each warp of the
-//   pair takes half its rows, with its own online softmax in registers; a warp frees each page
-//   as soon as it is done with it, no barrier until the warps' results are merged once at the
-//   end (see attn_by_warps). A long part streams at the rate the pages arrive.
+// - by warps (when a lane's queries and output fit its registers for the whole group, group x
+//   head_dim / 8 <= 32, e.g. Llama-1B and SmolLM2, or at head_dim 128 for half of it, ATT_HG):
+//   tile t goes to warp pair t % TILE_GROUPS and each warp of the pair takes half its rows
+//   (with two head groups, all its rows for its half of the heads), with its own online
+//   softmax in registers; a warp frees each page as soon as it is done with it, no barrier
+//   until the warps' results are merged once at the end (see attn_by_warps). A long part
+//   streams at the rate the pages arrive; a short one is spread over every warp.
 // - by rounds (the other shapes): all eight consumer warps work on every step of a round,
 //   each step ending at a barrier:
 //   scores   S[g][j] = q_g · k_j * scale: 8 lanes per position, each a slice of the dims;
@@ -277,13 +279,24 @@ __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq
 // A warp's rows are taken ATT_BROWS at a time, one online-softmax step each (16 rows: the
 // scores of a longer block held in registers beside the queries and the output made
 // Llama-1B's kernel spill).
-constexpr int ATT_WROWS = ATT_TR / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4;
+// A lane holds its queries and output for ATT_WG heads (ATT_WG x head_dim / 8 floats each, at
+// most 32 registers): all the group's where they fit, else the group's heads are split into
+// ATT_HG = 2 head groups, warp cw taking group cw % 2 (Llama-3.2-3B, Qwen3-4B, Qwen3-8B,
+// Llama-3.1-8B), and both warps of a pair then take a tile's every row, each for
+// its heads (the same work a warp, the same two arrivals a page). Measured on the H100 against
+// rounds (BENCHMARKS.md): Llama-3.2-3B and Qwen3-8B 0.5% and 1.3% faster at short contexts,
+// Qwen3-4B level, Llama-3.2-3B and Qwen3-4B 3.3% and 5.5% faster at 8K; Qwen2.5-0.5B's
+// (head_dim 64, 7 heads: 4 and 3) 3.1% slower at short contexts, so two head groups are taken
+// at head_dim 128 only. Groups of more heads (Qwen2.5-7B's 7 of 128) compute by rounds.
+constexpr int ATT_WG = ATT_G * ATT_LANE_DIMS <= 32 ? ATT_G : 32 / ATT_LANE_DIMS;
+constexpr int ATT_HG = (ATT_G + ATT_WG - 1) / ATT_WG;
+constexpr int ATT_WROWS = ATT_TR * ATT_HG / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4;
 // MK_ATT_BY_WARPS=0 (through MEGAINFER_MK_DEFINES) keeps the round-based way for every
 // shape, for measuring one against the other.
 #ifndef MK_ATT_BY_WARPS
 #define MK_ATT_BY_WARPS 1
 #endif
-constexpr bool ATT_BY_WARPS = MK_ATT_BY_WARPS && ATT_G * ATT_LANE_DIMS <= 32;
+constexpr bool ATT_BY_WARPS = MK_ATT_BY_WARPS && (ATT_HG == 1 || (ATT_HG == 2 && ATT_HD == 128));
 // Short parts spread over every warp (attn_by_warps): rows a block (4, 8 or 16: a divisor of a
 // tile's rows, so no block straddles two pages) and the longest part spread (0: none).
 #ifndef MK_ATT_SPREAD_ROWS
@@ -303,9 +316,9 @@ __device__ __forceinline__ int attn_lane_dim(int q8, int k) { return (k >> 3) * 
 // valid row and weigh 0.
 template <int ST>
 __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* vp, int rows,
-                                               const float (&q)[ATT_G][ATT_LANE_DIMS], float (&m)[ATT_G],
-                                               float (&l)[ATT_G], float (&acc)[ATT_G][ATT_LANE_DIMS], float scale) {
-    constexpr int G = ATT_G, LD = ATT_LANE_DIMS, HD = ATT_HD;
+                                               const float (&q)[ATT_WG][ATT_LANE_DIMS], float (&m)[ATT_WG],
+                                               float (&l)[ATT_WG], float (&acc)[ATT_WG][ATT_LANE_DIMS], float scale) {
+    constexpr int G = ATT_WG, LD = ATT_LANE_DIMS, HD = ATT_HD;
     const int lane = threadIdx.x & 31, octet = lane >> 3, q8 = lane & 7;
     float s[G][ST];
 #pragma unroll
@@ -373,36 +386,40 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a, u32 instr, u32 seq,
                              const bf16_t* pages, u64* full, u64* empty, float* scratch, u64* prof, int n,
                              int ntiles) {
-    constexpr int G = ATT_G, LD = ATT_LANE_DIMS, HD = ATT_HD, CW = CONSUMER_WARPS;
+    constexpr int G = ATT_G, WG = ATT_WG, HG = ATT_HG, LD = ATT_LANE_DIMS, HD = ATT_HD, CW = CONSUMER_WARPS;
     static_assert(ATT_WROWS % ATT_BROWS == 0 && LD % 8 == 0, "a warp's rows are whole blocks");
     static_assert((2 * CW + 1) * G <= ATT_OFF_PART, "the warps' statistics fit the score rows");
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, q8 = lane & 7, octet = lane >> 3;
-    const int pair = cw >> 1, half = cw & 1;
+    // The warp's heads: g0 + g for g < WG (a head past the group's last, where WG does not
+    // divide it, is computed on the last head and not kept); its rows: with one head group
+    // half of each tile of its pair's, with two the whole tile.
+    const int pair = cw >> 1, half = HG == 1 ? cw & 1 : 0, g0 = (cw % HG) * WG;
     const float* qs = scratch + ATT_OFF_Q;
     const float* kn = scratch + ATT_OFF_KN;
     const float* vn = scratch + ATT_OFF_VN;
     float* partial = scratch + ATT_OFF_PART;
     float* wstat = scratch;  // [CW][max[G], sum[G]], then this token's score per head
     const float scale = rsqrtf((float)HD);
-    float q[G][LD], m[G], l[G], acc[G][LD];
+    float q[WG][LD], m[WG], l[WG], acc[WG][LD];
 #pragma unroll
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < WG; g++) {
         m[g] = NEG_INF;
         l[g] = 0.f;
 #pragma unroll
         for (int i = 0; i < LD; i++) {
-            q[g][i] = qs[g * HD + attn_lane_dim(q8, i)];
+            q[g][i] = qs[min(g0 + g, G - 1) * HD + attn_lane_dim(q8, i)];
             acc[g][i] = 0.f;
         }
     }
     // A short part whose tiles all landed before the inputs were read (op_attention) is spread
-    // over every warp, ATT_SPREAD_ROWS rows a block, block b to warp b % 8, instead of a tile
-    // to a pair: at the short contexts of a chat the pairs left most warps idle (one tile of up
-    // to 64 positions: two warps, the first taking 32 rows in two blocks). Its pages go back
-    // after the barrier below, when every warp is done with them.
+    // over every warp, ATT_SPREAD_ROWS rows a block, block b to warp b % 8 (with two head
+    // groups, to both warps of b % 4), instead of a tile to a pair: at the short contexts of a
+    // chat the pairs left most warps idle (one tile of up to 64 positions: two warps, the first
+    // taking 32 rows in two blocks). Its pages go back after the barrier below, when every warp
+    // is done with them.
     const bool spread = n <= ATT_SPREAD_MAX && ntiles <= min(MK_RING(p), ATT_ROUND / ATT_TR);
     if (spread) {
-        for (int r0 = cw * ATT_SPREAD_ROWS; r0 < n; r0 += CW * ATT_SPREAD_ROWS) {
+        for (int r0 = cw / HG * ATT_SPREAD_ROWS; r0 < n; r0 += CW / HG * ATT_SPREAD_ROWS) {
             const u32 slot = (seq + r0 / ATT_TR) % MK_RING(p);
             const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + (r0 % ATT_TR) * HD;
             attn_warp_block<ATT_SPREAD_ROWS / 4>(kp, kp + ATT_TR * HD, min(n - r0, ATT_SPREAD_ROWS), q, m, l, acc,
@@ -426,9 +443,9 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
                                 min(rows - b * ATT_BROWS, ATT_BROWS), q, m, l, acc, scale);
         release_page(&empty[slot], lane);
     }
-    // The warp's output: its four octets' sums.
+    // The warp's output: its four octets' sums (stored at the heads' places in the group).
 #pragma unroll
-    for (int g = 0; g < G; g++)
+    for (int g = 0; g < WG; g++)
 #pragma unroll
         for (int i = 0; i < LD; i++) {
             acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], 8);
@@ -436,19 +453,21 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         }
     if (octet == 0)
 #pragma unroll
-        for (int g = 0; g < G; g++)
+        for (int g = 0; g < WG; g++)
+            if (g0 + g < G)
 #pragma unroll
             for (int j = 0; j < LD / 8; j++) {
-                float* dst = partial + (cw * G + g) * HD + 64 * j + 8 * q8;
+                float* dst = partial + (cw * G + g0 + g) * HD + 64 * j + 8 * q8;
                 *(float4*)dst = make_float4(acc[g][8 * j], acc[g][8 * j + 1], acc[g][8 * j + 2], acc[g][8 * j + 3]);
                 *(float4*)(dst + 4) = make_float4(acc[g][8 * j + 4], acc[g][8 * j + 5], acc[g][8 * j + 6], acc[g][8 * j + 7]);
             }
     if (lane == 0)
 #pragma unroll
-        for (int g = 0; g < G; g++) {
-            wstat[cw * 2 * G + g] = m[g];
-            wstat[cw * 2 * G + G + g] = l[g];
-        }
+        for (int g = 0; g < WG; g++)
+            if (g0 + g < G) {
+                wstat[cw * 2 * G + g0 + g] = m[g];
+                wstat[cw * 2 * G + G + g0 + g] = l[g];
+            }
     // This token's score (the last part only), a warp per head.
     if (a.has_new)
         for (int g = cw; g < G; g += CW) {
@@ -468,16 +487,16 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
     if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
     for (int i = ct; i < G * HD; i += CONSUMERS) {
-        const int g = i / HD, d = i % HD;
+        const int g = i / HD, d = i % HD, k0 = g / WG;  // the warps k0, k0 + HG, ... took head g
         const float sn = a.has_new ? wstat[2 * CW * G + g] : NEG_INF;
         float M = sn;
 #pragma unroll
-        for (int k = 0; k < CW; k++) M = fmaxf(M, wstat[k * 2 * G + g]);
+        for (int k = k0; k < CW; k += HG) M = fmaxf(M, wstat[k * 2 * G + g]);
         // M is finite: the part has a position (an empty part never gets here). A warp
         // without one has max -inf and sum 0, and weighs 0.
         float L = 0.f, o = 0.f;
 #pragma unroll
-        for (int k = 0; k < CW; k++) {
+        for (int k = k0; k < CW; k += HG) {
             const float c = __expf(wstat[k * 2 * G + g] - M);
             L = fmaf(wstat[k * 2 * G + G + g], c, L);
             o = fmaf(partial[(k * G + g) * HD + d], c, o);

@@ -298,8 +298,8 @@ impl<'g> MegakernelPath<'g> {
             encoded[0].2.down_chunks as usize,
         );
         let xs_floats = xs_floats(max_cols, attention_scratch);
-        // Attention by warps (where a lane's queries and output fit its registers,
-        // megakernel/ops/attention.cuh) streams long parts faster than by rounds (4% a token at
+        // Attention by warps (where a lane's queries and output fit its registers for a KV
+        // group's query heads or half of them, megakernel/ops/attention.cuh) streams long parts faster than by rounds (4% a token at
         // 8K on Llama-1B), and with short parts spread over every warp it is level with rounds
         // at a 160-token context on SmolLM2 and Llama-1B and 1.4% faster on Qwen3-0.6B
         // (measured on the H100, BENCHMARKS.md). So on those shapes every bucket runs the
@@ -307,7 +307,16 @@ impl<'g> MegakernelPath<'g> {
         // the buckets of one part by rounds, for measuring). The other shapes compute by rounds
         // either way, and compile the split-KV buckets' merge (attn_reduce.cuh's by-warps form)
         // only into the kernel of the buckets that have parts.
-        let warps_fit = c.num_heads / c.num_kv_heads * c.head_dim / 8 <= 32;
+        // As ATT_BY_WARPS in attention.cuh: a lane's queries and output for the group, or at
+        // head_dim 128 for half of it, in 32 registers.
+        let (group, lane_dims) = (c.num_heads / c.num_kv_heads, c.head_dim / 8);
+        let heads_a_warp = if group * lane_dims <= 32 {
+            group
+        } else {
+            32 / lane_dims
+        };
+        let head_groups = group.div_ceil(heads_a_warp.max(1));
+        let warps_fit = head_groups == 1 || (head_groups == 2 && c.head_dim == 128);
         let short_by_warps =
             warps_fit && super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
         let by_warps: Vec<bool> = encoded
