@@ -157,6 +157,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         down_cols: down_chunk_cols(&sched),
         down_chunks: chunks,
         attn_by_warps: false,
+        attn_spread: false,
         sampled,
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
         freq_in_smem,

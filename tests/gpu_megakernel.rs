@@ -173,8 +173,8 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
 
 /// Attention stages earlier K/V rows in the page ring: 900 positions are more tiles than the
 /// ring holds (64 positions a page at head_dim 64, 32 at 128; 12 pages on an H100), so they are
-/// taken a ring's worth at a time, in one part and split in three. The first 192 positions of
-/// a part are spread over every warp (attention by warps), the rest stream; at head_dim 128
+/// taken a ring's worth at a time, in one part and split in three. In one part the first 192
+/// positions are spread over every warp (attention by warps), the rest stream; at head_dim 128
 /// three and four query heads a KV head take two head groups (with three, the second holds a
 /// head past the group's last, computed and not kept).
 #[test]

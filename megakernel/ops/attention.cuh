@@ -298,7 +298,9 @@ constexpr int ATT_WROWS = ATT_TR * ATT_HG / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_
 #endif
 constexpr bool ATT_BY_WARPS = MK_ATT_BY_WARPS && (ATT_HG == 1 || (ATT_HG == 2 && ATT_HD == 128));
 // Short parts spread over every warp (attn_by_warps): rows a block (4, 8 or 16: a divisor of a
-// tile's rows, so no block straddles two pages) and the longest part spread (0: none).
+// tile's rows, so no block straddles two pages) and the longest part spread (0: none, the code
+// compiled out, as the host compiles the split-KV buckets' kernel: compiled in, it made their
+// long parts stream 1-4% slower at 8K on the H100).
 #ifndef MK_ATT_SPREAD_ROWS
 #define MK_ATT_SPREAD_ROWS 8
 #endif
@@ -417,7 +419,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     // chat the pairs left most warps idle (one tile of up to 64 positions: two warps, the first
     // taking 32 rows in two blocks). Its pages go back after the barrier below, when every warp
     // is done with them.
-    const bool spread = n <= ATT_SPREAD_MAX && ntiles <= min(MK_RING(p), ATT_ROUND / ATT_TR);
+    const bool spread = ATT_SPREAD_MAX > 0 && n <= ATT_SPREAD_MAX && ntiles <= min(MK_RING(p), ATT_ROUND / ATT_TR);
     if (spread) {
         for (int r0 = cw / HG * ATT_SPREAD_ROWS; r0 < n; r0 += CW / HG * ATT_SPREAD_ROWS) {
             const u32 slot = (seq + r0 / ATT_TR) % MK_RING(p);
@@ -487,16 +489,19 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
     if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
     for (int i = ct; i < G * HD; i += CONSUMERS) {
-        const int g = i / HD, d = i % HD, k0 = g / WG;  // the warps k0, k0 + HG, ... took head g
+        // The warps k0, k0 + HG, ... took head g (every warp with one head group: the loops'
+        // bounds stay constants there, as the merge sits on the critical path of every part).
+        const int g = i / HD, d = i % HD, k0 = HG == 1 ? 0 : g / WG;
         const float sn = a.has_new ? wstat[2 * CW * G + g] : NEG_INF;
         float M = sn;
 #pragma unroll
-        for (int k = k0; k < CW; k += HG) M = fmaxf(M, wstat[k * 2 * G + g]);
+        for (int j = 0; j < CW / HG; j++) M = fmaxf(M, wstat[(k0 + j * HG) * 2 * G + g]);
         // M is finite: the part has a position (an empty part never gets here). A warp
         // without one has max -inf and sum 0, and weighs 0.
         float L = 0.f, o = 0.f;
 #pragma unroll
-        for (int k = k0; k < CW; k += HG) {
+        for (int j = 0; j < CW / HG; j++) {
+            const int k = k0 + j * HG;
             const float c = __expf(wstat[k * 2 * G + g] - M);
             L = fmaf(wstat[k * 2 * G + G + g], c, L);
             o = fmaf(partial[(k * G + g) * HD + d], c, o);

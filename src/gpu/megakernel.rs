@@ -119,8 +119,8 @@ pub struct MegakernelPath<'g> {
 struct KernelBuild {
     /// The greedy kernels' specialisation (attention as in `by_warps`).
     spec: KernelSpec,
-    /// Per variant: attention by warps.
-    by_warps: Vec<bool>,
+    /// Per variant: attention by warps, and short parts spread over every warp.
+    by_warps: Vec<(bool, bool)>,
     /// The static shared memory the layout left room for.
     static_smem: usize,
 }
@@ -299,14 +299,16 @@ impl<'g> MegakernelPath<'g> {
         );
         let xs_floats = xs_floats(max_cols, attention_scratch);
         // Attention by warps (where a lane's queries and output fit its registers for a KV
-        // group's query heads or half of them, megakernel/ops/attention.cuh) streams long parts faster than by rounds (4% a token at
-        // 8K on Llama-1B), and with short parts spread over every warp it is level with rounds
-        // at a 160-token context on SmolLM2 and Llama-1B and 1.4% faster on Qwen3-0.6B
-        // (measured on the H100, BENCHMARKS.md). So on those shapes every bucket runs the
-        // kernel compiled by warps (one kernel a model; MEGAINFER_MK_ATT_BY_WARPS=0 compiles
-        // the buckets of one part by rounds, for measuring). The other shapes compute by rounds
-        // either way, and compile the split-KV buckets' merge (attn_reduce.cuh's by-warps form)
-        // only into the kernel of the buckets that have parts.
+        // group's query heads or half of them, megakernel/ops/attention.cuh) streams long
+        // parts faster than by rounds (4% a token at 8K on Llama-1B), and with its short parts
+        // spread over every warp it is level with rounds at a 160-token context on SmolLM2 and
+        // Llama-1B and faster on the head_dim-128 shapes (measured on the H100, BENCHMARKS.md).
+        // So on those shapes the buckets of one part run a kernel by warps with the spread
+        // (MEGAINFER_MK_ATT_BY_WARPS=0: by rounds, for measuring), and the buckets with
+        // split-KV parts one by warps without it: compiled in, its code made the long parts
+        // stream 1-4% slower at 8K. The other shapes compute by rounds either way, and compile
+        // the split-KV buckets' merge (attn_reduce.cuh's by-warps form) only into the kernel
+        // of the buckets that have parts.
         // As ATT_BY_WARPS in attention.cuh: a lane's queries and output for the group, or at
         // head_dim 128 for half of it, in 32 registers.
         let (group, lane_dims) = (c.num_heads / c.num_kv_heads, c.head_dim / 8);
@@ -319,17 +321,21 @@ impl<'g> MegakernelPath<'g> {
         let warps_fit = head_groups == 1 || (head_groups == 2 && c.head_dim == 128);
         let short_by_warps =
             warps_fit && super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
-        let by_warps: Vec<bool> = encoded
+        let by_warps: Vec<(bool, bool)> = encoded
             .iter()
-            .map(|(_, schedule, ..)| short_by_warps || schedule.options.attn_parts > 1)
+            .map(|(_, schedule, ..)| {
+                let split = schedule.options.attn_parts > 1;
+                (short_by_warps || split, short_by_warps && !split)
+            })
             .collect();
-        let mut kernels: Vec<(bool, Arc<CudaModule>, Kernel)> = Vec::new();
+        let mut kernels: Vec<((bool, bool), Arc<CudaModule>, Kernel)> = Vec::new();
         let freq_in_smem = compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats);
         let spec = KernelSpec {
             formats,
             down_cols,
             down_chunks: chunks,
             attn_by_warps: false,
+            attn_spread: false,
             sampled: false,
             freq_in_smem,
             pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
@@ -337,7 +343,8 @@ impl<'g> MegakernelPath<'g> {
         for &w in &by_warps {
             if !kernels.iter().any(|k| k.0 == w) {
                 let spec = KernelSpec {
-                    attn_by_warps: w,
+                    attn_by_warps: w.0,
+                    attn_spread: w.1,
                     ..spec
                 };
                 let (module, kernel) = compile::load(gpu, c, &spec)?;
@@ -941,7 +948,8 @@ impl<'g> MegakernelPath<'g> {
                 continue;
             }
             let spec = KernelSpec {
-                attn_by_warps: b.by_warps[i],
+                attn_by_warps: b.by_warps[i].0,
+                attn_spread: b.by_warps[i].1,
                 sampled: true,
                 ..b.spec
             };

@@ -24,6 +24,9 @@ pub struct KernelSpec {
     pub down_cols: usize,
     pub down_chunks: usize,
     pub attn_by_warps: bool,
+    /// Short attention parts spread over every warp (attention by warps only; off, the code is
+    /// compiled out: MK_ATT_SPREAD_MAX=0).
+    pub attn_spread: bool,
     pub sampled: bool,
     pub freq_in_smem: bool,
     pub pages: usize,
@@ -94,6 +97,9 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
             "-DMK_ATT_BY_WARPS={}",
             u8::from(spec.attn_by_warps)
         ));
+    }
+    if !spec.attn_spread && !extra.contains("MK_ATT_SPREAD_MAX") {
+        defines.push("-DMK_ATT_SPREAD_MAX=0".to_string());
     }
     if !extra.contains("MK_INFLIGHT_STREAM") {
         defines.extend(sources::stream_bound(config, &spec.formats));
@@ -205,6 +211,7 @@ mod tests {
             down_cols: 1536,
             down_chunks: 1,
             attn_by_warps: true,
+            attn_spread: true,
             sampled,
             freq_in_smem: true,
             pages: 12,
