@@ -282,8 +282,8 @@ __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq
 // A lane holds its queries and output for ATT_WG heads (ATT_WG x head_dim / 8 floats each, at
 // most 32 registers): all the group's where they fit, else the group's heads are split into
 // ATT_HG = 2 head groups, warp cw taking group cw % 2 (Llama-3.2-3B, Qwen3-4B, Qwen3-8B,
-// Llama-3.1-8B), and both warps of a pair then take a tile's every row, each for
-// its heads (the same work a warp, the same two arrivals a page). Measured on the H100 against
+// Llama-3.1-8B), and both warps of a pair then take a tile's every row, each for its heads
+// (the same work a warp, the same two arrivals a page). Measured on the H100 against
 // rounds (BENCHMARKS.md): Llama-3.2-3B and Qwen3-8B 0.5% and 1.3% faster at short contexts,
 // Qwen3-4B level, Llama-3.2-3B and Qwen3-4B 3.3% and 5.5% faster at 8K; Qwen2.5-0.5B's
 // (head_dim 64, 7 heads: 4 and 3) 3.1% slower at short contexts, so two head groups are taken
@@ -312,10 +312,10 @@ static_assert(ATT_SPREAD_ROWS % 4 == 0 && ATT_TR % ATT_SPREAD_ROWS == 0, "spread
 
 __device__ __forceinline__ int attn_lane_dim(int q8, int k) { return (k >> 3) * 64 + q8 * 8 + (k & 7); }
 
-// Rows [0, rows) of a block of the warp's (1 <= rows <= 4 ST: ST steps of 4 positions): scores, the online
-// softmax step (running max m, sum l, output acc; per lane a slice of the dims, summed over
-// its octet's positions) and the weighted values. Positions past rows are computed on the last
-// valid row and weigh 0.
+// Rows [0, rows) of a block of the warp's (1 <= rows <= 4 ST: ST steps of 4 positions):
+// scores, the online softmax step (running max m, sum l, output acc; per lane a slice of the
+// dims, summed over its octet's positions) and the weighted values, for the warp's ATT_WG
+// heads. Positions past rows are computed on the last valid row and weigh 0.
 template <int ST>
 __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* vp, int rows,
                                                const float (&q)[ATT_WG][ATT_LANE_DIMS], float (&m)[ATT_WG],
