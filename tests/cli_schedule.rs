@@ -201,3 +201,94 @@ fn presets_are_listed_and_qwen3_heads_are_cut_like_any_model() {
     let (_, json) = printed(&["--preset", "qwen3-0.6b", "--qkv-pairs", "8"]);
     assert_eq!(json.options.qkv_pairs, 8);
 }
+
+/// The MEGAINFER_MK_* granularity variables that `run` and `bench` read reach `schedule` too
+/// (the options given on the command line win), and a bad value names its variable.
+#[test]
+fn environment_overrides_are_the_paths_own() {
+    let cfg = presets::by_name("smollm2-135m").unwrap();
+    let gpu = GpuShape {
+        sm_count: 7,
+        smem_pages: 12,
+        page_bytes: 16384,
+    };
+    let cost = CostModel::megakernel(100);
+    let args = [
+        "--preset",
+        "smollm2-135m",
+        "--sms",
+        "7",
+        "--pages",
+        "12",
+        "--context",
+        "100",
+    ];
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("s.json");
+        let out = Command::new(env!("CARGO_BIN_EXE_megainfer"))
+            .arg("schedule")
+            .args(args)
+            .args(extra)
+            .args(["--json", json.to_str().unwrap()])
+            .envs(env.iter().copied())
+            .output()
+            .expect("run megainfer");
+        let text = std::fs::read_to_string(&json).ok();
+        (out, text)
+    };
+    let env = [
+        ("MEGAINFER_MK_DOWN_CHUNKS", "2"),
+        ("MEGAINFER_MK_UPGATE_ROWS", "8"),
+    ];
+    let (out, json) = run(&[], &env);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("from the environment (under the options given): MEGAINFER_MK_UPGATE_ROWS, MEGAINFER_MK_DOWN_CHUNKS"),
+        "{stdout}"
+    );
+    let want = megakernel_schedule(
+        &cfg,
+        &gpu,
+        &cost,
+        &Overrides {
+            down_chunks: Some(2),
+            upgate_rows: Some(8),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let got: JsonSchedule = serde_json::from_str(&json.unwrap()).unwrap();
+    assert_eq!(got, to_json(&want), "the environment's overrides");
+
+    // An option on the command line wins over its variable.
+    let (out, json) = run(&["--down-chunks", "1"], &env);
+    assert!(out.status.success());
+    let want = megakernel_schedule(
+        &cfg,
+        &gpu,
+        &cost,
+        &Overrides {
+            down_chunks: Some(1),
+            upgate_rows: Some(8),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let got: JsonSchedule = serde_json::from_str(&json.unwrap()).unwrap();
+    assert_eq!(
+        got,
+        to_json(&want),
+        "--down-chunks over MEGAINFER_MK_DOWN_CHUNKS"
+    );
+
+    let (out, _) = run(&[], &[("MEGAINFER_MK_DOWN_CHUNKS", "x")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("MEGAINFER_MK_DOWN_CHUNKS"), "{stderr}");
+}

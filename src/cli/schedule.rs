@@ -155,21 +155,36 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     let cost = cost_model(args)?;
     let cfg = config(args)?;
     let (gpu, source) = gpu_shape(args, &cfg)?;
+    // The options over the MEGAINFER_MK_* variables `run` and `bench` read, so that the
+    // streams shown are the ones they would build in the same environment.
+    let (env, set) = crate::gpu::paths::env_overrides()?;
     let overrides = Overrides {
-        qkv_pairs: args.qkv_pairs,
-        qkv_pieces: args.qkv_pieces,
-        oproj_rows: args.oproj_rows,
-        upgate_rows: args.upgate_rows,
-        down_rows: args.down_rows,
-        down_chunks: args.down_chunks,
-        attn_parts: args.attn_parts,
-        lmhead_rows: args.lmhead_rows,
+        qkv_pairs: args.qkv_pairs.or(env.qkv_pairs),
+        qkv_pieces: args.qkv_pieces.or(env.qkv_pieces),
+        oproj_rows: args.oproj_rows.or(env.oproj_rows),
+        upgate_rows: args.upgate_rows.or(env.upgate_rows),
+        down_rows: args.down_rows.or(env.down_rows),
+        down_chunks: args.down_chunks.or(env.down_chunks),
+        attn_parts: args.attn_parts.or(env.attn_parts),
+        lmhead_rows: args.lmhead_rows.or(env.lmhead_rows),
     };
-    let schedule =
-        megakernel_schedule(&cfg, &gpu, &cost, &overrides).context("building the schedule")?;
+    let schedule = megakernel_schedule(&cfg, &gpu, &cost, &overrides).with_context(|| {
+        if set.is_empty() {
+            "building the schedule".to_string()
+        } else {
+            format!("building the schedule, with {} set", set.join(", "))
+        }
+    })?;
     // Written, not printed, so that a closed pipe (`| head`) is an error rather than a panic.
     let mut out = std::io::stdout().lock();
     writeln!(out, "{source}")?;
+    if !set.is_empty() {
+        writeln!(
+            out,
+            "from the environment (under the options given): {}",
+            set.join(", ")
+        )?;
+    }
     write!(out, "{}", dump::summarize(&schedule, &cost))?;
     // The buckets `run` and `bench` switch between for sequences up to --context, with the
     // K/V each SM streams per layer at a bucket's longest sequence.

@@ -71,46 +71,17 @@ impl<'g> GpuPath<'g> {
         let mode = match kind {
             PathKind::Megakernel => {
                 // One set of streams per context bucket up to max_seq: the split-KV parts
-                // follow the sequence as it grows. For measuring other granularities, each of
-                // the scheduler's choices can be set (MEGAINFER_MK_ATTN_PARTS: split-KV parts
-                // per KV head, in one bucket; MEGAINFER_MK_QKV_PAIRS: RoPE pairs per
-                // RmsQkvRope; MEGAINFER_MK_QKV_PIECES: RmsQkvRope a layer, heads split
-                // evenly; MEGAINFER_MK_OPROJ_ROWS, _UPGATE_ROWS, _DOWN_ROWS, _DOWN_CHUNKS,
-                // _LMHEAD_ROWS: rows per instruction and the down projection's k-chunks).
-                const VARS: [&str; 8] = [
-                    "MEGAINFER_MK_ATTN_PARTS",
-                    "MEGAINFER_MK_QKV_PAIRS",
-                    "MEGAINFER_MK_QKV_PIECES",
-                    "MEGAINFER_MK_OPROJ_ROWS",
-                    "MEGAINFER_MK_UPGATE_ROWS",
-                    "MEGAINFER_MK_DOWN_ROWS",
-                    "MEGAINFER_MK_DOWN_CHUNKS",
-                    "MEGAINFER_MK_LMHEAD_ROWS",
-                ];
-                let [attn_parts, qkv_pairs, qkv_pieces, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows] =
-                    VARS.map(super::switches::count);
-                let overrides = scheduler::Overrides {
-                    attn_parts: attn_parts?,
-                    qkv_pairs: qkv_pairs?,
-                    qkv_pieces: qkv_pieces?,
-                    oproj_rows: oproj_rows?,
-                    upgate_rows: upgate_rows?,
-                    down_rows: down_rows?,
-                    down_chunks: down_chunks?,
-                    lmhead_rows: lmhead_rows?,
-                };
+                // follow the sequence as it grows; the scheduler's choices as the environment
+                // sets them, for measuring (env_overrides).
+                let (overrides, set) = env_overrides()?;
                 let path = MegakernelPath::bucketed(gpu, model, max_seq, &overrides);
                 // The scheduler names the option it refuses; say which variable set it.
-                let path = if overrides != scheduler::Overrides::default() {
-                    let set: Vec<&str> = VARS
-                        .into_iter()
-                        .filter(|v| std::env::var_os(v).is_some())
-                        .collect();
+                let path = if set.is_empty() {
+                    path
+                } else {
                     path.with_context(|| {
                         format!("the megakernel's streams, with {} set", set.join(", "))
                     })
-                } else {
-                    path
                 };
                 return Ok(Self::Megakernel(Box::new(path?)));
             }
@@ -276,4 +247,40 @@ impl Backend for GpuPath<'_> {
             }
         }
     }
+}
+
+/// The megakernel scheduler's choices as the environment sets them, for measuring other
+/// granularities (the path and `megainfer schedule` both read them), and the variables set:
+/// MEGAINFER_MK_ATTN_PARTS (split-KV parts per KV head, in one bucket), MEGAINFER_MK_QKV_PAIRS
+/// (RoPE pairs per RmsQkvRope), MEGAINFER_MK_QKV_PIECES (RmsQkvRope instructions a layer, heads
+/// split evenly), MEGAINFER_MK_OPROJ_ROWS, _UPGATE_ROWS, _DOWN_ROWS, _DOWN_CHUNKS and
+/// _LMHEAD_ROWS (rows per instruction and the down projection's k-chunks).
+pub fn env_overrides() -> Result<(scheduler::Overrides, Vec<&'static str>)> {
+    const VARS: [&str; 8] = [
+        "MEGAINFER_MK_ATTN_PARTS",
+        "MEGAINFER_MK_QKV_PAIRS",
+        "MEGAINFER_MK_QKV_PIECES",
+        "MEGAINFER_MK_OPROJ_ROWS",
+        "MEGAINFER_MK_UPGATE_ROWS",
+        "MEGAINFER_MK_DOWN_ROWS",
+        "MEGAINFER_MK_DOWN_CHUNKS",
+        "MEGAINFER_MK_LMHEAD_ROWS",
+    ];
+    let [attn_parts, qkv_pairs, qkv_pieces, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows] =
+        VARS.map(super::switches::count);
+    let overrides = scheduler::Overrides {
+        attn_parts: attn_parts?,
+        qkv_pairs: qkv_pairs?,
+        qkv_pieces: qkv_pieces?,
+        oproj_rows: oproj_rows?,
+        upgate_rows: upgate_rows?,
+        down_rows: down_rows?,
+        down_chunks: down_chunks?,
+        lmhead_rows: lmhead_rows?,
+    };
+    let set = VARS
+        .into_iter()
+        .filter(|v| std::env::var_os(v).is_some())
+        .collect();
+    Ok((overrides, set))
 }
