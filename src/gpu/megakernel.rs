@@ -115,12 +115,19 @@ pub struct MegakernelPath<'g> {
     sampler: Option<DeviceSampler>,
 }
 
+/// How a kernel variant computes attention (`KernelSpec`'s `attn_by_warps`, `attn_spread`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct AttnWay {
+    by_warps: bool,
+    spread: bool,
+}
+
 /// What compiling the interpreter's variants took, for the sampled ones made later.
 struct KernelBuild {
-    /// The greedy kernels' specialisation (attention as in `by_warps`).
+    /// The greedy kernels' specialisation (attention as in `ways`).
     spec: KernelSpec,
-    /// Per variant: attention by warps, and short parts spread over every warp.
-    by_warps: Vec<(bool, bool)>,
+    /// Per variant: how it computes attention.
+    ways: Vec<AttnWay>,
     /// The static shared memory the layout left room for.
     static_smem: usize,
 }
@@ -321,14 +328,17 @@ impl<'g> MegakernelPath<'g> {
         let warps_fit = head_groups == 1 || (head_groups == 2 && c.head_dim == 128);
         let short_by_warps =
             warps_fit && super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
-        let by_warps: Vec<(bool, bool)> = encoded
+        let ways: Vec<AttnWay> = encoded
             .iter()
             .map(|(_, schedule, ..)| {
                 let split = schedule.options.attn_parts > 1;
-                (short_by_warps || split, short_by_warps && !split)
+                AttnWay {
+                    by_warps: short_by_warps || split,
+                    spread: short_by_warps && !split,
+                }
             })
             .collect();
-        let mut kernels: Vec<((bool, bool), Arc<CudaModule>, Kernel)> = Vec::new();
+        let mut kernels: Vec<(AttnWay, Arc<CudaModule>, Kernel)> = Vec::new();
         let freq_in_smem = compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats);
         let spec = KernelSpec {
             formats,
@@ -340,11 +350,11 @@ impl<'g> MegakernelPath<'g> {
             freq_in_smem,
             pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
         };
-        for &w in &by_warps {
+        for &w in &ways {
             if !kernels.iter().any(|k| k.0 == w) {
                 let spec = KernelSpec {
-                    attn_by_warps: w.0,
-                    attn_spread: w.1,
+                    attn_by_warps: w.by_warps,
+                    attn_spread: w.spread,
                     ..spec
                 };
                 let (module, kernel) = compile::load(gpu, c, &spec)?;
@@ -423,7 +433,7 @@ impl<'g> MegakernelPath<'g> {
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
-        for ((upto, schedule, enc, descs, kinds), w) in encoded.into_iter().zip(by_warps) {
+        for ((upto, schedule, enc, descs, kinds), w) in encoded.into_iter().zip(ways) {
             let kv_last = last_kv_writers(&enc.words, &enc.sm_offsets, c.qk_norm);
             streams.push(Streams {
                 upto,
@@ -504,7 +514,7 @@ impl<'g> MegakernelPath<'g> {
             sampled_kernels: kernels.iter().map(|_| None).collect(),
             kernel_build: KernelBuild {
                 spec,
-                by_warps: kernels.iter().map(|k| k.0).collect(),
+                ways: kernels.iter().map(|k| k.0).collect(),
                 static_smem,
             },
             kernels: kernels.into_iter().map(|(_, m, k)| (m, k)).collect(),
@@ -948,8 +958,8 @@ impl<'g> MegakernelPath<'g> {
                 continue;
             }
             let spec = KernelSpec {
-                attn_by_warps: b.by_warps[i].0,
-                attn_spread: b.by_warps[i].1,
+                attn_by_warps: b.ways[i].by_warps,
+                attn_spread: b.ways[i].spread,
                 sampled: true,
                 ..b.spec
             };
