@@ -46,26 +46,36 @@ fn check_same(args: &[&str], want: &Schedule, cost: &CostModel) {
     assert!(!stdout.contains("counter"), "{stdout}");
 }
 
-#[test]
-fn explicit_gpu_shape_prints_the_megakernels_schedule() {
-    let cfg = presets::by_name("smollm2-135m").unwrap();
+/// SmolLM2's shape on a GPU of 7 SMs and 12 pages, costed at 100 positions, and the options
+/// that ask `schedule` for it.
+fn seven_sms() -> (megainfer::model::Config, GpuShape, CostModel) {
     let gpu = GpuShape {
         sm_count: 7,
         smem_pages: 12,
         page_bytes: 16384,
     };
-    let cost = CostModel::megakernel(100);
+    (
+        presets::by_name("smollm2-135m").unwrap(),
+        gpu,
+        CostModel::megakernel(100),
+    )
+}
+const SEVEN_SMS: [&str; 8] = [
+    "--preset",
+    "smollm2-135m",
+    "--sms",
+    "7",
+    "--pages",
+    "12",
+    "--context",
+    "100",
+];
+
+#[test]
+fn explicit_gpu_shape_prints_the_megakernels_schedule() {
+    let (cfg, gpu, cost) = seven_sms();
     let want = megakernel_schedule(&cfg, &gpu, &cost, &Overrides::default()).unwrap();
-    let args = [
-        "--preset",
-        "smollm2-135m",
-        "--sms",
-        "7",
-        "--pages",
-        "12",
-        "--context",
-        "100",
-    ];
+    let args = SEVEN_SMS;
     check_same(&args, &want, &cost);
     // A granularity override goes through the same function.
     let parts = Overrides {
@@ -206,23 +216,8 @@ fn presets_are_listed_and_qwen3_heads_are_cut_like_any_model() {
 /// (the options given on the command line win), and a bad value names its variable.
 #[test]
 fn environment_overrides_are_the_paths_own() {
-    let cfg = presets::by_name("smollm2-135m").unwrap();
-    let gpu = GpuShape {
-        sm_count: 7,
-        smem_pages: 12,
-        page_bytes: 16384,
-    };
-    let cost = CostModel::megakernel(100);
-    let args = [
-        "--preset",
-        "smollm2-135m",
-        "--sms",
-        "7",
-        "--pages",
-        "12",
-        "--context",
-        "100",
-    ];
+    let (cfg, gpu, cost) = seven_sms();
+    let args = SEVEN_SMS;
     let run = |extra: &[&str], env: &[(&str, &str)]| {
         let dir = tempfile::tempdir().unwrap();
         let json = dir.path().join("s.json");
