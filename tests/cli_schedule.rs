@@ -287,3 +287,22 @@ fn environment_overrides_are_the_paths_own() {
     assert!(!out.status.success());
     assert!(stderr.contains("MEGAINFER_MK_DOWN_CHUNKS"), "{stderr}");
 }
+
+/// A schedule the megakernel cannot run is shown with a warning that `run` and `bench` would
+/// refuse it: one k-chunk of Qwen3-4B's 9,728-column down projection is over a 16 KiB page.
+#[test]
+fn schedules_past_the_megakernels_limits_are_flagged() {
+    let out = schedule_cmd(&["--preset", "qwen3-4b", "--sms", "132", "--down-chunks", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the megakernel cannot run this schedule")
+            && stderr.contains("9728 columns does not fit a 16384-byte page"),
+        "{stderr}"
+    );
+    // Three k-chunks (the cost model's) fit: no warning.
+    let out = schedule_cmd(&["--preset", "qwen3-4b", "--sms", "132", "--down-chunks", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("cannot run"), "{stderr}");
+}

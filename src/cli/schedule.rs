@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use scheduler::{dump, options, shape, CostModel, GpuShape, Overrides};
 
 use crate::gpu::megakernel::{
-    megakernel_gpu_shape, megakernel_schedule, H100_SMEM_PER_BLOCK, H100_SMS,
+    check_limits, megakernel_gpu_shape, megakernel_schedule, H100_SMEM_PER_BLOCK, H100_SMS,
 };
 use crate::model::{self, presets, Config};
 
@@ -175,6 +175,21 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             format!("building the schedule, with {} set", set.join(", "))
         }
     })?;
+    // What `run` and `bench` would refuse (as bf16 weights) is said on stderr; the schedule is
+    // still shown, as what-if shapes (--sms, --pages) may well be past the compiled limits.
+    let mut warned = Vec::new();
+    let mut limits = |schedule: &scheduler::Schedule| {
+        if let Err(e) = check_limits(schedule, &Default::default()) {
+            let e = e.to_string();
+            if !warned.contains(&e) {
+                eprintln!(
+                    "warning: the megakernel cannot run this schedule ({e}); `run` and `bench` would refuse it"
+                );
+                warned.push(e);
+            }
+        }
+    };
+    limits(&schedule);
     // Written, not printed, so that a closed pipe (`| head`) is an error rather than a panic.
     let mut out = std::io::stdout().lock();
     writeln!(out, "{source}")?;
@@ -191,6 +206,9 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     let shape = crate::reference::sliced::shape_of(&cfg);
     let buckets = scheduler::plan_buckets(&shape, &gpu, &cost, &overrides, args.context)
         .map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    for b in &buckets {
+        limits(&b.schedule);
+    }
     writeln!(
         out,
         "

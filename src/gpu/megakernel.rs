@@ -248,52 +248,13 @@ impl<'g> MegakernelPath<'g> {
         let down_cols = down_chunk_cols(first);
         let mut encoded = Vec::new();
         for &(upto, schedule) in buckets {
+            max_cols = max_cols.max(check_limits(schedule, &formats)?);
             let enc = schedule.encode();
             let mut descs = Vec::new();
             let mut kinds = Vec::new();
             for &k in schedule.streams.iter().flatten() {
-                let op = &schedule.instrs[k as usize];
                 descs.push(schedule.describe(k as usize));
-                kinds.push(op.kind().name());
-                let rows = match *op {
-                    Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
-                    Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
-                    Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
-                        row_count as usize
-                    }
-                    Op::DownProjPartial {
-                        row_count,
-                        col_start,
-                        col_count,
-                        ..
-                    } => {
-                        // A quantised row's chunk must start and end on its 32-column blocks
-                        // (any layer's: a mixed mask above 1 holds a block format).
-                        let quantised = formats.down != 0 || formats.mixed > 1;
-                        if quantised && (col_start % 32 != 0 || col_count % 32 != 0) {
-                            bail!("schedule: {op:?} cuts the quantised down projection's 32-column blocks (choose down_chunks so that intermediate / down_chunks is a multiple of 32)");
-                        }
-                        max_cols = max_cols.max(col_count as usize);
-                        row_count as usize
-                    }
-                    _ => 0,
-                };
-                if let Op::AttnReduce { parts, .. } = *op {
-                    if parts as usize > MAX_REDUCE_PARTS {
-                        bail!("schedule: {op:?} merges {parts} split-KV parts; the megakernel merges at most {MAX_REDUCE_PARTS}");
-                    }
-                }
-                // O-proj keeps its residual rows in the second half of the row buffer.
-                let limit = if matches!(op, Op::OProjResidual { .. }) {
-                    RES_MAX / 2
-                } else {
-                    RES_MAX
-                };
-                if rows > limit {
-                    bail!(
-                    "schedule: {op:?} computes {rows} rows; the megakernel holds at most {limit}"
-                );
-                }
+                kinds.push(schedule.instrs[k as usize].kind().name());
             }
             encoded.push((upto, schedule, enc, descs, kinds));
         }
@@ -931,6 +892,59 @@ pub fn schedule_for(
     };
     let cost = scheduler::CostModel::megakernel(context);
     megakernel_schedule(config, &shape, &cost, &overrides)
+}
+
+/// The limits a schedule must keep to run on the megakernel as compiled (rows an instruction
+/// holds, split-KV parts a merge takes, a quantised down projection's chunks on its 32-column
+/// blocks, a weight row segment within a page); returns its widest down-projection chunk.
+/// `MegakernelPath::new` checks every bucket's schedule with it and `megainfer schedule` the
+/// one it prints (as bf16, the formats of a file unknown there).
+pub fn check_limits(schedule: &Schedule, formats: &super::sources::MatrixFormats) -> Result<usize> {
+    let mut max_cols = 0;
+    for &k in schedule.streams.iter().flatten() {
+        let op = &schedule.instrs[k as usize];
+        let rows = match *op {
+            Op::RmsQkvRope { pair_count, .. } => 2 * pair_count as usize,
+            Op::RmsUpGateSilu { row_count, .. } => 2 * row_count as usize,
+            Op::OProjResidual { row_count, .. } | Op::RmsLmHead { row_count, .. } => {
+                row_count as usize
+            }
+            Op::DownProjPartial {
+                row_count,
+                col_start,
+                col_count,
+                ..
+            } => {
+                // A quantised row's chunk must start and end on its 32-column blocks
+                // (any layer's: a mixed mask above 1 holds a block format).
+                let quantised = formats.down != 0 || formats.mixed > 1;
+                if quantised && (col_start % 32 != 0 || col_count % 32 != 0) {
+                    bail!("schedule: {op:?} cuts the quantised down projection's 32-column blocks (choose down_chunks so that intermediate / down_chunks is a multiple of 32)");
+                }
+                max_cols = max_cols.max(col_count as usize);
+                row_count as usize
+            }
+            _ => 0,
+        };
+        if let Op::AttnReduce { parts, .. } = *op {
+            if parts as usize > MAX_REDUCE_PARTS {
+                bail!("schedule: {op:?} merges {parts} split-KV parts; the megakernel merges at most {MAX_REDUCE_PARTS}");
+            }
+        }
+        // O-proj keeps its residual rows in the second half of the row buffer.
+        let limit = if matches!(op, Op::OProjResidual { .. }) {
+            RES_MAX / 2
+        } else {
+            RES_MAX
+        };
+        if rows > limit {
+            bail!("schedule: {op:?} computes {rows} rows; the megakernel holds at most {limit}");
+        }
+    }
+    if max_cols * 2 > PAGE_BYTES {
+        bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
+    }
+    Ok(max_cols)
 }
 
 /// One schedule per context bucket for sequences of up to `max_seq` positions on `gpu`
