@@ -260,6 +260,18 @@ __device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int 
     }
 }
 
+// Tiles [t0, t1) of the instruction's staged K/V back to the loader, by consumers that are all
+// past a barrier after their last read of them: one thread a page (racecheck's build: every
+// consumer on every page, for its own reads).
+__device__ __forceinline__ void attn_release_pages(const MkParams& p, u64* empty, u32 seq, int t0, int t1) {
+#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
+    for (int i = 0; i < t1 - t0; i++) mbar_arrive(&empty[(seq + t0 + i) % MK_RING(p)]);
+#else
+    const int ct = threadIdx.x - 32;
+    if (ct < t1 - t0) release_page_for_both(&empty[(seq + t0 + ct) % MK_RING(p)]);
+#endif
+}
+
 // Waits for tiles [t0, t1) of the instruction's staged K/V; false when a page wait failed.
 __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq, u64* full, int t0, int t1) {
     for (int t = t0; t < t1; t++) {
@@ -479,13 +491,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
             if (lane == 0) wstat[2 * CW * G + g] = d * scale;
         }
     if (consumers_failed()) return ntiles;
-    if (spread) {
-#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
-        for (int t = 0; t < ntiles; t++) mbar_arrive(&empty[(seq + t) % MK_RING(p)]);
-#else
-        if (ct < ntiles) release_page_for_both(&empty[(seq + ct) % MK_RING(p)]);
-#endif
-    }
+    if (spread) attn_release_pages(p, empty, seq, 0, ntiles);
     // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
     if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
     for (int i = ct; i < G * HD; i += CONSUMERS) {
@@ -666,13 +672,8 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         attn_values(r, S, vn, partial);
         consumers_sync();
         if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
-        // The round's pages go back to the loader, every consumer past the barrier above: one
-        // thread a page (racecheck's build: every consumer on every page, for its own reads).
-#if defined(MK_LANE_ARRIVALS) && MK_LANE_ARRIVALS
-        for (int i = 0; i < (int)(t1 - t0); i++) mbar_arrive(&empty[(seq + t0 + i) % MK_RING(p)]);
-#else
-        if (ct < t1 - t0) release_page_for_both(&empty[(seq + t0 + ct) % MK_RING(p)]);
-#endif
+        // The round's pages go back to the loader, every consumer past the barrier above.
+        attn_release_pages(p, empty, seq, t0, t1);
         // The running output takes this round's values; after the last round it is divided by
         // the sum and stored.
         const bool last = t1 >= ntiles;
