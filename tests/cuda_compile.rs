@@ -67,11 +67,19 @@ fn megakernel_compiles_for_sm90a() {
         cfg.num_kv_heads = 1;
         cfg.num_heads = group;
         for by_warps in [1, 0] {
-            let mut defines = sources::megakernel_defines(&cfg);
+            let mut defines = sources::megakernel_defines(&cfg, 0);
             defines.push(format!("-DMK_ATT_BY_WARPS={by_warps}"));
             let what = format!(" (head_dim {hd}, group {group}, MK_ATT_BY_WARPS={by_warps})");
             assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
         }
+    }
+    // Attention instructions computing a share of a group: one query head of SmolLM2's three
+    // (by warps), and Qwen3's q/k norms with one head of two at head_dim 128.
+    for (name, share) in [("smollm2-135m", 1), ("qwen3-0.6b", 1)] {
+        let cfg = presets::by_name(name).unwrap();
+        let defines = sources::megakernel_defines(&cfg, share);
+        let what = format!(" ({name}, {share} query head an instruction)");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
     }
 }
 
@@ -158,6 +166,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         down_chunks: chunks,
         attn_by_warps: false,
         attn_spread: false,
+        attn_heads: 0,
         sampled,
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
         freq_in_smem,
@@ -176,7 +185,7 @@ fn megakernel_compiles_for_racecheck() {
         cfg.head_dim = hd;
         cfg.num_kv_heads = 1;
         cfg.num_heads = group;
-        let mut defines = sources::megakernel_defines(&cfg);
+        let mut defines = sources::megakernel_defines(&cfg, 0);
         defines.push(format!("-DMK_ATT_BY_WARPS={by_warps}"));
         defines
             .extend(["-lineinfo", "-DMK_INSTR_ATOMIC=1", "-DMK_LANE_ARRIVALS=1"].map(String::from));
@@ -252,7 +261,7 @@ fn megakernel_compiles_for_quantised_formats() {
         ),
     ] {
         let cfg = presets::by_name(preset).unwrap();
-        let mut defines = sources::megakernel_defines(&cfg);
+        let mut defines = sources::megakernel_defines(&cfg, 0);
         defines.extend(formats.defines());
         defines.push("-DMK_ATT_BY_WARPS=1".into());
         let what = format!(" ({preset}, {formats:?})");
@@ -282,7 +291,7 @@ fn nvrtc_errors_carry_the_compiler_log() {
 fn abi_mismatches_are_compile_errors() {
     require_nvrtc();
     let cfg = presets::by_name("smollm2-135m").unwrap();
-    let defines = sources::megakernel_defines(&cfg);
+    let defines = sources::megakernel_defines(&cfg, 0);
     let src = sources::megakernel();
     let fields = "    float eps;\n    u32 epoch;\n";
     assert!(

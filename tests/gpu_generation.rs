@@ -192,7 +192,7 @@ fn a_generation_crosses_context_buckets() {
     cfg.num_layers = 2;
     let w = random_weights(&cfg, 3);
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
-    const MAX_SEQ: usize = 512;
+    const MAX_SEQ: usize = 1024;
     const GEN: usize = 300;
     let prompt: Vec<u32> = (0..180).map(|k| (k * 37 % 1000) as u32).collect();
     let (mk, _) = path_after(&gpu, &dm, MAX_SEQ, &prompt);

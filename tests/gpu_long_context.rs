@@ -49,16 +49,16 @@ fn teacher_forced_past_16k_positions() {
 
 /// The megakernel as `run` makes it (one set of streams per context bucket up to max_seq): a
 /// 250-token prompt through batched prefill, then twelve decode steps across the switch at 256
-/// positions (up to 256 whole, then split in 5 parts, costed at 384 positions; SmolLM2's
-/// attention shape: 3 KV heads of 3 query heads), each step's logits against the CPU
-/// reference's. (With 300 positions at most, the last bucket is not worth splitting and the
-/// two merge into one.)
+/// positions (up to 256 one part, a query head an instruction; then split in parts of whole
+/// groups, costed at 641 positions; SmolLM2's attention shape: 3 KV heads of 3 query heads),
+/// each step's logits against the CPU reference's. (With 512 positions at most, the last
+/// bucket also takes a head an instruction and the two merge into one.)
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_switches_buckets_after_prefill() {
     let gpu = gpu();
     const PROMPT: usize = 250;
-    const MAX_SEQ: usize = 512;
+    const MAX_SEQ: usize = 1024;
     let cfg = tiny(192, 9, 3, 64, 520);
     let w = random_weights(&cfg, 43);
     let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();

@@ -142,6 +142,42 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
     }
 }
 
+/// Attention instructions computing a share of a KV head's query heads (`attn_heads`: one
+/// head of SmolLM2's three, one and seven of a Qwen2.5-0.5B-like group of seven with QKV
+/// biases, one head of two with Qwen3's q/k norms at head_dim 128, whose first share caches
+/// the K row), teacher-forced against the CPU reference.
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_attention_head_shares_match_reference() {
+    use megainfer::gpu::megakernel::{megakernel_gpu_shape, megakernel_schedule};
+    let gpu = gpu();
+    let mut qwen2 = tiny(896, 14, 2, 64, 1024);
+    qwen2.qkv_bias = true;
+    let mut qwen3 = tiny(1024, 16, 8, 128, 1024);
+    qwen3.qk_norm = true;
+    let cases = [
+        ("smollm2-shape", tiny(576, 9, 3, 64, 1536), vec![1, 3]),
+        ("qwen2-shape", qwen2, vec![1, 7]),
+        ("qwen3-shape", qwen3, vec![1]),
+    ];
+    for (name, cfg, shares) in cases {
+        let w = random_weights(&cfg, 31);
+        let shape = megakernel_gpu_shape(&cfg, gpu.sm_count, gpu.max_smem_per_block);
+        for heads in shares {
+            let overrides = scheduler::Overrides {
+                attn_heads: Some(heads),
+                ..Default::default()
+            };
+            let cost = scheduler::CostModel::megakernel(64);
+            let sched = megakernel_schedule(&cfg, &shape, &cost, &overrides).unwrap();
+            assert_eq!(sched.options.attn_heads, heads);
+            let label = format!("{name}, {heads} query heads an instruction");
+            let tokens = [5, 900, 33, 12, 640, 7, 81];
+            teacher_forced(&gpu, &cfg, &w, &tokens, &sched, &label, TOL_SMALL);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_long_greedy_run_on_llama_1b_shape() {

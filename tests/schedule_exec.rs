@@ -109,6 +109,7 @@ fn fine(schedule_for: &Config) -> Options {
         down_rows: 5,
         down_chunks: 3,
         attn_parts: 3,
+        attn_heads: 0,
         lmhead_rows: 10,
         fixed_cost_bytes: 0,
         context: MAX_SEQ,
@@ -217,6 +218,55 @@ fn qkv_pieces_match_reference_over_tokens() {
                 run_case(&c, &s, &exact, seed);
             }
         }
+    }
+}
+
+/// Attention instructions that compute a share of a KV head's query heads (`attn_heads`),
+/// with and without Qwen3's q/k norms (whose K row the share starting the group caches): every
+/// divisor of the group, one part, in any interleaving.
+#[test]
+fn attention_head_shares_match_reference_over_tokens() {
+    let qwen3 = Config {
+        architecture: "Qwen3ForCausalLM".into(),
+        qk_norm: true,
+        ..tiny(72, 100, 4, 2, 64, false)
+    };
+    let wide = tiny(96, 100, 6, 1, 64, false);
+    for (ci, cfg) in [wide, qwen3].into_iter().enumerate() {
+        let c = case(cfg, 80 + ci as u64, 5);
+        let group = c.cfg.num_heads / c.cfg.num_kv_heads;
+        for heads in (1..=group).filter(|h| group.is_multiple_of(*h)) {
+            for sms in [1, 7, 132] {
+                let opts = Options {
+                    attn_parts: 1,
+                    attn_heads: heads,
+                    ..fine(&c.cfg)
+                };
+                let s = build(&shape_of(&c.cfg), &GpuShape::with_sms(sms), &opts).unwrap();
+                let attention = s
+                    .instrs
+                    .iter()
+                    .filter(|op| matches!(op, scheduler::Op::Attention { .. }))
+                    .count();
+                let per_layer = c.cfg.num_kv_heads * group / heads;
+                assert_eq!(attention, per_layer * c.cfg.num_layers, "{heads} heads");
+                let exact = in_global_order(&c, &s);
+                for seed in 0..3 {
+                    run_case(&c, &s, &exact, seed);
+                }
+            }
+        }
+    }
+    // A share that does not divide the group, or one with split-KV parts, is refused.
+    let c = case(tiny(96, 100, 6, 1, 64, false), 1, 1);
+    for (heads, parts) in [(4, 1), (2, 3)] {
+        let opts = Options {
+            attn_parts: parts,
+            attn_heads: heads,
+            ..fine(&c.cfg)
+        };
+        let err = build(&shape_of(&c.cfg), &GpuShape::with_sms(3), &opts).unwrap_err();
+        assert!(err.to_string().contains("attn_heads"), "{err}");
     }
 }
 
@@ -360,7 +410,7 @@ fn attention_partitions_match_reference() {
 #[test]
 fn every_declared_dependency_is_needed_and_enough() {
     let c = case(tiny(40, 56, 4, 2, 16, false), 11, 4);
-    for (parts, sms) in [(2, 5), (1, 3)] {
+    for (parts, sms, heads) in [(2, 5, 0), (1, 3, 0), (1, 3, 1)] {
         let opts = Options {
             qkv_pairs: 4,
             qkv_pieces: 0,
@@ -369,6 +419,7 @@ fn every_declared_dependency_is_needed_and_enough() {
             down_rows: 16,
             down_chunks: 2,
             attn_parts: parts,
+            attn_heads: heads,
             lmhead_rows: 20,
             fixed_cost_bytes: 0,
             context: MAX_SEQ,

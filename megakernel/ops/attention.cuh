@@ -28,10 +28,17 @@
 // instruction runs, and attention reads them from shared memory. Row pos (this token's) comes
 // tagged from kv_new. A tile holds ATT_TR rows of K, then the same rows of V; the cache is
 // head-major ([layer][kv_head][position][head_dim]) so each is one bulk copy.
-// The kernel is compiled for the model's head_dim and query heads per KV head (the host passes
-// -DMK_HEAD_DIM and -DMK_GROUP), so attention's loops have constant trip counts.
+// The kernel is compiled for the model's head_dim and the query heads an instruction computes
+// (the host passes -DMK_HEAD_DIM and -DMK_GROUP: a KV head's whole group, MK_KV_GROUP, or the
+// schedule's share of it), so attention's loops have constant trip counts. An instruction's
+// first query head is its word W_D (head_start); with a share of a group, each share reads
+// the KV head's rows itself.
 
-constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP;
+#ifndef MK_KV_GROUP
+#define MK_KV_GROUP MK_GROUP
+#endif
+constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP, ATT_KV_G = MK_KV_GROUP;
+static_assert(ATT_KV_G % ATT_G == 0, "an instruction's heads are a share of a KV head's group");
 static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
 constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
 
@@ -248,8 +255,8 @@ __device__ __forceinline__ void attn_values(const AttnRound& r, const float* S, 
 // Output element i (head i / head_dim of the group, dim i % head_dim): the whole attention
 // output, or with split KV this part's normalised output and, once per head, its max and sum.
 __device__ __forceinline__ void attn_store(const MkParams& p, const u32* w, int i, float o, float M, float L) {
-    const int layer = w[W_LAYER], kvh = w[W_A], part = w[W_B], parts = w[W_C];
-    const int d = i % ATT_HD, head = kvh * ATT_G + i / ATT_HD;
+    const int layer = w[W_LAYER], part = w[W_B], parts = w[W_C];
+    const int d = i % ATT_HD, head = (int)w[W_D] + i / ATT_HD;
     const u32 tag = step_tag();
     if (parts == 1) {
         st_tagged(p.attn_out + ((size_t)layer * p.heads + head) * ATT_HD + d, o, tag);
@@ -554,8 +561,9 @@ __device__ __forceinline__ QkRope qk_rope_of(const MkParams& p, const LayerW& L,
     return r;
 }
 
+// The share of the group that starts it (head_start a multiple of the group) writes the K row.
 __device__ __forceinline__ void attn_qk_norm(const MkParams& p, const LayerW& L, const QkRope& r, int layer, int kvh, u32 pos,
-                             float* qs, float* kn, bool has_new) {
+                             float* qs, float* kn, bool has_new, bool caches_k) {
     constexpr int hd = ATT_HD, G = ATT_G, half = hd / 2;
     const int cw = (threadIdx.x - 32) >> 5, lane = threadIdx.x & 31;
     for (int g = cw; g < G + (has_new ? 1 : 0); g += CONSUMER_WARPS) {
@@ -570,7 +578,7 @@ __device__ __forceinline__ void attn_qk_norm(const MkParams& p, const LayerW& L,
             ss += x[k] * x[k] + y[k] * y[k];
         }
         const float inv_rms = rsqrtf(warp_sum(ss) / hd + p.eps);
-        bf16_t* cache = is_k ? (bf16_t*)kv_row(p, p.k_cache, layer, kvh, pos) : nullptr;
+        bf16_t* cache = is_k && caches_k ? (bf16_t*)kv_row(p, p.k_cache, layer, kvh, pos) : nullptr;
 #pragma unroll
         for (int k = 0; k < ATT_NORM_PAIRS; k++) {
             const int i = lane + 32 * k;
@@ -581,8 +589,10 @@ __device__ __forceinline__ void attn_qk_norm(const MkParams& p, const LayerW& L,
             if (is_k) {
                 // The cache keeps bf16; this step uses the same rounded values.
                 const bf16_t ha = f32_to_bf16(a), hb = f32_to_bf16(b);
-                cache[i] = ha;
-                cache[half + i] = hb;
+                if (cache) {
+                    cache[i] = ha;
+                    cache[half + i] = hb;
+                }
                 a = bf16_to_f32(ha);
                 b = bf16_to_f32(hb);
             }
@@ -621,7 +631,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     {
         // The queries and (for the last part) this token's K and V rows, read as one batch:
         // element i < G·hd is a query value, then hd of K, then hd of V (contiguous in scratch).
-        const u64* qsrc = p.q + (size_t)layer * p.heads * hd + kvh * G * hd;
+        const u64* qsrc = p.q + ((size_t)layer * p.heads + w[W_D]) * hd;
         const u64* ksrc = p.kv_new + ((size_t)layer * 2 * p.kv_heads + kvh) * hd;
         const u64* vsrc = ksrc + (size_t)p.kv_heads * hd;
         const int nq = G * hd, nin = nq + (a.has_new ? 2 * hd : 0);
@@ -640,7 +650,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
     if (consumers_failed()) return ntiles;
 #if MK_QK_NORM
     if (n > 0 || a.has_new) {
-        attn_qk_norm(p, p.layers[layer], qk_rope, layer, kvh, m.pos, qs, kn, a.has_new);
+        attn_qk_norm(p, p.layers[layer], qk_rope, layer, kvh, m.pos, qs, kn, a.has_new, w[W_D] % ATT_KV_G == 0);
         consumers_sync();
     }
 #endif

@@ -5,8 +5,9 @@
 //! nothing), a long one split so that every SM streams its share of the cache. A sequence
 //! grows while it decodes, so the runtime keeps one set of streams per bucket of lengths and
 //! switches to the next set when the sequence crosses into the next bucket. Only the
-//! attention's partitioning differs between buckets; everything else (and so every buffer but
-//! the split-KV parts' slots) is the same.
+//! attention's partitioning differs between buckets (its split-KV parts, and with one part the
+//! query heads an instruction computes); everything else (and so every buffer but the
+//! split-KV parts' slots) is the same.
 //!
 //! Bucket `k` covers lengths up to `FIRST_BUCKET · 4^k` (64, 256, 1K, 4K, 16K, 64K, ...), the
 //! last one up to `max_seq`. Each is costed at the middle of its lengths: the cost model's
@@ -62,9 +63,9 @@ pub fn bucket_context(bounds: &[usize], k: usize) -> usize {
 
 /// One schedule per bucket of sequences up to `max_seq` positions: [`plan`] with `cost`'s
 /// bandwidth and latency, attention costed at [`bucket_context`], `overrides` applied to
-/// every bucket. Neighbouring buckets with the same part count become one (the later one's
-/// schedule kept, for the longer sequences), so a fixed `attn_parts` override gives a single
-/// bucket.
+/// every bucket. Neighbouring buckets with the same part count and query heads an instruction
+/// become one (the later one's schedule kept, for the longer sequences), so a fixed
+/// `attn_parts` override gives a single bucket.
 pub fn plan_buckets(
     model: &ModelShape,
     gpu: &GpuShape,
@@ -81,7 +82,12 @@ pub fn plan_buckets(
         };
         let schedule = plan(model, gpu, &at, overrides)?;
         match out.last_mut() {
-            Some(prev) if prev.schedule.options.attn_parts == schedule.options.attn_parts => {
+            Some(prev)
+                if (
+                    prev.schedule.options.attn_parts,
+                    prev.schedule.options.attn_heads,
+                ) == (schedule.options.attn_parts, schedule.options.attn_heads) =>
+            {
                 *prev = Bucket { upto, schedule };
             }
             _ => out.push(Bucket { upto, schedule }),

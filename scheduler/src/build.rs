@@ -74,14 +74,19 @@ fn dag(m: &ModelShape, o: &Options) -> (Vec<Op>, Vec<Range<usize>>) {
             }
         });
         stage(&mut nodes, &mut |nodes| {
+            let share = o.attn_heads_of(m) as u32;
             for g in 0..kv {
                 for part in 0..parts {
-                    nodes.push(Op::Attention {
-                        layer: l,
-                        kv_head: g,
-                        part,
-                        parts,
-                    });
+                    for s in 0..group / share {
+                        nodes.push(Op::Attention {
+                            layer: l,
+                            kv_head: g,
+                            part,
+                            parts,
+                            head_start: g * group + s * share,
+                            head_count: share,
+                        });
+                    }
                 }
             }
         });

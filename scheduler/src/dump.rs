@@ -182,15 +182,22 @@ impl fmt::Display for Summary {
             0 => format!("{} pairs ({} rows)", o.qkv_pairs, 2 * o.qkv_pairs),
             n => format!("{n} pieces a layer"),
         };
+        let attn = match o.attn_heads {
+            0 => format!("{} parts", o.attn_parts),
+            n => format!(
+                "{} parts of {n} query head{}",
+                o.attn_parts,
+                if n == 1 { "" } else { "s" }
+            ),
+        };
         writeln!(
             f,
             "granularity: qkv {qkv}, o-proj {} rows, up-gate {} rows, down {} rows × {} \
-             k-chunks, attention {} parts, lm-head {} rows; fixed cost {} bytes, context {}",
+             k-chunks, attention {attn}, lm-head {} rows; fixed cost {} bytes, context {}",
             o.oproj_rows,
             o.upgate_rows,
             o.down_rows,
             o.down_chunks,
-            o.attn_parts,
             o.lmhead_rows,
             o.fixed_cost_bytes,
             o.context

@@ -16,7 +16,7 @@
 //! | --- | --- | --- | --- | --- | --- | --- |
 //! | 0 | no-op: the interpreter skips it (schedules never contain it; tests use it to remove an instruction) | | | | | |
 //! | 1 | `RmsQkvRope` | head | pair_start | pair_count | | |
-//! | 2 | `Attention` | kv_head | part | parts | | |
+//! | 2 | `Attention` | kv_head | part | parts | head_start | head_count |
 //! | 3 | `AttnReduce` | kv_head | parts | | | |
 //! | 4 | `OProjResidual` | row_start | row_count | | | |
 //! | 5 | `RmsUpGateSilu` | row_start | row_count | | | |
@@ -94,7 +94,13 @@ fn fields(op: &Op) -> (u32, u32, [u32; 6]) {
             kv_head,
             part,
             parts,
-        } => (opcode::ATTENTION, layer, [kv_head, part, parts, 0, 0, 0]),
+            head_start,
+            head_count,
+        } => (
+            opcode::ATTENTION,
+            layer,
+            [kv_head, part, parts, head_start, head_count, 0],
+        ),
         Op::AttnReduce {
             layer,
             kv_head,
@@ -156,6 +162,8 @@ fn op_of(code: u32, layer: u32, a: [u32; 6]) -> Option<Op> {
             kv_head: a[0],
             part: a[1],
             parts: a[2],
+            head_start: a[3],
+            head_count: a[4],
         },
         opcode::ATTN_REDUCE => Op::AttnReduce {
             layer,

@@ -75,11 +75,16 @@ pub enum Op {
     /// last part reads row `pos` of the cache. With q/k norms it first norms and rotates its
     /// query heads, and the last part this token's K row, which it also stores in the bf16
     /// cache for later tokens (no instruction of this token reads that copy).
+    /// `head_start..head_start + head_count` are the query heads it computes: all `G` of its
+    /// KV head, or an equal share of them ([`Options::attn_heads`]); the share that starts the
+    /// group is the one that caches the K row.
     Attention {
         layer: u32,
         kv_head: u32,
         part: u32,
         parts: u32,
+        head_start: u32,
+        head_count: u32,
     },
     /// Combines the parts of every head of `kv_head`: `M = max m_p`, `w_p = s_p·exp(m_p − M)`,
     /// `out = Σ w_p·o_p / Σ w_p`, into `attn_out`.
@@ -371,9 +376,11 @@ pub fn access(op: &Op, model: &ModelShape, opts: &Options) -> Access {
             kv_head,
             part,
             parts,
+            head_start,
+            head_count,
         } => {
             a.reads
-                .push(span(Buffer::Q { layer }, kv_head * group * hd, group * hd));
+                .push(span(Buffer::Q { layer }, head_start * hd, head_count * hd));
             a.reads.push(span(Buffer::TokenIn, POS, 1));
             if part + 1 == parts {
                 a.reads
@@ -384,11 +391,11 @@ pub fn access(op: &Op, model: &ModelShape, opts: &Options) -> Access {
             if parts == 1 {
                 a.writes.push(span(
                     Buffer::AttnOut { layer },
-                    kv_head * group * hd,
-                    group * hd,
+                    head_start * hd,
+                    head_count * hd,
                 ));
             } else {
-                for h in kv_head * group..(kv_head + 1) * group {
+                for h in head_start..head_start + head_count {
                     let slot = h * parts + part;
                     a.writes
                         .push(span(Buffer::AttnPart { layer }, slot * hd, hd));

@@ -31,6 +31,13 @@ pub const MAX_ATTN_PARTS: usize = 128;
 /// (BENCHMARKS.md). With the current merge SmolLM2 at 8K is 2% faster at 32 parts than at the
 /// 21 this picks, so a refit over the same cases may lower it.
 pub const REDUCE_PART_US: f64 = 0.15;
+/// What each query head beyond the first adds to an `Attention` instruction, µs: its scores,
+/// softmax and weighted values, which the instruction's warps compute one after another.
+/// Fitted to the H100 measurements of one query head an instruction against the whole group
+/// (BENCHMARKS.md, 2026-11-27): a layer 0.3-0.6 µs shorter per head taken out of an
+/// instruction (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B and Qwen3-0.6B at one part; the head_dim-128
+/// shapes against their five parts and merge).
+pub const ATTN_HEAD_US: f64 = 0.3;
 
 /// Machine and workload figures the granularity and the time estimate are computed from.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -110,6 +117,11 @@ impl CostModel {
     pub fn reduce_part_bytes(&self, gpu: &GpuShape) -> u64 {
         (REDUCE_PART_US * self.sm_bytes_per_us(gpu)).round() as u64
     }
+
+    /// [`ATTN_HEAD_US`] as bytes one SM could have streamed meanwhile.
+    pub fn attn_head_bytes(&self, gpu: &GpuShape) -> u64 {
+        (ATTN_HEAD_US * self.sm_bytes_per_us(gpu)).round() as u64
+    }
 }
 
 /// How finely each stage is cut into instructions.
@@ -135,6 +147,11 @@ pub struct Options {
     pub down_chunks: usize,
     /// Split-KV partitions per KV head; 1 means attention writes its output directly.
     pub attn_parts: usize,
+    /// Query heads per `Attention` instruction: 0 for the whole group of a KV head, else a
+    /// divisor of the group (each share of the group then reads the KV head's rows itself),
+    /// only with one part (`AttnReduce` merges whole groups).
+    #[serde(default)]
+    pub attn_heads: usize,
     pub lmhead_rows: usize,
     /// Fixed cost per instruction in bytes-equivalent, used to balance SMs.
     pub fixed_cost_bytes: u64,
@@ -154,6 +171,16 @@ impl Options {
             best_rows(segments, len, bytes_per_row, fixed, sms, granule)
         };
         let qkv_pairs = pick(model.qkv_heads(), hd / 2, 2 * 2 * h as u64, ROW_GRANULE / 2);
+        let (part, context) = (cost.reduce_part_bytes(gpu), cost.context.max(1));
+        let (attn_parts, attn_heads) = attn_shares(
+            model,
+            sms,
+            fixed,
+            part,
+            cost.attn_head_bytes(gpu),
+            context,
+            attn_parts(model, sms, fixed, part, context),
+        );
         Options {
             qkv_pairs,
             qkv_pieces: qkv_pieces(model, sms, qkv_pairs),
@@ -161,13 +188,8 @@ impl Options {
             upgate_rows: pick(down_chunks, chunk_len, 2 * 2 * h as u64, ROW_GRANULE),
             down_rows: pick(down_chunks, h, 2 * chunk_len as u64, ROW_GRANULE),
             down_chunks,
-            attn_parts: attn_parts(
-                model,
-                sms,
-                fixed,
-                cost.reduce_part_bytes(gpu),
-                cost.context.max(1),
-            ),
+            attn_parts,
+            attn_heads,
             lmhead_rows: pick(1, model.vocab, 2 * h as u64, ROW_GRANULE),
             fixed_cost_bytes: fixed,
             context: cost.context.max(1),
@@ -217,7 +239,30 @@ impl Options {
         if self.attn_parts > 1 << 16 {
             return bad(format!("attn_parts = {} exceeds 65536", self.attn_parts));
         }
+        let group = model.group();
+        if self.attn_heads != 0 && !group.is_multiple_of(self.attn_heads) {
+            return bad(format!(
+                "attn_heads = {} does not divide the {group} query heads of a KV head",
+                self.attn_heads
+            ));
+        }
+        if self.attn_heads_of(model) < group && self.attn_parts > 1 {
+            return bad(format!(
+                "attn_heads = {} needs attn_parts = 1 (the split-KV merge takes whole groups), \
+                 not {}",
+                self.attn_heads, self.attn_parts
+            ));
+        }
         Ok(())
+    }
+
+    /// Query heads per `Attention` instruction ([`Options::attn_heads`], 0 read as the group).
+    pub fn attn_heads_of(&self, model: &ModelShape) -> usize {
+        if self.attn_heads == 0 {
+            model.group()
+        } else {
+            self.attn_heads
+        }
     }
 }
 
@@ -383,6 +428,36 @@ pub fn attn_stage_cost(
     attn + reduce
 }
 
+/// The attention's cut at `context` positions: `parts` split-KV parts of whole groups (as
+/// [`attn_parts`] chose them), or one part with each instruction a share of a KV head's query
+/// heads, `(1, share)`, where that costs less. Each query head beyond an instruction's first
+/// adds `head` ([`ATTN_HEAD_US`]); a share reads its KV head's rows itself. `(parts, 0)` for
+/// whole groups, as [`Options::attn_heads`] has it. Ties go to whole groups.
+pub fn attn_shares(
+    model: &ModelShape,
+    sms: usize,
+    fixed: u64,
+    part: u64,
+    head: u64,
+    context: usize,
+    parts: usize,
+) -> (usize, usize) {
+    let (g, sms) = (model.group(), sms.max(1));
+    let extra = |share: usize| (share.max(1) as u64 - 1) * head;
+    let whole_rounds = (model.kv_heads * parts.max(1)).div_ceil(sms) as u64;
+    let whole = attn_stage_cost(model, sms, fixed, part, context, parts) + whole_rounds * extra(g);
+    let head_bytes = (2 * 2 * context * model.head_dim) as u64;
+    let mut best = (whole, parts, 0);
+    for share in (1..g).filter(|s| g.is_multiple_of(*s)) {
+        let rounds = (model.kv_heads * g / share).div_ceil(sms) as u64;
+        let cost = rounds * (head_bytes + fixed + extra(share));
+        if cost < best.0 {
+            best = (cost, 1, share);
+        }
+    }
+    (best.1, best.2)
+}
+
 /// Granularity chosen by hand instead of by the cost model, field by field.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Overrides {
@@ -393,6 +468,7 @@ pub struct Overrides {
     pub down_rows: Option<usize>,
     pub down_chunks: Option<usize>,
     pub attn_parts: Option<usize>,
+    pub attn_heads: Option<usize>,
     pub lmhead_rows: Option<usize>,
 }
 
@@ -411,6 +487,12 @@ impl Overrides {
             down_rows: self.down_rows.unwrap_or(auto.down_rows),
             down_chunks: self.down_chunks.unwrap_or(auto.down_chunks),
             attn_parts: self.attn_parts.unwrap_or(auto.attn_parts),
+            // A share of a group only where attention writes its output directly.
+            attn_heads: if self.attn_parts.unwrap_or(auto.attn_parts) > 1 {
+                0
+            } else {
+                self.attn_heads.unwrap_or(auto.attn_heads)
+            },
             lmhead_rows: self.lmhead_rows.unwrap_or(auto.lmhead_rows),
             ..auto
         }
@@ -468,6 +550,37 @@ mod tests {
         }
         // Qwen3-4B: 3,264 + 3,264 + 3,200.
         assert_eq!(chunk_cols(9728, 3, 1), 3264..6528);
+    }
+
+    #[test]
+    fn short_contexts_take_one_query_head_an_instruction_long_ones_whole_groups() {
+        let h100 = GpuShape::h100();
+        let shape = |dims, qk_norm| ModelShape::of(dims, 151936, qk_norm);
+        for (name, m) in [
+            ("llama-3.2-1b", ModelShape::preset("llama-3.2-1b").unwrap()),
+            ("smollm2-135m", ModelShape::preset("smollm2-135m").unwrap()),
+            ("llama-3.2-3b", ModelShape::preset("llama-3.2-3b").unwrap()),
+            ("qwen3-4b", shape([2560, 9728, 36, 32, 8, 128], true)),
+            ("qwen2.5-0.5b", shape([896, 4864, 24, 14, 2, 64], false)),
+            ("qwen2.5-7b", shape([3584, 18944, 28, 28, 4, 128], false)),
+        ] {
+            // A chat's first bucket (costed at 161 positions): one part, a head an instruction.
+            let o = Options::auto(&m, &h100, &CostModel::megakernel(161));
+            o.check(&m).unwrap();
+            assert_eq!((o.attn_parts, o.attn_heads), (1, 1), "{name}");
+            // At 8K the cache is split into parts of whole groups.
+            let o = Options::auto(&m, &h100, &CostModel::megakernel(8192));
+            o.check(&m).unwrap();
+            assert!(o.attn_parts > 1 && o.attn_heads == 0, "{name}: {o:?}");
+        }
+        // An override of the parts keeps whole groups where it splits.
+        let m = ModelShape::preset("llama-3.2-1b").unwrap();
+        let auto = Options::auto(&m, &h100, &CostModel::megakernel(161));
+        let split = Overrides {
+            attn_parts: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(split.apply(auto).attn_heads, 0);
     }
 
     #[test]

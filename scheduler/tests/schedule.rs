@@ -38,6 +38,7 @@ fn tiny_options() -> Options {
         down_rows: 16,
         down_chunks: 2,
         attn_parts: 2,
+        attn_heads: 0,
         lmhead_rows: 20,
         fixed_cost_bytes: 0,
         context: 8,

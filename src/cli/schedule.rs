@@ -66,6 +66,10 @@ pub struct ScheduleArgs {
     /// Split-KV attention partitions per KV head.
     #[arg(long)]
     pub attn_parts: Option<usize>,
+    /// Query heads per Attention instruction: a divisor of a KV head's query heads (buckets
+    /// of one part only; the others compute whole groups).
+    #[arg(long)]
+    pub attn_heads: Option<usize>,
     #[arg(long)]
     pub lmhead_rows: Option<usize>,
 }
@@ -166,6 +170,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         down_rows: args.down_rows.or(env.down_rows),
         down_chunks: args.down_chunks.or(env.down_chunks),
         attn_parts: args.attn_parts.or(env.attn_parts),
+        attn_heads: args.attn_heads.or(env.attn_heads),
         lmhead_rows: args.lmhead_rows.or(env.lmhead_rows),
     };
     let schedule = megakernel_schedule(&cfg, &gpu, &cost, &overrides).with_context(|| {
@@ -225,9 +230,13 @@ context buckets for sequences up to {} positions:",
             .iter()
             .find(|st| st.kind == scheduler::StageKind::Attention)
             .map_or(0, |st| st.max);
+        let heads = match b.schedule.options.attn_heads {
+            0 => String::new(),
+            n => format!(" of {n} query head{}", if n == 1 { "" } else { "s" }),
+        };
         writeln!(
             out,
-            "  up to {:>7}: {:>3} split-KV parts (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB",
+            "  up to {:>7}: {:>3} split-KV parts{heads} (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB",
             b.upto,
             b.schedule.options.attn_parts,
             b.schedule.options.context,

@@ -115,11 +115,13 @@ pub struct MegakernelPath<'g> {
     sampler: Option<DeviceSampler>,
 }
 
-/// How a kernel variant computes attention (`KernelSpec`'s `attn_by_warps`, `attn_spread`).
+/// How a kernel variant computes attention (`KernelSpec`'s `attn_by_warps`, `attn_spread`,
+/// `attn_heads`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct AttnWay {
     by_warps: bool,
     spread: bool,
+    heads: usize,
 }
 
 /// What compiling the interpreter's variants took, for the sampled ones made later.
@@ -225,7 +227,7 @@ impl<'g> MegakernelPath<'g> {
                 )
                 && a.lmhead_rows == b.lmhead_rows;
             if !same {
-                bail!("megakernel: the schedule for sequences up to {upto} differs from the first in more than its split-KV parts");
+                bail!("megakernel: the schedule for sequences up to {upto} differs from the first in more than its attention's parts and heads an instruction");
             }
             let parts = schedule.options.attn_parts;
             if !part_range_fits(parts, max_seq) {
@@ -277,25 +279,31 @@ impl<'g> MegakernelPath<'g> {
         // stream 1-4% slower at 8K. The other shapes compute by rounds either way, and compile
         // the split-KV buckets' merge (attn_reduce.cuh's by-warps form) only into the kernel
         // of the buckets that have parts.
-        // As ATT_BY_WARPS in attention.cuh: a lane's queries and output for the group, or at
-        // head_dim 128 for half of it, in 32 registers.
-        let (group, lane_dims) = (c.num_heads / c.num_kv_heads, c.head_dim / 8);
-        let heads_a_warp = if group * lane_dims <= 32 {
-            group
-        } else {
-            32 / lane_dims
+        // As ATT_BY_WARPS in attention.cuh: a lane's queries and output for the heads an
+        // instruction computes (the group, or the schedule's share of it), or at head_dim 128
+        // for half of them, in 32 registers.
+        let warps_fit = |heads: usize| {
+            let lane_dims = c.head_dim / 8;
+            let heads_a_warp = if heads * lane_dims <= 32 {
+                heads
+            } else {
+                32 / lane_dims
+            };
+            let head_groups = heads.div_ceil(heads_a_warp.max(1));
+            head_groups == 1 || (head_groups == 2 && c.head_dim == 128)
         };
-        let head_groups = group.div_ceil(heads_a_warp.max(1));
-        let warps_fit = head_groups == 1 || (head_groups == 2 && c.head_dim == 128);
-        let short_by_warps =
-            warps_fit && super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
+        let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
         let ways: Vec<AttnWay> = encoded
             .iter()
             .map(|(_, schedule, ..)| {
                 let split = schedule.options.attn_parts > 1;
+                let heads = schedule.options.attn_heads;
+                let short_by_warps =
+                    by_warps_allowed && warps_fit(schedule.options.attn_heads_of(&schedule.model));
                 AttnWay {
                     by_warps: short_by_warps || split,
                     spread: short_by_warps && !split,
+                    heads,
                 }
             })
             .collect();
@@ -307,6 +315,7 @@ impl<'g> MegakernelPath<'g> {
             down_chunks: chunks,
             attn_by_warps: false,
             attn_spread: false,
+            attn_heads: 0,
             sampled: false,
             freq_in_smem,
             pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
@@ -316,6 +325,7 @@ impl<'g> MegakernelPath<'g> {
                 let spec = KernelSpec {
                     attn_by_warps: w.by_warps,
                     attn_spread: w.spread,
+                    attn_heads: w.heads,
                     ..spec
                 };
                 let (module, kernel) = compile::load(gpu, c, &spec)?;
@@ -974,6 +984,7 @@ impl<'g> MegakernelPath<'g> {
             let spec = KernelSpec {
                 attn_by_warps: b.ways[i].by_warps,
                 attn_spread: b.ways[i].spread,
+                attn_heads: b.ways[i].heads,
                 sampled: true,
                 ..b.spec
             };

@@ -254,9 +254,10 @@ impl Backend for GpuPath<'_> {
 /// MEGAINFER_MK_ATTN_PARTS (split-KV parts per KV head, in one bucket), MEGAINFER_MK_QKV_PAIRS
 /// (RoPE pairs per RmsQkvRope), MEGAINFER_MK_QKV_PIECES (RmsQkvRope instructions a layer, heads
 /// split evenly), MEGAINFER_MK_OPROJ_ROWS, _UPGATE_ROWS, _DOWN_ROWS, _DOWN_CHUNKS and
-/// _LMHEAD_ROWS (rows per instruction and the down projection's k-chunks).
+/// _LMHEAD_ROWS (rows per instruction and the down projection's k-chunks), and
+/// MEGAINFER_MK_ATTN_HEADS (query heads per Attention instruction in the buckets of one part).
 pub fn env_overrides() -> Result<(scheduler::Overrides, Vec<&'static str>)> {
-    const VARS: [&str; 8] = [
+    const VARS: [&str; 9] = [
         "MEGAINFER_MK_ATTN_PARTS",
         "MEGAINFER_MK_QKV_PAIRS",
         "MEGAINFER_MK_QKV_PIECES",
@@ -265,8 +266,9 @@ pub fn env_overrides() -> Result<(scheduler::Overrides, Vec<&'static str>)> {
         "MEGAINFER_MK_DOWN_ROWS",
         "MEGAINFER_MK_DOWN_CHUNKS",
         "MEGAINFER_MK_LMHEAD_ROWS",
+        "MEGAINFER_MK_ATTN_HEADS",
     ];
-    let [attn_parts, qkv_pairs, qkv_pieces, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows] =
+    let [attn_parts, qkv_pairs, qkv_pieces, oproj_rows, upgate_rows, down_rows, down_chunks, lmhead_rows, attn_heads] =
         VARS.map(super::switches::count);
     let overrides = scheduler::Overrides {
         attn_parts: attn_parts?,
@@ -277,6 +279,7 @@ pub fn env_overrides() -> Result<(scheduler::Overrides, Vec<&'static str>)> {
         down_rows: down_rows?,
         down_chunks: down_chunks?,
         lmhead_rows: lmhead_rows?,
+        attn_heads: attn_heads?,
     };
     let set = VARS
         .into_iter()

@@ -66,16 +66,24 @@ pub fn prefill() -> String {
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
 /// shape and the lengths of its mat-vec rows, so that loops have constant trip counts, and the
-/// attention scratch the host plans for it (checked by the kernel).
-pub fn megakernel_defines(config: &crate::model::Config) -> Vec<String> {
-    let group = config.num_heads / config.num_kv_heads;
+/// attention scratch the host plans for it (checked by the kernel). `attn_heads`: the query
+/// heads an Attention instruction computes (`MK_GROUP`; 0 for a KV head's whole group,
+/// `MK_KV_GROUP`).
+pub fn megakernel_defines(config: &crate::model::Config, attn_heads: usize) -> Vec<String> {
+    let kv_group = config.num_heads / config.num_kv_heads;
+    let group = if attn_heads == 0 {
+        kv_group
+    } else {
+        attn_heads
+    };
     vec![
         format!(
             "-DMK_ATT_SCRATCH_FLOATS={}",
             layout::attention_scratch(group, config.head_dim)
         ),
         format!("-DMK_HEAD_DIM={}", config.head_dim),
-        format!("-DMK_GROUP={}", config.num_heads / config.num_kv_heads),
+        format!("-DMK_GROUP={group}"),
+        format!("-DMK_KV_GROUP={kv_group}"),
         format!("-DMK_HIDDEN={}", config.hidden_size),
         format!("-DMK_Q_DIM={}", config.q_dim()),
         // Qwen's extra steps in QKV's store compile out for the models without them: the

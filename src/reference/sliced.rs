@@ -288,9 +288,17 @@ impl<'a> SlicedMachine<'a> {
         x
     }
 
-    fn attention(&mut self, layer: usize, kv_head: usize, part: usize, parts: usize) {
+    /// Query heads `heads` of `kv_head`'s group over part `part` of `parts`.
+    fn attention(
+        &mut self,
+        layer: usize,
+        kv_head: usize,
+        part: usize,
+        parts: usize,
+        heads: std::ops::Range<usize>,
+    ) {
         let c = self.cfg;
-        let (hd, kv_dim, group) = (c.head_dim, c.kv_dim(), c.num_heads / c.num_kv_heads);
+        let (hd, kv_dim) = (c.head_dim, c.kv_dim());
         let len = self.pos + 1;
         let lw = &self.w.layers[layer];
         let qk_norm = lw
@@ -311,7 +319,7 @@ impl<'a> SlicedMachine<'a> {
             }
         }
         let (k, v) = (&self.k_cache[layer], &self.v_cache[layer]);
-        for head in kv_head * group..(kv_head + 1) * group {
+        for head in heads {
             let raw = &self.q[layer][head * hd..(head + 1) * hd];
             let normed = qk_norm.map(|(qw, _)| self.norm_rope(raw, qw));
             let q = normed.as_deref().unwrap_or(raw);
@@ -505,7 +513,15 @@ impl Machine for SlicedMachine<'_> {
                 kv_head,
                 part,
                 parts,
-            } => self.attention(u(layer), u(kv_head), u(part), u(parts)),
+                head_start,
+                head_count,
+            } => self.attention(
+                u(layer),
+                u(kv_head),
+                u(part),
+                u(parts),
+                rows(head_start, head_count),
+            ),
             Op::AttnReduce {
                 layer,
                 kv_head,

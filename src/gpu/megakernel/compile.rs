@@ -27,6 +27,9 @@ pub struct KernelSpec {
     /// Short attention parts spread over every warp (attention by warps only; off, the code is
     /// compiled out: MK_ATT_SPREAD_MAX=0).
     pub attn_spread: bool,
+    /// Query heads an Attention instruction computes (the schedule's `attn_heads`; 0: the
+    /// whole group of a KV head).
+    pub attn_heads: usize,
     pub sampled: bool,
     pub freq_in_smem: bool,
     pub pages: usize,
@@ -79,7 +82,7 @@ pub fn ring_pages(
 /// added last; an MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice (and
 /// `-UMK_PAGES` compiles the ring's size as a parameter read at run time).
 pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) -> Vec<String> {
-    let mut defines = sources::megakernel_defines(config);
+    let mut defines = sources::megakernel_defines(config, spec.attn_heads);
     defines.extend(spec.formats.defines());
     // The draw inside the launch (ops/sample.cuh) is compiled only into the kernel that
     // sampled launches run: its calls cost the greedy kernel's loop spilled registers.
@@ -212,6 +215,7 @@ mod tests {
             down_chunks: 1,
             attn_by_warps: true,
             attn_spread: true,
+            attn_heads: 0,
             sampled,
             freq_in_smem: true,
             pages: 12,
@@ -238,6 +242,16 @@ mod tests {
         };
         let d = defines(&cfg, &hidden_wide, "");
         assert!(!d.iter().any(|x| x.starts_with("-DMK_DOWN_COLS")));
+        // SmolLM2's 3 query heads a KV head, computed whole or one an instruction.
+        assert!(d.iter().any(|x| x == "-DMK_GROUP=3"));
+        let one_head = KernelSpec {
+            attn_heads: 1,
+            ..spec(false)
+        };
+        let d = defines(&cfg, &one_head, "");
+        for want in ["-DMK_GROUP=1", "-DMK_KV_GROUP=3"] {
+            assert!(d.iter().any(|x| x == want), "{want} missing from {d:?}");
+        }
         let d = defines(
             &cfg,
             &spec(true),
