@@ -487,9 +487,13 @@ impl Overrides {
             down_rows: self.down_rows.unwrap_or(auto.down_rows),
             down_chunks: self.down_chunks.unwrap_or(auto.down_chunks),
             attn_parts: self.attn_parts.unwrap_or(auto.attn_parts),
-            // A share of a group only where attention writes its output directly.
+            // Shares of a group only where attention writes its output directly: a heads
+            // override leaves the buckets the cost model splits in parts whole, and one given
+            // with parts of its own is kept, for `check` to refuse.
             attn_heads: if self.attn_parts.unwrap_or(auto.attn_parts) > 1 {
-                0
+                self.attn_heads
+                    .filter(|_| self.attn_parts.is_some())
+                    .unwrap_or(0)
             } else {
                 self.attn_heads.unwrap_or(auto.attn_heads)
             },
@@ -573,7 +577,8 @@ mod tests {
             o.check(&m).unwrap();
             assert!(o.attn_parts > 1 && o.attn_heads == 0, "{name}: {o:?}");
         }
-        // An override of the parts keeps whole groups where it splits.
+        // An override of the parts keeps whole groups where it splits; one of the heads applies
+        // where there is one part, and given with parts is refused.
         let m = ModelShape::preset("llama-3.2-1b").unwrap();
         let auto = Options::auto(&m, &h100, &CostModel::megakernel(161));
         let split = Overrides {
@@ -581,6 +586,18 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(split.apply(auto).attn_heads, 0);
+        let two = Overrides {
+            attn_heads: Some(2),
+            ..Default::default()
+        };
+        assert_eq!(two.apply(auto).attn_heads, 2);
+        let long = Options::auto(&m, &h100, &CostModel::megakernel(8192));
+        assert_eq!(two.apply(long).attn_heads, 0);
+        let both = Overrides {
+            attn_parts: Some(3),
+            ..two
+        };
+        assert!(both.apply(auto).check(&m).is_err());
     }
 
     #[test]
