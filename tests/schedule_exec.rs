@@ -55,6 +55,15 @@ fn tiny(
     }
 }
 
+/// Qwen3's per-head q/k norms on a tiny shape (4 query heads, 2 KV heads, head_dim 64).
+fn tiny_qwen3() -> Config {
+    Config {
+        architecture: "Qwen3ForCausalLM".into(),
+        qk_norm: true,
+        ..tiny(72, 100, 4, 2, 64, false)
+    }
+}
+
 /// Odd sizes, GQA ratios 1, 3 and 4, head_dim 64 and 128, tied and untied LM heads.
 fn configs() -> Vec<Config> {
     vec![
@@ -191,11 +200,7 @@ fn random_models_match_reference_over_tokens() {
 /// instruction a head to one per two pairs.
 #[test]
 fn qkv_pieces_match_reference_over_tokens() {
-    let qwen3 = Config {
-        architecture: "Qwen3ForCausalLM".into(),
-        qk_norm: true,
-        ..tiny(72, 100, 4, 2, 64, false)
-    };
+    let qwen3 = tiny_qwen3();
     for (ci, cfg) in [configs()[2].clone(), qwen3].into_iter().enumerate() {
         let c = case(cfg, 60 + ci as u64, 5);
         let heads = c.cfg.num_heads + 2 * c.cfg.num_kv_heads;
@@ -226,11 +231,7 @@ fn qkv_pieces_match_reference_over_tokens() {
 /// divisor of the group, one part, in any interleaving.
 #[test]
 fn attention_head_shares_match_reference_over_tokens() {
-    let qwen3 = Config {
-        architecture: "Qwen3ForCausalLM".into(),
-        qk_norm: true,
-        ..tiny(72, 100, 4, 2, 64, false)
-    };
+    let qwen3 = tiny_qwen3();
     let wide = tiny(96, 100, 6, 1, 64, false);
     for (ci, cfg) in [wide, qwen3].into_iter().enumerate() {
         let c = case(cfg, 80 + ci as u64, 5);
@@ -295,11 +296,7 @@ fn greedy_in_global_order(c: &Case, s: &Schedule, steps: usize) -> (Vec<u32>, Ve
 #[test]
 fn generations_match_steps_run_one_at_a_time() {
     const STEPS: usize = 6;
-    let qwen3 = Config {
-        architecture: "Qwen3ForCausalLM".into(),
-        qk_norm: true,
-        ..tiny(72, 100, 4, 2, 64, false)
-    };
+    let qwen3 = tiny_qwen3();
     let mut cfgs = configs();
     cfgs.push(qwen3);
     for (ci, cfg) in cfgs.into_iter().enumerate() {
@@ -347,11 +344,7 @@ fn generations_match_steps_run_one_at_a_time() {
 /// instructions: one pair, the cost model's, whole heads.
 #[test]
 fn qwen_models_match_reference_over_tokens() {
-    let qwen3 = Config {
-        architecture: "Qwen3ForCausalLM".into(),
-        qk_norm: true,
-        ..tiny(72, 100, 4, 2, 64, false)
-    };
+    let qwen3 = tiny_qwen3();
     let qwen2 = Config {
         architecture: "Qwen2ForCausalLM".into(),
         qkv_bias: true,
