@@ -73,11 +73,27 @@ pub fn plan_buckets(
     overrides: &Overrides,
     max_seq: usize,
 ) -> Result<Vec<Bucket>, ScheduleError> {
+    plan_buckets_within(model, gpu, cost, overrides, &bucket_bounds(max_seq))
+}
+
+/// [`plan_buckets`] over other bounds than [`bucket_bounds`] (for measuring other cuts of the
+/// lengths): strictly increasing and positive, the last one the longest sequence.
+pub fn plan_buckets_within(
+    model: &ModelShape,
+    gpu: &GpuShape,
+    cost: &CostModel,
+    overrides: &Overrides,
+    bounds: &[usize],
+) -> Result<Vec<Bucket>, ScheduleError> {
+    if bounds.is_empty() || bounds[0] == 0 || bounds.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(ScheduleError::Options(format!(
+            "bucket bounds {bounds:?} are not positive and strictly increasing"
+        )));
+    }
     let mut out: Vec<Bucket> = Vec::new();
-    let bounds = bucket_bounds(max_seq);
     for (k, &upto) in bounds.iter().enumerate() {
         let at = CostModel {
-            context: bucket_context(&bounds, k),
+            context: bucket_context(bounds, k),
             ..*cost
         };
         let schedule = plan(model, gpu, &at, overrides)?;

@@ -34,7 +34,9 @@ pub mod shape;
 pub mod validate;
 
 pub use arena::ArenaLayout;
-pub use buckets::{bucket_bounds, bucket_context, bucket_for, plan_buckets, Bucket};
+pub use buckets::{
+    bucket_bounds, bucket_context, bucket_for, plan_buckets, plan_buckets_within, Bucket,
+};
 pub use build::build;
 pub use deps::dependencies;
 pub use encode::{DecodeError, Encoded, WORDS_PER_INSTR};

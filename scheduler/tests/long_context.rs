@@ -3,8 +3,8 @@
 use scheduler::dump::summarize;
 use scheduler::options::{attn_parts, attn_stage_cost, MAX_ATTN_PARTS};
 use scheduler::{
-    bucket_bounds, bucket_context, bucket_for, plan, plan_buckets, CostModel, Executor, GpuShape,
-    Interleaving, Machine, ModelShape, Op, Overrides, Schedule, StageKind,
+    bucket_bounds, bucket_context, bucket_for, plan, plan_buckets, plan_buckets_within, CostModel,
+    Executor, GpuShape, Interleaving, Machine, ModelShape, Op, Overrides, Schedule, StageKind,
 };
 
 fn shape(name: &str) -> ModelShape {
@@ -229,6 +229,34 @@ fn buckets_split_more_as_the_context_grows() {
     .unwrap();
     assert_eq!(one.len(), 1);
     assert_eq!(one[0].upto, 65536);
+}
+
+/// Buckets over bounds of one's own (`MEGAINFER_MK_BUCKETS` on the host): a bound at 512 gives
+/// SmolLM2 one query head an instruction up to there (costed at 385) and parts after; bounds
+/// that do not increase are refused.
+#[test]
+fn buckets_within_other_bounds() {
+    let g = GpuShape::h100();
+    let m = shape("smollm2-135m");
+    let cost = CostModel::megakernel(1);
+    let buckets =
+        plan_buckets_within(&m, &g, &cost, &Overrides::default(), &[64, 256, 512, 4096]).unwrap();
+    let desc: Vec<(usize, usize, usize)> = buckets
+        .iter()
+        .map(|b| {
+            let o = &b.schedule.options;
+            (b.upto, o.attn_parts, o.attn_heads)
+        })
+        .collect();
+    assert_eq!(desc[0], (512, 1, 1), "{desc:?}");
+    assert!(
+        desc[1].0 == 4096 && desc[1].1 > 1 && desc[1].2 == 0,
+        "{desc:?}"
+    );
+    for bad in [&[][..], &[64, 64], &[256, 64], &[0, 64]] {
+        let err = plan_buckets_within(&m, &g, &cost, &Overrides::default(), bad).unwrap_err();
+        assert!(err.to_string().contains("bucket bounds"), "{bad:?}: {err}");
+    }
 }
 
 struct Count(usize);

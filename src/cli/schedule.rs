@@ -209,7 +209,8 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     // The buckets `run` and `bench` switch between for sequences up to --context, with the
     // K/V each SM streams per layer at a bucket's longest sequence.
     let shape = crate::reference::sliced::shape_of(&cfg);
-    let buckets = scheduler::plan_buckets(&shape, &gpu, &cost, &overrides, args.context)
+    let bounds = crate::gpu::megakernel::bucket_bounds_for(args.context)?;
+    let buckets = scheduler::plan_buckets_within(&shape, &gpu, &cost, &overrides, &bounds)
         .map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
     for b in &buckets {
         limits(&b.schedule);
@@ -217,8 +218,13 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     writeln!(
         out,
         "
-context buckets for sequences up to {} positions:",
-        args.context
+context buckets for sequences up to {} positions{}:",
+        args.context,
+        if std::env::var_os("MEGAINFER_MK_BUCKETS").is_some() {
+            " (bounds from MEGAINFER_MK_BUCKETS)"
+        } else {
+            ""
+        }
     )?;
     for b in &buckets {
         let at_end = CostModel {

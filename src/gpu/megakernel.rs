@@ -969,8 +969,43 @@ pub fn buckets_for(
     let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
     let model = crate::reference::sliced::shape_of(config);
     let cost = scheduler::CostModel::megakernel(max_seq.max(1));
-    scheduler::plan_buckets(&model, &shape, &cost, overrides, max_seq)
+    let bounds = bucket_bounds_for(max_seq)?;
+    scheduler::plan_buckets_within(&model, &shape, &cost, overrides, &bounds)
         .map_err(|e| anyhow::anyhow!("scheduler: {e}"))
+}
+
+/// The bounds of the context buckets for sequences of up to `max_seq` positions:
+/// `scheduler::bucket_bounds`, or, for measuring other cuts, `MEGAINFER_MK_BUCKETS`: the
+/// lengths below `max_seq` that end a bucket, comma-separated and increasing (e.g.
+/// `64,256,512,1024,4096`), `max_seq` ending the last. `run`, `bench` and `megainfer
+/// schedule` read it alike.
+pub fn bucket_bounds_for(max_seq: usize) -> Result<Vec<usize>> {
+    let v = std::env::var("MEGAINFER_MK_BUCKETS").ok();
+    parse_bucket_bounds(v.as_deref(), max_seq).map_err(anyhow::Error::msg)
+}
+
+fn parse_bucket_bounds(v: Option<&str>, max_seq: usize) -> Result<Vec<usize>, String> {
+    let Some(list) = v else {
+        return Ok(scheduler::bucket_bounds(max_seq));
+    };
+    let mut bounds = Vec::new();
+    for item in list.split(',').map(str::trim) {
+        match item.parse::<usize>() {
+            Ok(n) if n >= 1 && bounds.last().is_none_or(|&l| n > l) => {
+                if n < max_seq {
+                    bounds.push(n);
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "MEGAINFER_MK_BUCKETS: '{item}' is not a length above the one before it \
+                     (increasing positive lengths, comma-separated: '{list}')"
+                ))
+            }
+        }
+    }
+    bounds.push(max_seq.max(1));
+    Ok(bounds)
 }
 
 impl<'g> MegakernelPath<'g> {
@@ -1033,6 +1068,24 @@ mod tests {
         assert!(!part_range_fits(1 << 16, 65_535));
     }
     use scheduler::encode::opcode;
+
+    #[test]
+    fn bucket_bounds_come_from_the_environment_for_measuring() {
+        use super::parse_bucket_bounds;
+        assert_eq!(
+            parse_bucket_bounds(None, 4096),
+            Ok(scheduler::bucket_bounds(4096))
+        );
+        // Lengths at or past the longest sequence are dropped; it ends the last bucket.
+        assert_eq!(
+            parse_bucket_bounds(Some("64, 256,512,1024,4096,16384"), 4096),
+            Ok(vec![64, 256, 512, 1024, 4096])
+        );
+        for bad in ["", "256,64", "64,64", "0,64", "64,x"] {
+            let err = parse_bucket_bounds(Some(bad), 4096).unwrap_err();
+            assert!(err.starts_with("MEGAINFER_MK_BUCKETS: '"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn the_wait_timeout_is_parsed_strictly() {
