@@ -148,7 +148,8 @@ fn megakernel_measuring_variants_compile() {
 }
 
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
-/// H100's schedule, attention by rounds, and the schedule's k-chunk count.
+/// H100's schedule (a 64-position context: one query head an attention instruction), attention
+/// by rounds, and the schedule's k-chunk count.
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
     use megainfer::gpu::megakernel::{
         down_chunk_cols, freq_table_fits, kernel_defines, megakernel_gpu_shape,
@@ -166,7 +167,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         down_chunks: chunks,
         attn_by_warps: false,
         attn_spread: false,
-        attn_heads: 0,
+        attn_heads: sched.options.attn_heads,
         sampled,
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
         freq_in_smem,
