@@ -66,6 +66,14 @@ fn teacher_forced(
     println!("{label} megakernel: worst rel L2 {worst:.2e} (tolerance {tol:.1e})");
 }
 
+/// The megakernel's schedule of `cfg` on `gpu` at a 64-position context with `overrides`.
+fn schedule_with(gpu: &Gpu, cfg: &Config, overrides: scheduler::Overrides) -> Schedule {
+    use megainfer::gpu::megakernel::{megakernel_gpu_shape, megakernel_schedule};
+    let shape = megakernel_gpu_shape(cfg, gpu.sm_count, gpu.max_smem_per_block);
+    let cost = scheduler::CostModel::megakernel(64);
+    megakernel_schedule(cfg, &shape, &cost, &overrides).unwrap()
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_matches_reference_on_small_random_models() {
@@ -98,7 +106,6 @@ fn megakernel_matches_reference_on_llama_1b_shape() {
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_matches_reference_over_one_round_of_inputs() {
-    use megainfer::gpu::megakernel::{megakernel_gpu_shape, megakernel_schedule};
     let gpu = gpu();
     for (hidden, heads, kv, inter, chunks) in
         [(2560, 32, 8, 3072, [3, 5]), (3584, 28, 4, 2560, [1, 2])]
@@ -106,14 +113,12 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
         let mut cfg = tiny(hidden, heads, kv, 128, inter);
         cfg.qk_norm = true;
         let w = random_weights(&cfg, 23);
-        let shape = megakernel_gpu_shape(&cfg, gpu.sm_count, gpu.max_smem_per_block);
         for down_chunks in chunks {
             let overrides = scheduler::Overrides {
                 down_chunks: Some(down_chunks),
                 ..Default::default()
             };
-            let cost = scheduler::CostModel::megakernel(64);
-            let sched = megakernel_schedule(&cfg, &shape, &cost, &overrides).unwrap();
+            let sched = schedule_with(&gpu, &cfg, overrides);
             assert_eq!(sched.options.down_chunks, down_chunks);
             let label = format!("hidden {hidden}, {down_chunks} k-chunks");
             let tokens = [5, 900, 33, 12, 640];
@@ -126,8 +131,7 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
             qkv_pieces: Some(gpu.sm_count),
             ..Default::default()
         };
-        let cost = scheduler::CostModel::megakernel(64);
-        let sched = megakernel_schedule(&cfg, &shape, &cost, &overrides).unwrap();
+        let sched = schedule_with(&gpu, &cfg, overrides);
         assert_eq!(sched.options.qkv_pieces, gpu.sm_count);
         let label = format!("hidden {hidden}, one QKV piece per SM");
         teacher_forced(
@@ -149,7 +153,6 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_attention_head_shares_match_reference() {
-    use megainfer::gpu::megakernel::{megakernel_gpu_shape, megakernel_schedule};
     let gpu = gpu();
     let mut qwen2 = tiny(896, 14, 2, 64, 1024);
     qwen2.qkv_bias = true;
@@ -162,14 +165,12 @@ fn megakernel_attention_head_shares_match_reference() {
     ];
     for (name, cfg, shares) in cases {
         let w = random_weights(&cfg, 31);
-        let shape = megakernel_gpu_shape(&cfg, gpu.sm_count, gpu.max_smem_per_block);
         for heads in shares {
             let overrides = scheduler::Overrides {
                 attn_heads: Some(heads),
                 ..Default::default()
             };
-            let cost = scheduler::CostModel::megakernel(64);
-            let sched = megakernel_schedule(&cfg, &shape, &cost, &overrides).unwrap();
+            let sched = schedule_with(&gpu, &cfg, overrides);
             assert_eq!(sched.options.attn_heads, heads);
             let label = format!("{name}, {heads} query heads an instruction");
             let tokens = [5, 900, 33, 12, 640, 7, 81];
