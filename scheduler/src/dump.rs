@@ -182,14 +182,7 @@ impl fmt::Display for Summary {
             0 => format!("{} pairs ({} rows)", o.qkv_pairs, 2 * o.qkv_pairs),
             n => format!("{n} pieces a layer"),
         };
-        let attn = match o.attn_heads {
-            0 => format!("{} parts", o.attn_parts),
-            n => format!(
-                "{} parts of {n} query head{}",
-                o.attn_parts,
-                if n == 1 { "" } else { "s" }
-            ),
-        };
+        let attn = format!("{} parts{}", o.attn_parts, o.attn_heads_label());
         writeln!(
             f,
             "granularity: qkv {qkv}, o-proj {} rows, up-gate {} rows, down {} rows × {} \

@@ -256,6 +256,15 @@ impl Options {
         Ok(())
     }
 
+    /// How a schedule's output names a share of a group: "" for whole groups, else " of N
+    /// query head(s)".
+    pub fn attn_heads_label(&self) -> String {
+        match self.attn_heads {
+            0 => String::new(),
+            n => format!(" of {n} query head{}", if n == 1 { "" } else { "s" }),
+        }
+    }
+
     /// Query heads per `Attention` instruction ([`Options::attn_heads`], 0 read as the group).
     pub fn attn_heads_of(&self, model: &ModelShape) -> usize {
         if self.attn_heads == 0 {

@@ -236,10 +236,7 @@ context buckets for sequences up to {} positions{}:",
             .iter()
             .find(|st| st.kind == scheduler::StageKind::Attention)
             .map_or(0, |st| st.max);
-        let heads = match b.schedule.options.attn_heads {
-            0 => String::new(),
-            n => format!(" of {n} query head{}", if n == 1 { "" } else { "s" }),
-        };
+        let heads = b.schedule.options.attn_heads_label();
         writeln!(
             out,
             "  up to {:>7}: {:>3} split-KV parts{heads} (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB",
