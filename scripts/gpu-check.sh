@@ -156,7 +156,8 @@ fi
 #   environment instead; OLD_BIN (if given) runs first in each round with none.
 # BENCH=mkenv (not in BENCH=1): as defines, with MK_ENV's ';'-separated entries (each a list of
 #   NAME=VALUE words, e.g. ";MEGAINFER_MK_QKV_PIECES=264") set in the environment, on each
-#   PRESET:PROMPT of MK_ENV_CASES, MK_ROUNDS rounds (default 2).
+#   PRESET:PROMPT of MK_ENV_CASES, MK_ROUNDS rounds (default 2); MK_BENCH_ARGS adds bench
+#   options to every run (e.g. "--max-context 8192": the context buckets `run` cuts).
 # BENCH=draw (not in BENCH=1): the megakernel's sampled draw after the launch (the default)
 #   against inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1, one launch per token and per generation),
 #   greedy for reference, OLD_BIN too; T 0.8, top-p 0.95 on SmolLM2 and Llama-1B.
@@ -194,8 +195,9 @@ if [ "${BENCH:-0}" != 0 ]; then
     local preset=$1 len=$2 log=$3
     shift 3
     # shellcheck disable=SC2046 # preset_args is two or four words
+    # shellcheck disable=SC2086 # MK_BENCH_ARGS is a list of words
     env "$@" "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" --gen 64 --reps 2 \
-      --paths megakernel > "$log" 2>&1
+      --paths megakernel ${MK_BENCH_ARGS:-} > "$log" 2>&1
     row "$log" megakernel
   }
   # LABEL ROUNDS CASES ENTRIES KIND AS [OLD]: ROUNDS rounds of every case of CASES by every

@@ -747,6 +747,23 @@ fn bench_output_paths_are_checked_before_running() {
 }
 
 #[test]
+fn bench_max_context_must_hold_the_run() {
+    let (code, err) = megainfer(&[
+        "bench",
+        "--preset",
+        "smollm2-135m",
+        "--prompt-len",
+        "32",
+        "--gen",
+        "8",
+        "--max-context",
+        "40",
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_contains(&err, &["--max-context 40", "--prompt-len + --gen + 1 = 41"]);
+}
+
+#[test]
 fn bench_prefill_chunk_must_be_positive() {
     let (code, err) = megainfer(&["bench", "--prefill-chunk", "0"]);
     assert_eq!(code, Some(2), "{err}");

@@ -9,8 +9,8 @@
 //! query heads an instruction computes); everything else (and so every buffer but the
 //! split-KV parts' slots) is the same.
 //!
-//! Bucket `k` covers lengths up to `FIRST_BUCKET · 4^k` (64, 256, 1K, 4K, 16K, 64K, ...), the
-//! last one up to `max_seq`. Each is costed at the middle of its lengths: the cost model's
+//! The buckets end at `FIRST_BUCKET · 4^k` (64, 256, 1K, 4K, 16K, 64K, ...) and at
+//! [`MID_BOUND`] (512), the last one at `max_seq`. Each is costed at the middle of its lengths: the cost model's
 //! attention cost is linear in the length for a given part count, so that minimises the mean
 //! over the bucket (costed at its end, the short sequences of a bucket would pay a reduction
 //! they do not need: a 160-token answer split 16 ways on Llama-1B). Neighbours with the same
@@ -20,8 +20,15 @@ use crate::{plan, CostModel, GpuShape, ModelShape, Overrides, Schedule, Schedule
 
 /// The longest sequence of the first bucket.
 pub const FIRST_BUCKET: usize = 64;
-/// Each bucket's longest sequence is this many times its predecessor's.
+/// Each bucket's longest sequence is this many times its predecessor's (but for [`MID_BOUND`]).
 pub const BUCKET_GROWTH: usize = 4;
+/// A bound between 256 and 1024: up to 512 positions one query head an attention instruction
+/// (the cost model's cut for the bucket costed at 385) beats the split-KV parts of whole groups
+/// that a bucket of 257–1024 takes (costed at 641). Measured on the H100 at a 400-token
+/// context with `run`'s buckets for 8192 positions: SmolLM2 0.447 → 0.397 ms a token,
+/// Llama-3.2-1B 0.917 → 0.864, Qwen2.5-0.5B 0.581 → 0.524; at 700 (the 513–1024 bucket, now
+/// costed at 769) level (BENCHMARKS.md).
+pub const MID_BOUND: usize = 512;
 
 /// The schedule for sequences of at most `upto` positions (and more than the previous
 /// bucket's).
@@ -32,15 +39,16 @@ pub struct Bucket {
 }
 
 /// The longest length of each bucket for sequences of up to `max_seq` positions: 64, 256,
-/// 1024, ... while below `max_seq`, then `max_seq` itself (at least one bucket).
+/// 512, 1024, 4096, ... while below `max_seq`, then `max_seq` itself (at least one bucket).
 pub fn bucket_bounds(max_seq: usize) -> Vec<usize> {
     let max_seq = max_seq.max(1);
-    let mut bounds = Vec::new();
-    let mut b = FIRST_BUCKET;
-    while b < max_seq {
-        bounds.push(b);
-        b = b.saturating_mul(BUCKET_GROWTH);
-    }
+    let mut bounds: Vec<usize> =
+        std::iter::successors(Some(FIRST_BUCKET), |b| b.checked_mul(BUCKET_GROWTH))
+            .chain(std::iter::once(MID_BOUND))
+            .filter(|&b| b < max_seq)
+            .collect();
+    bounds.sort_unstable();
+    bounds.dedup();
     bounds.push(max_seq);
     bounds
 }

@@ -133,25 +133,33 @@ fn part_count_minimises_the_cost_model() {
 fn bucket_bounds_grow_fourfold_up_to_the_context() {
     assert_eq!(bucket_bounds(50), vec![50]);
     assert_eq!(bucket_bounds(64), vec![64]);
-    assert_eq!(bucket_bounds(4096), vec![64, 256, 1024, 4096]);
-    assert_eq!(bucket_bounds(5000), vec![64, 256, 1024, 4096, 5000]);
+    assert_eq!(bucket_bounds(300), vec![64, 256, 300]);
+    assert_eq!(bucket_bounds(512), vec![64, 256, 512]);
+    assert_eq!(bucket_bounds(600), vec![64, 256, 512, 600]);
+    assert_eq!(bucket_bounds(1024), vec![64, 256, 512, 1024]);
+    assert_eq!(bucket_bounds(4096), vec![64, 256, 512, 1024, 4096]);
+    assert_eq!(bucket_bounds(5000), vec![64, 256, 512, 1024, 4096, 5000]);
     assert_eq!(
         bucket_bounds(131_072),
-        vec![64, 256, 1024, 4096, 16384, 65536, 131_072]
+        vec![64, 256, 512, 1024, 4096, 16384, 65536, 131_072]
     );
     assert_eq!(bucket_bounds(0), vec![1]);
     let b = bucket_bounds(131_072);
     assert_eq!(bucket_for(&b, 1), 0);
     assert_eq!(bucket_for(&b, 64), 0);
     assert_eq!(bucket_for(&b, 65), 1);
-    assert_eq!(bucket_for(&b, 4096), 3);
-    assert_eq!(bucket_for(&b, 4097), 4);
-    assert_eq!(bucket_for(&b, 131_072), 6);
-    assert_eq!(bucket_for(&b, 200_000), 6);
+    assert_eq!(bucket_for(&b, 257), 2);
+    assert_eq!(bucket_for(&b, 513), 3);
+    assert_eq!(bucket_for(&b, 4096), 4);
+    assert_eq!(bucket_for(&b, 4097), 5);
+    assert_eq!(bucket_for(&b, 131_072), 7);
+    assert_eq!(bucket_for(&b, 200_000), 7);
     // Costed at the middle of each bucket's lengths.
     assert_eq!(bucket_context(&b, 0), 33);
     assert_eq!(bucket_context(&b, 1), 161);
-    assert_eq!(bucket_context(&b, 6), 98305);
+    assert_eq!(bucket_context(&b, 2), 385);
+    assert_eq!(bucket_context(&b, 3), 769);
+    assert_eq!(bucket_context(&b, 7), 98305);
 }
 
 #[test]

@@ -27,6 +27,11 @@ pub struct BenchArgs {
     /// New tokens per run.
     #[arg(long, default_value_t = 128)]
     pub gen: usize,
+    /// Positions the paths are set up for (KV cache, and the megakernel's context buckets,
+    /// which `run` cuts for its context: e.g. 8192 to time a run's buckets at mid lengths);
+    /// default --prompt-len + --gen + 1, the least that holds the run.
+    #[arg(long)]
+    pub max_context: Option<usize>,
     /// Comma-separated: megakernel, graph-pdl, graph, eager; or all.
     #[arg(long, default_value = "all")]
     pub paths: String,
@@ -178,6 +183,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if args.gen < 2 || args.prompt_len == 0 || args.reps == 0 {
         bail!("--gen must be >= 2, --prompt-len and --reps >= 1");
     }
+    let needed = args.prompt_len + args.gen + 1;
+    let max_seq = args.max_context.unwrap_or(needed);
+    if max_seq < needed {
+        bail!("--max-context {max_seq} is less than --prompt-len + --gen + 1 = {needed}");
+    }
     let paths = PathKind::parse_list(&args.paths)?;
     let params = args.sampling.params(args.seed)?;
     let sampling = if params.is_greedy() {
@@ -247,10 +257,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             (m2.config, m2.weights, name)
         }
     };
-    let max_seq = args.prompt_len + args.gen + 1;
     if max_seq > config.max_position_embeddings {
         bail!(
-            "--prompt-len + --gen exceed the model's {} positions",
+            "{} exceed the model's {} positions",
+            if args.max_context.is_some() {
+                "--max-context"
+            } else {
+                "--prompt-len + --gen"
+            },
             config.max_position_embeddings
         );
     }

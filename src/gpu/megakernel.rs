@@ -977,7 +977,7 @@ pub fn buckets_for(
 /// The bounds of the context buckets for sequences of up to `max_seq` positions:
 /// `scheduler::bucket_bounds`, or, for measuring other cuts, `MEGAINFER_MK_BUCKETS`: the
 /// lengths below `max_seq` that end a bucket, comma-separated and increasing (e.g.
-/// `64,256,512,1024,4096`), `max_seq` ending the last. `run`, `bench` and `megainfer
+/// `64,256,1024,4096`), `max_seq` ending the last. `run`, `bench` and `megainfer
 /// schedule` read it alike.
 pub fn bucket_bounds_for(max_seq: usize) -> Result<Vec<usize>> {
     let v = std::env::var("MEGAINFER_MK_BUCKETS").ok();
