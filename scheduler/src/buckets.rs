@@ -10,8 +10,8 @@
 //! split-KV parts' slots) is the same.
 //!
 //! The buckets end at `FIRST_BUCKET · 4^k` (64, 256, 1K, 4K, 16K, 64K, ...) and at
-//! [`MID_BOUND`] (512), the last one at `max_seq`. Each is costed at the middle of its lengths: the cost model's
-//! attention cost is linear in the length for a given part count, so that minimises the mean
+//! [`MID_BOUND`] (512), the last one at `max_seq`. Each is costed at the middle of its
+//! lengths: the cost model's attention cost is linear in the length for a given part count, so that minimises the mean
 //! over the bucket (costed at its end, the short sequences of a bucket would pay a reduction
 //! they do not need: a 160-token answer split 16 ways on Llama-1B). Neighbours with the same
 //! part count are merged.
@@ -26,7 +26,7 @@ pub const BUCKET_GROWTH: usize = 4;
 /// (the cost model's cut for the bucket costed at 385) beats the split-KV parts of whole groups
 /// that a bucket of 257–1024 takes (costed at 641). Measured on the H100 at a 400-token
 /// context with `run`'s buckets for 8192 positions: SmolLM2 0.447 → 0.397 ms a token,
-/// Llama-3.2-1B 0.917 → 0.864, Qwen2.5-0.5B 0.581 → 0.524; at 700 (the 513–1024 bucket, now
+/// Llama-3.2-1B 0.917 → 0.864, Qwen2.5-0.5B 0.581 → 0.524; at 700 (the 513–1024 bucket,
 /// costed at 769) level (BENCHMARKS.md).
 pub const MID_BOUND: usize = 512;
 
