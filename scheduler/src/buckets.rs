@@ -11,10 +11,10 @@
 //!
 //! The buckets end at `FIRST_BUCKET · 4^k` (64, 256, 1K, 4K, 16K, 64K, ...) and at
 //! [`MID_BOUND`] (512), the last one at `max_seq`. Each is costed at the middle of its
-//! lengths: the cost model's attention cost is linear in the length for a given part count, so that minimises the mean
-//! over the bucket (costed at its end, the short sequences of a bucket would pay a reduction
-//! they do not need: a 160-token answer split 16 ways on Llama-1B). Neighbours with the same
-//! part count are merged.
+//! lengths: the cost model's attention cost is linear in the length for a given part count,
+//! so that minimises the mean over the bucket (costed at its end, the short sequences of a
+//! bucket would pay a reduction they do not need: a 160-token answer split 16 ways on
+//! Llama-1B). Neighbours with the same part count are merged.
 
 use crate::{plan, CostModel, GpuShape, ModelShape, Overrides, Schedule, ScheduleError};
 
