@@ -194,8 +194,7 @@ if [ "${BENCH:-0}" != 0 ]; then
   mk_bench() {
     local preset=$1 len=$2 log=$3
     shift 3
-    # shellcheck disable=SC2046 # preset_args is two or four words
-    # shellcheck disable=SC2086 # MK_BENCH_ARGS is a list of words
+    # shellcheck disable=SC2046,SC2086 # preset_args and MK_BENCH_ARGS are lists of words
     env "$@" "$MEGAINFER_BIN" bench $(preset_args "$preset") --prompt-len "$len" --gen 64 --reps 2 \
       --paths megakernel ${MK_BENCH_ARGS:-} > "$log" 2>&1
     row "$log" megakernel
