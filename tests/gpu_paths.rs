@@ -315,7 +315,7 @@ fn weights_larger_than_free_memory_get_a_clear_error() {
 }
 
 /// Each step the graph paths can fold into the mat-vecs (norm, SiLU·up, RoPE + K/V write,
-/// argmax), folded alone and none folded, on every baseline mode, teacher-forced against the
+/// argmax) or fuse (the MLP in one kernel), folded alone and none folded, on every baseline mode, teacher-forced against the
 /// CPU reference (the default, all folded, is what the tests above run); then 20 greedy steps,
 /// each of whose tokens must be the CPU reference's argmax on the same sequence up to a
 /// near-tie (within 1e-3 of the largest logit magnitude).
@@ -332,7 +332,9 @@ fn every_fusion_choice_matches_reference() {
         "silu",
         "rope",
         "argmax",
+        "mlp",
         "norm,silu,rope,argmax",
+        "norm,silu,rope,argmax,mlp",
     ] {
         for mode in MODES {
             let mut path = BaselinePath::with_fusion(&gpu, &dm, mode, 64, fusion).unwrap();
@@ -375,6 +377,47 @@ fn every_fusion_choice_matches_reference() {
         .expect("an unknown step is refused")
         .to_string();
     assert!(err.contains("bogus"), "{err}");
+}
+
+/// The fused MLP (`bl_mlp`, forced with `MEGAINFER_BASELINE_FUSION`'s `mlp` step) on every
+/// kernel it may pick, teacher-forced against the CPU reference on every baseline mode: MLP
+/// shapes whose split takes 16, 32, 64 and 128 rows a CTA on 132 SMs, hidden sizes of a
+/// partial column batch (576), one batch (2048) and two (4096, with 128 rows a CTA).
+#[test]
+#[ignore = "needs a GPU"]
+fn fused_mlp_matches_reference_on_every_split() {
+    use megainfer::gpu::baseline::mlp::rows_per_cta;
+    let gpu = gpu();
+    for (hidden, heads, kv, inter) in [
+        (576, 9, 3, 1536),
+        (1024, 16, 4, 3072),
+        (2048, 32, 8, 8192),
+        (4096, 32, 8, 14336),
+    ] {
+        let mut cfg = tiny(hidden, heads, kv, hidden / heads, inter);
+        cfg.num_layers = 2;
+        let w = random_weights(&cfg, 3);
+        let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();
+        let tokens = [5u32, 17, 250, 999, 3];
+        let want = CpuForward::new(&cfg, &w, 16).forward_all(&tokens).unwrap();
+        let j = rows_per_cta(hidden, inter, gpu.sm_count).expect("the shape has a split");
+        for mode in MODES {
+            let mut path =
+                BaselinePath::with_fusion(&gpu, &dm, mode, 16, "norm,silu,rope,argmax,mlp")
+                    .unwrap();
+            let what = format!(
+                "hidden {hidden}, inter {inter} ({j} rows a CTA), {}",
+                mode.name()
+            );
+            let mut worst = 0f64;
+            for (i, t) in tokens.iter().enumerate() {
+                let err = rel_l2(&path.feed(&[*t]).unwrap(), &want[i]);
+                worst = worst.max(err);
+                assert!(err <= TOL_SMALL, "{what}: step {i} rel L2 {err:.2e}");
+            }
+            println!("{what}: worst rel L2 {worst:.2e} (tolerance {TOL_SMALL:.0e})");
+        }
+    }
 }
 
 /// A streamed generation (steps queued ahead of the host's work per token) gives the tokens

@@ -131,6 +131,7 @@ extern "C" __global__ void bl_gemv(const bf16_t* W, const float* x, float* y, in
 #define MV_OUT_SILU 3     // pairs (gate p, up p) of W = [gate; up]: y[p] = silu(gate) * up
 #define MV_OUT_ARGMAX 4   // y[r] = s, and the greedy token (argmax, lowest index on ties) into
                           // meta / history via per-CTA partials and the last CTA to finish
+#define MV_OUT_ADD_COPY 5 // y[r] += s and y2[r] = the new y[r] (the residual bl_mlp adds into)
 
 struct MvParams {
     const bf16_t* w;
@@ -144,6 +145,7 @@ struct MvParams {
     u32* part;             // ARGMAX: 2 words (value bits, index) per CTA
     u32* done;             // ARGMAX: arrival counter, 0 between launches
     u32* history;          // ARGMAX: history[pos + 1] = the token
+    float* y2;             // ADD_COPY: each row's new value is also stored here
     int rows, cols, ksplit, in_mode, out_mode, n_heads, n_kv, head_dim;
     float eps;
     int evict_first;       // weights marked first to leave L2 (see mv_ld)
@@ -357,12 +359,20 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
         }
         __syncthreads();
         const int t = threadIdx.x, base = task * RB;
-        if (p.out_mode == MV_OUT_STORE || p.out_mode == MV_OUT_ADD || p.out_mode == MV_OUT_ARGMAX) {
+        if (p.out_mode == MV_OUT_STORE || p.out_mode == MV_OUT_ADD || p.out_mode == MV_OUT_ARGMAX ||
+            p.out_mode == MV_OUT_ADD_COPY) {
             if (t < RB && base + t < p.rows) {
                 const float s = mv_total(red[buf], t, R, ks);
                 const int r = base + t;
-                if (p.out_mode == MV_OUT_ADD) p.y[r] += s;
-                else p.y[r] = s;
+                if (p.out_mode == MV_OUT_ADD) {
+                    p.y[r] += s;
+                } else if (p.out_mode == MV_OUT_ADD_COPY) {
+                    const float v = p.y[r] + s;
+                    p.y[r] = v;
+                    p.y2[r] = v;
+                } else {
+                    p.y[r] = s;
+                }
                 if (p.out_mode == MV_OUT_ARGMAX) argmax_merge(best_v, best_i, s, (u32)r);
             }
         } else if (2 * t < RB && base + 2 * t < p.rows) {

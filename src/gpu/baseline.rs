@@ -18,6 +18,9 @@ use crate::kargs;
 use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
 
+pub mod mlp;
+use mlp::{Mlp, MlpFusion, MlpParams};
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     Eager,
@@ -48,6 +51,7 @@ struct Kernels {
     embed_q: Kernel,
     /// kernels/quant/quant.cu's mat-vecs, by storage: Q8_0, Q4_0, Q4_1, Q6_K.
     gemv_q: [Kernel; 4],
+    mlp: Mlp,
 }
 
 /// Measured on the H100 (BENCHMARKS.md, 2026-11-27), graph + PDL, 32-token prompt + 128 new:
@@ -151,15 +155,19 @@ fn attention_parts(expected: usize, kv_heads: usize, sms: usize) -> usize {
 /// the CTA's first weight loads are in flight), SiLU·up into the gate/up epilogue, RoPE and
 /// the K/V cache write into the QKV epilogue (Llama-style layers only: Qwen's bias and q/k
 /// norm come between the product and RoPE), and the greedy argmax into the LM head. The
-/// residual adds are always in the O and down projections. All are folded by default;
-/// `MEGAINFER_BASELINE_FUSION` (a comma list of `norm`, `silu`, `rope`, `argmax`, or `none`)
-/// picks by hand, for measuring what each saves.
+/// residual adds are always in the O and down projections. All are folded by default. The MLP
+/// (norm, gate/up, SiLU·up, down and the residual add) runs as one kernel (`bl_mlp`, see
+/// [`mlp`]) where [`mlp::choose`] takes it: by default without PDL on shapes whose split fills
+/// the SMs, with `mlp` named wherever the shapes allow. `MEGAINFER_BASELINE_FUSION` (a comma
+/// list of `norm`, `silu`, `rope`, `argmax`, `mlp`, or `none`) picks by hand, for measuring
+/// what each saves.
 #[derive(Clone, Copy, Debug)]
 struct Fusion {
     norm: bool,
     silu: bool,
     rope: bool,
     argmax: bool,
+    mlp: MlpFusion,
 }
 
 impl Fusion {
@@ -170,6 +178,7 @@ impl Fusion {
                 silu: true,
                 rope: true,
                 argmax: true,
+                mlp: MlpFusion::Auto,
             });
         };
         Self::parse(&v).context("MEGAINFER_BASELINE_FUSION")
@@ -181,6 +190,7 @@ impl Fusion {
             silu: false,
             rope: false,
             argmax: false,
+            mlp: MlpFusion::Off,
         };
         for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part {
@@ -188,9 +198,10 @@ impl Fusion {
                 "silu" => f.silu = true,
                 "rope" => f.rope = true,
                 "argmax" => f.argmax = true,
+                "mlp" => f.mlp = MlpFusion::On,
                 "none" => {}
                 other => {
-                    bail!("unknown step '{other}' (norm, silu, rope, argmax or none)")
+                    bail!("unknown step '{other}' (norm, silu, rope, argmax, mlp or none)")
                 }
             }
         }
@@ -206,6 +217,11 @@ pub struct BaselinePath<'g> {
     _module: Arc<CudaModule>,
     kv: KvCache,
     x: CudaSlice<f32>,
+    /// The residual's second buffer: a layer whose MLP is fused ends in the other buffer
+    /// (its O projection copies the residual there, and the MLP adds into it).
+    x_alt: CudaSlice<f32>,
+    /// Intermediate rows a CTA of the fused MLP takes, where it runs (bf16 layers).
+    mlp_rows: Option<usize>,
     /// The normed hidden and the MLP activation (silu(gate) · up).
     xn: CudaSlice<f32>,
     act: CudaSlice<f32>,
@@ -298,6 +314,7 @@ impl<'g> BaselinePath<'g> {
                 Kernel::load(&module, "bl_gemv_q4_1")?,
                 Kernel::load(&module, "bl_gemv_q6_k")?,
             ],
+            mlp: Mlp::load(&module, gpu)?,
         };
         let group = c.num_heads / c.num_kv_heads;
         if group * c.head_dim > GQ_THREADS as usize * GQ_MAX_O {
@@ -337,6 +354,14 @@ impl<'g> BaselinePath<'g> {
         let mut p = Self {
             kv: KvCache::new(gpu, c, max_seq)?,
             x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
+            x_alt: gpu.alloc_zeros(c.hidden_size, "hidden")?,
+            mlp_rows: mlp::choose(
+                fusion.mlp,
+                mode == Mode::GraphPdl,
+                c.hidden_size,
+                c.intermediate_size,
+                gpu.sm_count,
+            ),
             xn: gpu.alloc_zeros(c.hidden_size, "normed hidden")?,
             act: gpu.alloc_zeros(c.intermediate_size, "mlp activation")?,
             fusion,
@@ -496,7 +521,7 @@ impl<'g> BaselinePath<'g> {
     fn enqueue_step(&self, sampled: bool) -> Result<()> {
         let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
         let pdl = self.pdl();
-        let (x, qkv, attn, gu, act, logits, meta, history) = (
+        let (mut x, qkv, attn, gu, act, logits, meta, history) = (
             ptr(&self.x, s),
             ptr(&self.qkv, s),
             ptr(&self.attn, s),
@@ -610,6 +635,40 @@ impl<'g> BaselinePath<'g> {
                         &mut kargs![&qkv, &kc, &vc, &attn, &meta, &nh, &nkv, &hd],
                     )
                 }?;
+            }
+            let fused = [&lw.wo, &lw.w_gu, &lw.w_down]
+                .iter()
+                .all(|m| m.type_code() == 0);
+            if let (Some(j), true) = (self.mlp_rows, fused) {
+                // The residual moves to the other buffer: O stores it there as well, and the
+                // MLP's CTAs add into it while every one of them reads x for its norm.
+                let x_next = if x == ptr(&self.x, s) {
+                    ptr(&self.x_alt, s)
+                } else {
+                    ptr(&self.x, s)
+                };
+                let out = MvOut::AddCopy { y2: x_next };
+                self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, out)?;
+                let next = match self.model.layers.get(l + 1) {
+                    Some(nl) => &nl.w_qkv,
+                    None => self.model.lm_head(),
+                };
+                let p = MlpParams {
+                    w_gu: lw.w_gu.ptr(g),
+                    w_down: lw.w_down.ptr(g),
+                    x,
+                    norm: ptr(&lw.ffn_norm, s),
+                    y: x_next,
+                    pf: next.ptr(g),
+                    eps: c.rms_norm_eps,
+                    ..Default::default()
+                };
+                let (h, i) = (c.hidden_size, c.intermediate_size);
+                let ef = self.k.mv.evict_first;
+                let next_bytes = next.bytes();
+                self.k.mlp.launch(s, p, h, i, j, next_bytes, ef, pdl)?;
+                x = x_next;
+                continue;
             }
             self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, MvOut::Add)?;
             let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
@@ -801,7 +860,7 @@ pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
     Ok(bytes as f64 / (times[times.len() / 2] * 1e-3) / 1e9)
 }
 
-/// Parameters of `bl_mv` (`MvParams` in kernels/baseline/baseline.cu), field for field: eleven
+/// Parameters of `bl_mv` (`MvParams` in kernels/baseline/baseline.cu), field for field: twelve
 /// device addresses (0 where the mode reads none), then the ints and the epsilon.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -817,6 +876,7 @@ pub struct MvParams {
     pub part: u64,
     pub done: u64,
     pub history: u64,
+    pub y2: u64,
     pub rows: i32,
     pub cols: i32,
     pub ksplit: i32,
@@ -849,6 +909,10 @@ pub enum MvOut {
     Store,
     /// y += W · in: the residual add.
     Add,
+    /// y += W · in, and the new y stored in y2 as well (where the fused MLP adds).
+    AddCopy {
+        y2: u64,
+    },
     /// The QKV product of one layer: q rotated into y, k rotated and v into the caches at
     /// meta.pos.
     RopeKv {
@@ -881,6 +945,7 @@ impl MvOut {
             MvOut::RopeKv { .. } => 2,
             MvOut::Silu => 3,
             MvOut::Argmax { .. } => 4,
+            MvOut::AddCopy { .. } => 5,
         }
     }
 
@@ -1373,6 +1438,7 @@ impl MatVec {
         }
         match out {
             MvOut::Store | MvOut::Add | MvOut::Silu => {}
+            MvOut::AddCopy { y2 } => p.y2 = y2,
             MvOut::RopeKv {
                 k_cache,
                 v_cache,

@@ -13,6 +13,8 @@ const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const PREFILL_WGMMA: &str = include_str!("../../kernels/prefill/attention_wgmma.cuh");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
+/// The graph paths' fused MLP (after baseline.cu, whose helpers it uses).
+const BASELINE_MLP: &str = include_str!("../../kernels/baseline/mlp.cuh");
 /// The folded RMS norm's block reduction and scaling, shared by baseline.cu and quant.cu.
 const NORM: &str = include_str!("../../kernels/norm.cuh");
 /// The quantised formats' decoding, shared by quant.cu and the megakernel's tiles.
@@ -48,6 +50,7 @@ pub fn baseline() -> String {
         BASELINE_ATTENTION,
         NORM,
         BASELINE,
+        BASELINE_MLP,
         &quant(),
     ]
     .join("\n")
