@@ -315,7 +315,7 @@ fn weights_larger_than_free_memory_get_a_clear_error() {
 }
 
 /// Each step the graph paths can fold into the mat-vecs (norm, SiLU·up, RoPE + K/V write,
-/// argmax) or fuse (the MLP in one kernel), folded alone and none folded, on every baseline mode, teacher-forced against the
+/// argmax) or fuse (the MLP in one kernel, attention with the O projection), folded alone and none folded, on every baseline mode, teacher-forced against the
 /// CPU reference (the default, all folded, is what the tests above run); then 20 greedy steps,
 /// each of whose tokens must be the CPU reference's argmax on the same sequence up to a
 /// near-tie (within 1e-3 of the largest logit magnitude).
@@ -333,8 +333,10 @@ fn every_fusion_choice_matches_reference() {
         "rope",
         "argmax",
         "mlp",
+        "attn",
         "norm,silu,rope,argmax",
         "norm,silu,rope,argmax,mlp",
+        "norm,silu,rope,argmax,mlp,attn",
     ] {
         for mode in MODES {
             let mut path = BaselinePath::with_fusion(&gpu, &dm, mode, 64, fusion).unwrap();
@@ -380,12 +382,14 @@ fn every_fusion_choice_matches_reference() {
 }
 
 /// The fused MLP (`bl_mlp`, forced with `MEGAINFER_BASELINE_FUSION`'s `mlp` step) on every
-/// kernel it may pick, teacher-forced against the CPU reference on every baseline mode: MLP
+/// kernel it may pick, alone, after the fused attention + O projection (`bl_attn_o`, `attn`)
+/// and that alone, teacher-forced against the CPU reference on every baseline mode: MLP
 /// shapes whose split takes 16, 32, 64 and 128 rows a CTA on 132 SMs, hidden sizes of a
-/// partial column batch (576), one batch (2048) and two (4096, with 128 rows a CTA).
+/// partial column batch (576), one batch (2048) and two (4096, with 128 rows a CTA), head_dim
+/// 64 and 128 (the last), W_o row blocks of one batch a warp (2048: 4 of 512) and of several.
 #[test]
 #[ignore = "needs a GPU"]
-fn fused_mlp_matches_reference_on_every_split() {
+fn fused_mlp_and_attention_match_reference_on_every_split() {
     use megainfer::gpu::baseline::mlp::rows_per_cta;
     let gpu = gpu();
     for (hidden, heads, kv, inter) in [
@@ -401,12 +405,14 @@ fn fused_mlp_matches_reference_on_every_split() {
         let tokens = [5u32, 17, 250, 999, 3];
         let want = CpuForward::new(&cfg, &w, 16).forward_all(&tokens).unwrap();
         let j = rows_per_cta(hidden, inter, gpu.sm_count).expect("the shape has a split");
-        for mode in MODES {
-            let mut path =
-                BaselinePath::with_fusion(&gpu, &dm, mode, 16, "norm,silu,rope,argmax,mlp")
-                    .unwrap();
+        for (fusion, mode) in ["mlp", "mlp,attn", "attn"]
+            .into_iter()
+            .flat_map(|f| MODES.map(|m| (f, m)))
+        {
+            let steps = format!("norm,silu,rope,argmax,{fusion}");
+            let mut path = BaselinePath::with_fusion(&gpu, &dm, mode, 16, &steps).unwrap();
             let what = format!(
-                "hidden {hidden}, inter {inter} ({j} rows a CTA), {}",
+                "hidden {hidden}, inter {inter} ({j} rows a CTA), {fusion}, {}",
                 mode.name()
             );
             let mut worst = 0f64;

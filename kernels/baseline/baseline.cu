@@ -146,6 +146,8 @@ struct MvParams {
     u32* done;             // ARGMAX: arrival counter, 0 between launches
     u32* history;          // ARGMAX: history[pos + 1] = the token
     float* y2;             // ADD_COPY: each row's new value is also stored here
+    float* y3;             // when set, x (the residual) is copied to y2 and y3, a slice a CTA: the
+                           // buffers bl_attn_o and bl_mlp add into
     int rows, cols, ksplit, in_mode, out_mode, n_heads, n_kv, head_dim;
     float eps;
     int evict_first;       // weights marked first to leave L2 (see mv_ld)
@@ -316,6 +318,13 @@ __device__ __forceinline__ void mv_body(const MvParams& p) {
         const float scale = block_inv_rms(ss, p.cols, p.eps, partial);
         for (int i = threadIdx.x; i < n4; i += blockDim.x)
             mv_xs4[i] = norm4(mv_xs4[i], *(const uint2*)(p.norm + 4 * i), scale);
+    }
+    if (p.y3 != nullptr) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += gridDim.x * blockDim.x) {
+            const float4 v = x4[i];
+            ((float4*)p.y2)[i] = v;
+            ((float4*)p.y3)[i] = v;
+        }
     }
     u32 pos = 0;
     if (p.out_mode == MV_OUT_ROPE_KV) pos = p.meta->pos;

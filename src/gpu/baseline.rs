@@ -11,14 +11,16 @@ use cudarc::nvrtc::Ptx;
 use super::compile::compile_cubin;
 use super::device::{ptr, Gpu};
 use super::launch::Kernel;
-use super::model::{enqueue_qkv_extras, DeviceMatrix, DeviceModel, KvCache};
+use super::model::{enqueue_qkv_extras, DeviceLayer, DeviceMatrix, DeviceModel, KvCache};
 use super::sources;
 use super::stepping::{self, Sequence, Steps};
 use crate::kargs;
 use crate::sampling::device::DeviceSampler;
 use crate::sampling::SamplingParams;
 
+pub mod attn_o;
 pub mod mlp;
+use attn_o::{AttnO, AttnOFusion, AttnOParams};
 use mlp::{Mlp, MlpFusion, MlpParams};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +54,7 @@ struct Kernels {
     /// kernels/quant/quant.cu's mat-vecs, by storage: Q8_0, Q4_0, Q4_1, Q6_K.
     gemv_q: [Kernel; 4],
     mlp: Mlp,
+    attn_o: AttnO,
 }
 
 /// Measured on the H100 (BENCHMARKS.md, 2026-11-27), graph + PDL, 32-token prompt + 128 new:
@@ -168,6 +171,7 @@ struct Fusion {
     rope: bool,
     argmax: bool,
     mlp: MlpFusion,
+    attn: AttnOFusion,
 }
 
 impl Fusion {
@@ -179,6 +183,7 @@ impl Fusion {
                 rope: true,
                 argmax: true,
                 mlp: MlpFusion::Auto,
+                attn: AttnOFusion::Auto,
             });
         };
         Self::parse(&v).context("MEGAINFER_BASELINE_FUSION")
@@ -191,6 +196,7 @@ impl Fusion {
             rope: false,
             argmax: false,
             mlp: MlpFusion::Off,
+            attn: AttnOFusion::Off,
         };
         for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part {
@@ -199,9 +205,10 @@ impl Fusion {
                 "rope" => f.rope = true,
                 "argmax" => f.argmax = true,
                 "mlp" => f.mlp = MlpFusion::On,
+                "attn" => f.attn = AttnOFusion::On,
                 "none" => {}
                 other => {
-                    bail!("unknown step '{other}' (norm, silu, rope, argmax, mlp or none)")
+                    bail!("unknown step '{other}' (norm, silu, rope, argmax, mlp, attn or none)")
                 }
             }
         }
@@ -220,8 +227,14 @@ pub struct BaselinePath<'g> {
     /// The residual's second buffer: a layer whose MLP is fused ends in the other buffer
     /// (its O projection copies the residual there, and the MLP adds into it).
     x_alt: CudaSlice<f32>,
+    /// The third: with attention and O fused, QKV copies the residual to two buffers, which
+    /// attention + O adds into and the fused MLP adds into one of.
+    x_alt2: CudaSlice<f32>,
     /// Intermediate rows a CTA of the fused MLP takes, where it runs (bf16 layers).
     mlp_rows: Option<usize>,
+    /// W_o rows a CTA of the fused attention + O projection takes, where it runs (bf16 QKV
+    /// and O, the norm folded, short caches).
+    attn_o_rows: Option<usize>,
     /// The normed hidden and the MLP activation (silu(gate) · up).
     xn: CudaSlice<f32>,
     act: CudaSlice<f32>,
@@ -315,6 +328,7 @@ impl<'g> BaselinePath<'g> {
                 Kernel::load(&module, "bl_gemv_q6_k")?,
             ],
             mlp: Mlp::load(&module, gpu)?,
+            attn_o: AttnO::load(&module)?,
         };
         let group = c.num_heads / c.num_kv_heads;
         if group * c.head_dim > GQ_THREADS as usize * GQ_MAX_O {
@@ -355,6 +369,19 @@ impl<'g> BaselinePath<'g> {
             kv: KvCache::new(gpu, c, max_seq)?,
             x: gpu.alloc_zeros(c.hidden_size, "hidden")?,
             x_alt: gpu.alloc_zeros(c.hidden_size, "hidden")?,
+            x_alt2: gpu.alloc_zeros(c.hidden_size, "hidden")?,
+            attn_o_rows: if fusion.norm && att_parts == 1 {
+                attn_o::choose(
+                    fusion.attn,
+                    mode == Mode::GraphPdl,
+                    c.hidden_size,
+                    c.num_heads,
+                    c.head_dim,
+                    gpu.sm_count,
+                )
+            } else {
+                None
+            },
             mlp_rows: mlp::choose(
                 fusion.mlp,
                 mode == Mode::GraphPdl,
@@ -409,12 +436,26 @@ impl<'g> BaselinePath<'g> {
     }
 
     /// One projection: y (op)= W · in.
-    fn mv(&self, proj: Proj, w: u64, x: u64, y: u64, input: MvIn, out: MvOut) -> Result<()> {
+    /// With `copy`, x is also copied to both of its buffers (a slice a CTA).
+    #[allow(clippy::too_many_arguments)]
+    fn mv(
+        &self,
+        proj: Proj,
+        w: u64,
+        x: u64,
+        y: u64,
+        input: MvIn,
+        out: MvOut,
+        copy: Option<(u64, u64)>,
+    ) -> Result<()> {
         let (rows, cols) = proj.shape(&self.model.config);
+        let (y2, y3) = copy.unwrap_or((0, 0));
         let p = MvParams {
             w,
             x,
             y,
+            y2,
+            y3,
             ..Default::default()
         };
         let cfg = self.mv_cfg[Proj::ALL.iter().position(|&q| q == proj).unwrap_or(0)];
@@ -436,9 +477,27 @@ impl<'g> BaselinePath<'g> {
         input: MvIn,
         out: MvOut,
     ) -> Result<()> {
+        self.project_copying(proj, w, x, y, input, out, None)
+    }
+
+    /// As [`Self::project`], with x copied to both buffers of `copy` (bf16 matrices only).
+    #[allow(clippy::too_many_arguments)]
+    fn project_copying(
+        &self,
+        proj: Proj,
+        w: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        input: MvIn,
+        out: MvOut,
+        copy: Option<(u64, u64)>,
+    ) -> Result<()> {
         let g = self.gpu;
         if w.type_code() == 0 {
-            return self.mv(proj, w.ptr(g), x, y, input, out);
+            return self.mv(proj, w.ptr(g), x, y, input, out, copy);
+        }
+        if copy.is_some() {
+            bail!("the quantised mat-vec copies no residual");
         }
         let accumulate = match out {
             MvOut::Store => 0i32,
@@ -512,6 +571,45 @@ impl<'g> BaselinePath<'g> {
         }
     }
 
+    /// The MLP as mat-vecs: x += down · (silu(gate · x̂) ⊙ (up · x̂)).
+    fn mlp(&self, lw: &DeviceLayer, x: u64, gu: u64, act: u64) -> Result<()> {
+        let s = &self.gpu.stream;
+        let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
+        if self.fusion.silu && lw.w_gu.type_code() == 0 {
+            self.project(Proj::GateUp, &lw.w_gu, input, act, how, MvOut::Silu)?;
+        } else {
+            self.project(Proj::GateUp, &lw.w_gu, input, gu, how, MvOut::Store)?;
+            self.silu_mul(gu, act)?;
+        }
+        self.project(Proj::Down, &lw.w_down, act, x, MvIn::Plain, MvOut::Add)
+    }
+
+    /// Layer l's MLP as one kernel (`bl_mlp`, `j` rows a CTA): reads x for its norm and adds
+    /// into y, which holds the residual; its idle SMs prefetch the next layer's QKV weights
+    /// (or the LM head's).
+    fn fused_mlp(&self, l: usize, lw: &DeviceLayer, x: u64, y: u64, j: usize) -> Result<()> {
+        let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
+        let next = match self.model.layers.get(l + 1) {
+            Some(nl) => &nl.w_qkv,
+            None => self.model.lm_head(),
+        };
+        let p = MlpParams {
+            w_gu: lw.w_gu.ptr(g),
+            w_down: lw.w_down.ptr(g),
+            x,
+            norm: ptr(&lw.ffn_norm, s),
+            y,
+            pf: next.ptr(g),
+            eps: c.rms_norm_eps,
+            ..Default::default()
+        };
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let ef = self.k.mv.evict_first;
+        self.k
+            .mlp
+            .launch(s, p, h, i, j, next.bytes(), ef, self.pdl())
+    }
+
     fn pdl(&self) -> bool {
         self.mode == Mode::GraphPdl
     }
@@ -521,7 +619,7 @@ impl<'g> BaselinePath<'g> {
     fn enqueue_step(&self, sampled: bool) -> Result<()> {
         let (g, c, s) = (self.gpu, &self.model.config, &self.gpu.stream);
         let pdl = self.pdl();
-        let (mut x, qkv, attn, gu, act, logits, meta, history) = (
+        let (x, qkv, attn, gu, act, logits, meta, history) = (
             ptr(&self.x, s),
             ptr(&self.qkv, s),
             ptr(&self.attn, s),
@@ -567,11 +665,23 @@ impl<'g> BaselinePath<'g> {
             }?;
         }
         let inv_freq = ptr(&self.model.inv_freq, s);
+        // The residual's buffers, the layer's input first: a fused kernel adds into a buffer
+        // another one, or the QKV product, filled with the residual beforehand.
+        let mut bufs = [x, ptr(&self.x_alt, s), ptr(&self.x_alt2, s)];
+        let bf16 = |m: &DeviceMatrix| m.type_code() == 0;
         for (l, lw) in self.model.layers.iter().enumerate() {
+            let x = bufs[0];
             let off = (l * self.kv.layer_stride * 2) as u64;
             let (kc, vc) = (ptr(&self.kv.k, s) + off, ptr(&self.kv.v, s) + off);
+            let attn_o = self.attn_o_rows.filter(|_| bf16(&lw.w_qkv) && bf16(&lw.wo));
+            let mlp = self
+                .mlp_rows
+                .filter(|_| bf16(&lw.wo) && bf16(&lw.w_gu) && bf16(&lw.w_down));
+            // With attention + O fused, QKV copies the residual to the two buffers that
+            // attention + O and the fused MLP add into.
+            let copy = attn_o.map(|_| (bufs[1], bufs[2]));
             let (input, how) = self.normed(x, ptr(&lw.attn_norm, s))?;
-            if self.fusion.rope && lw.qkv_extras(g).is_none() && lw.w_qkv.type_code() == 0 {
+            if self.fusion.rope && lw.qkv_extras(g).is_none() && bf16(&lw.w_qkv) {
                 let out = MvOut::RopeKv {
                     k_cache: kc,
                     v_cache: vc,
@@ -581,9 +691,10 @@ impl<'g> BaselinePath<'g> {
                     n_kv: nkv,
                     head_dim: hd,
                 };
-                self.project(Proj::Qkv, &lw.w_qkv, input, qkv, how, out)?;
+                self.project_copying(Proj::Qkv, &lw.w_qkv, input, qkv, how, out, copy)?;
             } else {
-                self.project(Proj::Qkv, &lw.w_qkv, input, qkv, how, MvOut::Store)?;
+                let out = MvOut::Store;
+                self.project_copying(Proj::Qkv, &lw.w_qkv, input, qkv, how, out, copy)?;
                 enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
                 // SAFETY: the arguments are the values bl_rope_kv declares, in order (see
                 // kernels/baseline/baseline.cu), each a live local; the pointers are device
@@ -598,6 +709,40 @@ impl<'g> BaselinePath<'g> {
                         &mut kargs![&qkv, &kc, &vc, &meta, &inv_freq, &nh, &nkv, &hd],
                     )
                 }?;
+            }
+            if let Some(rows) = attn_o {
+                let p = AttnOParams {
+                    q: qkv,
+                    k_cache: kc,
+                    v_cache: vc,
+                    meta,
+                    w_o: lw.wo.ptr(g),
+                    y: bufs[1],
+                    y2: bufs[2],
+                    ..Default::default()
+                };
+                let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
+                let ef = self.k.mv.evict_first;
+                self.k.attn_o.launch(
+                    s,
+                    p,
+                    heads,
+                    kv_heads,
+                    c.head_dim,
+                    c.hidden_size,
+                    rows,
+                    ef,
+                    pdl,
+                )?;
+                // bufs[1] and bufs[2] now hold the residual after attention.
+                if let Some(j) = mlp {
+                    self.fused_mlp(l, lw, bufs[1], bufs[2], j)?;
+                    bufs = [bufs[2], bufs[0], bufs[1]];
+                } else {
+                    self.mlp(lw, bufs[1], gu, act)?;
+                    bufs = [bufs[1], bufs[0], bufs[2]];
+                }
+                continue;
             }
             let att_smem =
                 ((self.att_threads / 32) * (2 + c.head_dim as u32) + c.head_dim as u32) * 4;
@@ -636,50 +781,19 @@ impl<'g> BaselinePath<'g> {
                     )
                 }?;
             }
-            let fused = [&lw.wo, &lw.w_gu, &lw.w_down]
-                .iter()
-                .all(|m| m.type_code() == 0);
-            if let (Some(j), true) = (self.mlp_rows, fused) {
-                // The residual moves to the other buffer: O stores it there as well, and the
-                // MLP's CTAs add into it while every one of them reads x for its norm.
-                let x_next = if x == ptr(&self.x, s) {
-                    ptr(&self.x_alt, s)
-                } else {
-                    ptr(&self.x, s)
-                };
-                let out = MvOut::AddCopy { y2: x_next };
+            if let Some(j) = mlp {
+                // O stores the residual in the next buffer as well, where the MLP's CTAs add
+                // while every one of them reads x for its norm.
+                let out = MvOut::AddCopy { y2: bufs[1] };
                 self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, out)?;
-                let next = match self.model.layers.get(l + 1) {
-                    Some(nl) => &nl.w_qkv,
-                    None => self.model.lm_head(),
-                };
-                let p = MlpParams {
-                    w_gu: lw.w_gu.ptr(g),
-                    w_down: lw.w_down.ptr(g),
-                    x,
-                    norm: ptr(&lw.ffn_norm, s),
-                    y: x_next,
-                    pf: next.ptr(g),
-                    eps: c.rms_norm_eps,
-                    ..Default::default()
-                };
-                let (h, i) = (c.hidden_size, c.intermediate_size);
-                let ef = self.k.mv.evict_first;
-                let next_bytes = next.bytes();
-                self.k.mlp.launch(s, p, h, i, j, next_bytes, ef, pdl)?;
-                x = x_next;
-                continue;
-            }
-            self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, MvOut::Add)?;
-            let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
-            if self.fusion.silu && lw.w_gu.type_code() == 0 {
-                self.project(Proj::GateUp, &lw.w_gu, input, act, how, MvOut::Silu)?;
+                self.fused_mlp(l, lw, x, bufs[1], j)?;
+                bufs = [bufs[1], bufs[0], bufs[2]];
             } else {
-                self.project(Proj::GateUp, &lw.w_gu, input, gu, how, MvOut::Store)?;
-                self.silu_mul(gu, act)?;
+                self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, MvOut::Add)?;
+                self.mlp(lw, x, gu, act)?;
             }
-            self.project(Proj::Down, &lw.w_down, act, x, MvIn::Plain, MvOut::Add)?;
         }
+        let x = bufs[0];
         let (input, how) = self.normed(x, ptr(&self.model.final_norm, s))?;
         let lm_head = self.model.lm_head();
         if !sampled && self.fusion.argmax && lm_head.type_code() == 0 {
@@ -860,7 +974,7 @@ pub fn measure_read_bandwidth(gpu: &Gpu) -> Result<f64> {
     Ok(bytes as f64 / (times[times.len() / 2] * 1e-3) / 1e9)
 }
 
-/// Parameters of `bl_mv` (`MvParams` in kernels/baseline/baseline.cu), field for field: twelve
+/// Parameters of `bl_mv` (`MvParams` in kernels/baseline/baseline.cu), field for field: thirteen
 /// device addresses (0 where the mode reads none), then the ints and the epsilon.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -877,6 +991,7 @@ pub struct MvParams {
     pub done: u64,
     pub history: u64,
     pub y2: u64,
+    pub y3: u64,
     pub rows: i32,
     pub cols: i32,
     pub ksplit: i32,
@@ -1438,7 +1553,12 @@ impl MatVec {
         }
         match out {
             MvOut::Store | MvOut::Add | MvOut::Silu => {}
-            MvOut::AddCopy { y2 } => p.y2 = y2,
+            MvOut::AddCopy { y2 } => {
+                if p.y3 != 0 {
+                    bail!("mat-vec: a residual copy and the AddCopy epilogue both use y2");
+                }
+                p.y2 = y2
+            }
             MvOut::RopeKv {
                 k_cache,
                 v_cache,

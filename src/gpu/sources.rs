@@ -13,8 +13,10 @@ const PREFILL: &str = include_str!("../../kernels/prefill/prefill.cu");
 const PREFILL_WGMMA: &str = include_str!("../../kernels/prefill/attention_wgmma.cuh");
 const BASELINE_ATTENTION: &str = include_str!("../../kernels/baseline/attention.cuh");
 const BASELINE: &str = include_str!("../../kernels/baseline/baseline.cu");
-/// The graph paths' fused MLP (after baseline.cu, whose helpers it uses).
+/// The graph paths' fused MLP and fused attention + O projection (after baseline.cu, whose
+/// helpers they use).
 const BASELINE_MLP: &str = include_str!("../../kernels/baseline/mlp.cuh");
+const BASELINE_ATTN_O: &str = include_str!("../../kernels/baseline/attn_o.cuh");
 /// The folded RMS norm's block reduction and scaling, shared by baseline.cu and quant.cu.
 const NORM: &str = include_str!("../../kernels/norm.cuh");
 /// The quantised formats' decoding, shared by quant.cu and the megakernel's tiles.
@@ -51,6 +53,7 @@ pub fn baseline() -> String {
         NORM,
         BASELINE,
         BASELINE_MLP,
+        BASELINE_ATTN_O,
         &quant(),
     ]
     .join("\n")
