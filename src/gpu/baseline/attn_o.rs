@@ -35,8 +35,8 @@ const THREADS: u32 = 256;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnOFusion {
     Off,
-    /// Without PDL where a CTA's W_o rows fit its registers (the default, [`choose`]): under
-    /// PDL the O projection's weights already load while attention runs.
+    /// Where a CTA's W_o rows fit its registers, under PDL at head_dim 64 only (the default,
+    /// [`choose`]).
     Auto,
     /// On every path (for tests and measuring).
     On,
@@ -60,10 +60,13 @@ pub fn rows_in_one_batch(head_dim: usize) -> usize {
 }
 
 /// Whether `fusion` runs the fused attention + O projection for this shape on `sms` SMs (a
-/// path launched with PDL or not), and with how many W_o rows a CTA. `Auto` takes it without
-/// PDL where a CTA's rows fit one batch a warp (Llama-3.2-1B, SmolLM2, Qwen3-0.6B on 132 SMs):
-/// taller blocks load the rest after attention, and Llama-3.2-3B's (624 rows at head_dim 128,
-/// three batches a warp) made its graph path 9% slower (BENCHMARKS.md, 2026-11-27).
+/// path launched with PDL or not), and with how many W_o rows a CTA. `Auto` takes it where a
+/// CTA's rows fit one batch a warp (Llama-3.2-1B, SmolLM2, Qwen3-0.6B, Qwen2.5-0.5B, Qwen3-1.7B
+/// on 132 SMs): taller blocks load the rest after attention, and Llama-3.2-3B's (624 rows at
+/// head_dim 128, three batches a warp) made its graph path 9% slower; under PDL only at
+/// head_dim 64, where `bl_attention` reads its K/V rows after the wait (at 128
+/// `bl_attention_preload` reads its first block before it, and the fused kernel measured
+/// slower: BENCHMARKS.md, 2026-11-27).
 pub fn choose(
     fusion: AttnOFusion,
     pdl: bool,
@@ -76,7 +79,9 @@ pub fn choose(
     match fusion {
         AttnOFusion::Off => None,
         AttnOFusion::On => Some(rows),
-        AttnOFusion::Auto => (!pdl && rows <= rows_in_one_batch(head_dim)).then_some(rows),
+        AttnOFusion::Auto => {
+            ((!pdl || head_dim == 64) && rows <= rows_in_one_batch(head_dim)).then_some(rows)
+        }
     }
 }
 
@@ -153,7 +158,11 @@ mod tests {
             choose(AttnOFusion::On, false, 3072, 24, 128, 132),
             Some(624)
         );
-        assert_eq!(choose(AttnOFusion::Auto, true, 2048, 32, 64, 132), None);
+        assert_eq!(
+            choose(AttnOFusion::Auto, true, 2048, 32, 64, 132),
+            Some(512)
+        );
+        assert_eq!(choose(AttnOFusion::Auto, true, 1024, 16, 128, 132), None);
         assert_eq!(choose(AttnOFusion::On, true, 2048, 32, 64, 132), Some(512));
     }
 }

@@ -54,8 +54,14 @@ pub enum MlpFusion {
 
 /// The share of the SMs the fused MLP's one round of CTAs must fill for `Auto` to take it: the
 /// split's CTAs are a power-of-two share of the intermediate rows each, one CTA an SM, so a
-/// shape whose count falls well short of the SMs streams on fewer of them than the mat-vecs do.
-pub const MIN_FILL: f64 = 0.9;
+/// shape whose count falls short of the SMs streams on fewer of them than the mat-vecs do.
+/// Measured on the H100's graph path (BENCHMARKS.md, 2026-11-27): 128 and 112 CTAs of 132
+/// (Llama-3.2-1B/3B, Llama-3.1-8B) faster; 96 and 76 faster where each CTA streams at most
+/// [`SMALL_CTA_BYTES`] (SmolLM2, Qwen3-0.6B, Qwen3-1.7B, Qwen2.5-0.5B: latency, not bandwidth,
+/// sets their time); 76 CTAs of 2 MB each (Qwen3-4B) 7% slower.
+pub const MIN_FILL: f64 = 0.8;
+pub const MIN_FILL_SMALL: f64 = 0.5;
+pub const SMALL_CTA_BYTES: usize = 1 << 20;
 
 /// The rows a CTA takes for this shape on `sms` SMs: the smallest J of [`VARIANTS`] that
 /// divides `inter` and needs at most one CTA an SM. None where no J fits, or where the hidden
@@ -83,7 +89,14 @@ pub fn choose(
     match fusion {
         MlpFusion::Off => None,
         MlpFusion::On => Some(j),
-        MlpFusion::Auto => (!pdl && (inter / j) as f64 >= MIN_FILL * sms as f64).then_some(j),
+        MlpFusion::Auto => {
+            let fill = (inter / j) as f64 / sms as f64;
+            // Gate and up rows, then the down projection's columns, in bf16.
+            let cta_bytes = j * hidden * 2 * 2 + hidden * j * 2;
+            let fills =
+                fill >= MIN_FILL || (fill >= MIN_FILL_SMALL && cta_bytes <= SMALL_CTA_BYTES);
+            (!pdl && fills).then_some(j)
+        }
     }
 }
 
@@ -184,12 +197,20 @@ mod tests {
         assert_eq!(choose(MlpFusion::Auto, false, 3072, 8192, 132), Some(64));
         assert_eq!(choose(MlpFusion::Auto, true, 3072, 8192, 132), None);
         assert_eq!(choose(MlpFusion::On, true, 3072, 8192, 132), Some(64));
-        // Llama-3.1-8B: 14336 = 112 x 128 (85% of the SMs): forced only.
+        // Llama-3.1-8B: 14336 = 112 x 128 (85% of the SMs).
         assert_eq!(rows_per_cta(4096, 14336, 132), Some(128));
-        assert_eq!(choose(MlpFusion::Auto, false, 4096, 14336, 132), None);
+        assert_eq!(choose(MlpFusion::Auto, false, 4096, 14336, 132), Some(128));
         assert_eq!(choose(MlpFusion::On, false, 4096, 14336, 132), Some(128));
-        // SmolLM2: 1536 = 96 x 16.
-        assert_eq!(choose(MlpFusion::Auto, false, 576, 1536, 132), None);
+        // SmolLM2: 1536 = 96 x 16 (73%, 55 KB a CTA); 1024 rows would be 64 CTAs of 16.
+        assert_eq!(choose(MlpFusion::Auto, false, 576, 1536, 132), Some(16));
+        assert_eq!(choose(MlpFusion::Auto, false, 576, 1024, 132), None);
+        assert_eq!(choose(MlpFusion::On, false, 576, 1024, 132), Some(16));
+        // Qwen3-1.7B: 96 CTAs of 64 rows, 768 KiB each; Qwen2.5-0.5B: 76 of 64, 336 KiB;
+        // Qwen3-8B: 96 of 128, 3 MiB; Qwen3-4B: 76 of 128, 1.9 MiB.
+        assert_eq!(choose(MlpFusion::Auto, false, 2048, 6144, 132), Some(64));
+        assert_eq!(choose(MlpFusion::Auto, false, 896, 4864, 132), Some(64));
+        assert_eq!(choose(MlpFusion::Auto, false, 4096, 12288, 132), None);
+        assert_eq!(choose(MlpFusion::Auto, false, 2560, 9728, 132), None);
         assert_eq!(choose(MlpFusion::On, false, 576, 1536, 132), Some(16));
         // Too many rows for one round of the largest J, or a hidden size the reductions cannot
         // take, or off.
