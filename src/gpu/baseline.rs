@@ -468,21 +468,9 @@ impl<'g> BaselinePath<'g> {
     /// One projection of `w`: `bl_mv` with its epilogue for a bf16 matrix; for a quantised one
     /// the quantised mat-vecs (kernels/quant/quant.cu), which store or add only (the forward
     /// keeps RoPE, SiLU·up and the argmax as kernels of their own for such matrices).
-    fn project(
-        &self,
-        proj: Proj,
-        w: &DeviceMatrix,
-        x: u64,
-        y: u64,
-        input: MvIn,
-        out: MvOut,
-    ) -> Result<()> {
-        self.project_copying(proj, w, x, y, input, out, None)
-    }
-
-    /// As [`Self::project`], with x copied to both buffers of `copy` (bf16 matrices only).
+    /// With `copy`, x is also copied to both of its buffers (bf16 matrices only).
     #[allow(clippy::too_many_arguments)]
-    fn project_copying(
+    fn project(
         &self,
         proj: Proj,
         w: &DeviceMatrix,
@@ -576,12 +564,20 @@ impl<'g> BaselinePath<'g> {
         let s = &self.gpu.stream;
         let (input, how) = self.normed(x, ptr(&lw.ffn_norm, s))?;
         if self.fusion.silu && lw.w_gu.type_code() == 0 {
-            self.project(Proj::GateUp, &lw.w_gu, input, act, how, MvOut::Silu)?;
+            self.project(Proj::GateUp, &lw.w_gu, input, act, how, MvOut::Silu, None)?;
         } else {
-            self.project(Proj::GateUp, &lw.w_gu, input, gu, how, MvOut::Store)?;
+            self.project(Proj::GateUp, &lw.w_gu, input, gu, how, MvOut::Store, None)?;
             self.silu_mul(gu, act)?;
         }
-        self.project(Proj::Down, &lw.w_down, act, x, MvIn::Plain, MvOut::Add)
+        self.project(
+            Proj::Down,
+            &lw.w_down,
+            act,
+            x,
+            MvIn::Plain,
+            MvOut::Add,
+            None,
+        )
     }
 
     /// Layer l's MLP as one kernel (`bl_mlp`, `j` rows a CTA): reads x for its norm and adds
@@ -691,10 +687,10 @@ impl<'g> BaselinePath<'g> {
                     n_kv: nkv,
                     head_dim: hd,
                 };
-                self.project_copying(Proj::Qkv, &lw.w_qkv, input, qkv, how, out, copy)?;
+                self.project(Proj::Qkv, &lw.w_qkv, input, qkv, how, out, copy)?;
             } else {
                 let out = MvOut::Store;
-                self.project_copying(Proj::Qkv, &lw.w_qkv, input, qkv, how, out, copy)?;
+                self.project(Proj::Qkv, &lw.w_qkv, input, qkv, how, out, copy)?;
                 enqueue_qkv_extras(&self.k.qkv_extras, g, c, lw, qkv, 1, pdl)?;
                 // SAFETY: the arguments are the values bl_rope_kv declares, in order (see
                 // kernels/baseline/baseline.cu), each a live local; the pointers are device
@@ -785,11 +781,11 @@ impl<'g> BaselinePath<'g> {
                 // O stores the residual in the next buffer as well, where the MLP's CTAs add
                 // while every one of them reads x for its norm.
                 let out = MvOut::AddCopy { y2: bufs[1] };
-                self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, out)?;
+                self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, out, None)?;
                 self.fused_mlp(l, lw, x, bufs[1], j)?;
                 bufs = [bufs[1], bufs[0], bufs[2]];
             } else {
-                self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, MvOut::Add)?;
+                self.project(Proj::O, &lw.wo, attn, x, MvIn::Plain, MvOut::Add, None)?;
                 self.mlp(lw, x, gu, act)?;
             }
         }
@@ -803,9 +799,17 @@ impl<'g> BaselinePath<'g> {
                 part: ptr(&self.argmax_part, s),
                 done: ptr(&self.argmax_done, s),
             };
-            return self.project(Proj::LmHead, lm_head, input, logits, how, out);
+            return self.project(Proj::LmHead, lm_head, input, logits, how, out, None);
         }
-        self.project(Proj::LmHead, lm_head, input, logits, how, MvOut::Store)?;
+        self.project(
+            Proj::LmHead,
+            lm_head,
+            input,
+            logits,
+            how,
+            MvOut::Store,
+            None,
+        )?;
         if sampled {
             let sampler = self.sampler.as_ref().context("device sampler not made")?;
             return sampler.enqueue(s, logits, meta, meta, history, pdl, None);
