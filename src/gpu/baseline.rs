@@ -1835,6 +1835,23 @@ mod tests {
     }
 
     #[test]
+    fn fusion_steps_parse_and_unknown_ones_are_named() {
+        let f = Fusion::parse("norm, rope,mlp,attn").unwrap();
+        assert!(f.norm && f.rope && !f.silu && !f.argmax);
+        assert_eq!((f.mlp, f.attn), (MlpFusion::On, AttnOFusion::On));
+        let none = Fusion::parse("none").unwrap();
+        assert!(!none.norm && !none.silu && !none.rope && !none.argmax);
+        assert_eq!((none.mlp, none.attn), (MlpFusion::Off, AttnOFusion::Off));
+        let err = Fusion::parse("norm,fuse-everything")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("fuse-everything") && err.contains("mlp") && err.contains("attn"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn geometry_strings_round_trip_and_bad_ones_are_named() {
         for cfg in MvConfig::all() {
             assert_eq!(MvConfig::parse(&cfg.name()).unwrap(), cfg);
