@@ -147,6 +147,9 @@ fi
 #   chosen geometries, then with each setting of MV_SWEEP (space-separated
 #   MEGAINFER_BASELINE_MV values, e.g. "qkv=r2u8:1:2 gu=r2u4d:1:2,down=r2u8d:1:1"), OLD_BIN's
 #   choices first when given.
+# ';'-separated lists (BL_DEFINES, BL_ENV, MK_ENV, DEFINES, AB_FUSION, SAMPLED_ENV, ...): bash's
+#   `read -a` drops an empty last entry, so an empty entry (the default) goes first or between
+#   two others: ";X" runs the default and X, "X;" runs X alone.
 # BENCH=bldefines (not in BENCH=1): graph-path kernel variants of this build: each entry of
 #   BL_DEFINES (';'-separated MEGAINFER_BASELINE_DEFINES values, an empty entry is the default
 #   build, e.g. ";-DQG_UNROLL=2") on each preset of BL_PRESETS (default llama-3.2-1b),
