@@ -9,11 +9,12 @@
 // CTA t takes intermediate rows [t J, t J + J) (J = 8 CS, one CTA an SM, the host sizes J so
 // that the CTAs fill the SMs once). Phase 1: warp w takes the rows' gate/up pairs w, w + 8, ...,
 // both rows of a pair MLP_U / 2 16-byte loads a lane per batch (2048 columns at 16), and
-// h_j = silu(gate) · up goes to shared memory. Phase 2: the CTA's share of the down projection, W_down[:, its J
-// columns] · h: each row's J columns are CS 16-byte chunks side by side (a 128-byte line at J =
-// 64), a lane group of CS lanes per row, MLP_U consecutive rows per group and batch; the row sums
-// are added into y with vector reductions (red.global.add.v4.f32) — every CTA adds to every
-// row, so the order of the additions (and the last bits of y) depends on timing.
+// h_j = silu(gate) · up goes to shared memory. Phase 2: the CTA's share of the down
+// projection, W_down[:, its J columns] · h: each row's J columns are CS 16-byte chunks side by
+// side (a 128-byte line at J = 64), a lane group of CS lanes per row, MLP_U consecutive rows
+// per group and batch; the row sums are added into y with vector reductions
+// (red.global.add.v4.f32) — every CTA adds to every row, so the order of the additions (and
+// the last bits of y) depends on timing.
 // y must hold the residual before the launch (the O projection stores it there too,
 // MV_OUT_ADD_COPY; or the QKV product copied it there and bl_attn_o added to it), so x, which
 // every CTA reads for its norm, is never written here.
