@@ -435,40 +435,10 @@ impl<'g> BaselinePath<'g> {
             .join(",")
     }
 
-    /// One projection: y (op)= W · in.
-    /// With `copy`, x is also copied to both of its buffers (a slice a CTA).
-    #[allow(clippy::too_many_arguments)]
-    fn mv(
-        &self,
-        proj: Proj,
-        w: u64,
-        x: u64,
-        y: u64,
-        input: MvIn,
-        out: MvOut,
-        copy: Option<(u64, u64)>,
-    ) -> Result<()> {
-        let (rows, cols) = proj.shape(&self.model.config);
-        let (y2, y3) = copy.unwrap_or((0, 0));
-        let p = MvParams {
-            w,
-            x,
-            y,
-            y2,
-            y3,
-            ..Default::default()
-        };
-        let cfg = self.mv_cfg[Proj::ALL.iter().position(|&q| q == proj).unwrap_or(0)];
-        self.k
-            .mv
-            .launch(&self.gpu.stream, cfg, p, rows, cols, input, out, self.pdl())
-            .with_context(|| format!("the {} projection", proj.key()))
-    }
-
     /// One projection of `w`: `bl_mv` with its epilogue for a bf16 matrix; for a quantised one
     /// the quantised mat-vecs (kernels/quant/quant.cu), which store or add only (the forward
     /// keeps RoPE, SiLU·up and the argmax as kernels of their own for such matrices).
-    /// With `copy`, x is also copied to both of its buffers (bf16 matrices only).
+    /// With `copy`, x is also copied to both of its buffers, a slice a CTA (bf16 matrices only).
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
@@ -482,7 +452,22 @@ impl<'g> BaselinePath<'g> {
     ) -> Result<()> {
         let g = self.gpu;
         if w.type_code() == 0 {
-            return self.mv(proj, w.ptr(g), x, y, input, out, copy);
+            let (rows, cols) = proj.shape(&self.model.config);
+            let (y2, y3) = copy.unwrap_or((0, 0));
+            let p = MvParams {
+                w: w.ptr(g),
+                x,
+                y,
+                y2,
+                y3,
+                ..Default::default()
+            };
+            let cfg = self.mv_cfg[Proj::ALL.iter().position(|&q| q == proj).unwrap_or(0)];
+            return self
+                .k
+                .mv
+                .launch(&g.stream, cfg, p, rows, cols, input, out, self.pdl())
+                .with_context(|| format!("the {} projection", proj.key()));
         }
         if copy.is_some() {
             bail!("the quantised mat-vec copies no residual");
