@@ -66,6 +66,8 @@ for t in ${TESTS:-bundle/tests/*}; do
   summary=$(grep -E "^test result:" "$OUT/$name.log" | tail -1)
   ignored=$(sed -nE 's/^test result:.* ([0-9]+) ignored.*/\1/p' "$OUT/$name.log" | tail -1)
   rows+=("$(printf '%-28s rc=%-3s %6ss ignored=%s %s' "$name" "$rc" "$secs" "${ignored:-?}" "$summary")")
+  # Each test's row as it finishes too: a run cut short still shows the tests it completed.
+  echo "finished: ${rows[-1]}"
   grep -E "rel L2|tok/s|ms/token|near-tie|FAILED|panicked|error" "$OUT/$name.log" | tail -40
 done
 # EXTRA: a command run after the tests; its output is printed and kept in $OUT/0-extra.log
