@@ -91,18 +91,7 @@ __device__ __forceinline__ void attn_o_body(const AttnOParams& p) {
 #pragma unroll
             for (int q = 0; q < AO_U; q++) v[q] += __shfl_xor_sync(0xffffffffu, v[q], s);
         const int rb = r0 + (warp + nwarps * i) * ROWS + grp * AO_U;
-        // Every lane of the group holds the sums; lane ch adds rows 4 q4.. for q4 % CS == ch.
-#pragma unroll
-        for (int q4 = 0; q4 < AO_U / 4; q4++) {
-            if (q4 % CS != ch || rb + 4 * q4 >= r1) continue;
-            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p.y + rb + 4 * q4), "f"(v[4 * q4]),
-                         "f"(v[4 * q4 + 1]), "f"(v[4 * q4 + 2]), "f"(v[4 * q4 + 3])
-                         : "memory");
-            if (p.y2)
-                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p.y2 + rb + 4 * q4),
-                             "f"(v[4 * q4]), "f"(v[4 * q4 + 1]), "f"(v[4 * q4 + 2]), "f"(v[4 * q4 + 3])
-                             : "memory");
-        }
+        add_row_sums<AO_U, CS>(v, ch, p.y, p.y2, rb, r1);
     }
 }
 

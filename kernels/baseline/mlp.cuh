@@ -40,6 +40,26 @@ struct MlpParams {
 #endif
 static_assert(MLP_U % 8 == 0, "a batch holds both rows of a gate/up pair and whole groups of four down rows");
 
+// The column-slice epilogue of the fused kernels (this file's down projection, attn_o.cuh's
+// O projection): every lane of a group of CS holds the sums of U rows (v), and lane ch adds
+// rows r0 + 4 q4.. (q4 % CS == ch, below r_end) into y, and into y2 unless it is null, four at
+// a time.
+template <int U, int CS>
+__device__ __forceinline__ void add_row_sums(const float (&v)[U], int ch, float* y, float* y2, int r0, int r_end) {
+#pragma unroll
+    for (int q4 = 0; q4 < U / 4; q4++) {
+        if (q4 % CS == ch && r0 + 4 * q4 < r_end) {
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y + r0 + 4 * q4), "f"(v[4 * q4]),
+                         "f"(v[4 * q4 + 1]), "f"(v[4 * q4 + 2]), "f"(v[4 * q4 + 3])
+                         : "memory");
+            if (y2)
+                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y2 + r0 + 4 * q4),
+                             "f"(v[4 * q4]), "f"(v[4 * q4 + 1]), "f"(v[4 * q4 + 2]), "f"(v[4 * q4 + 3])
+                             : "memory");
+        }
+    }
+}
+
 template <int CS>
 __device__ __forceinline__ void mlp_body(const MlpParams& p) {
     constexpr int J = 8 * CS, RW = 32 / CS, ROWS2 = RW * MLP_U;  // down rows per warp batch
@@ -147,14 +167,7 @@ __device__ __forceinline__ void mlp_body(const MlpParams& p) {
 #pragma unroll
             for (int q = 0; q < MLP_U; q++) v[q] += __shfl_xor_sync(0xffffffffu, v[q], o);
         const int r0 = (warp + MV_WARPS * i) * ROWS2 + grp * MLP_U;
-        // Every lane of the group holds the 16 sums; lane ch adds rows 4 ch.. (and 4 (ch + CS)..).
-#pragma unroll
-        for (int q4 = 0; q4 < MLP_U / 4; q4++) {
-            if (q4 % CS == ch && r0 + 4 * q4 < p.hidden)
-                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p.y + r0 + 4 * q4),
-                             "f"(v[4 * q4]), "f"(v[4 * q4 + 1]), "f"(v[4 * q4 + 2]), "f"(v[4 * q4 + 3])
-                             : "memory");
-        }
+        add_row_sums<MLP_U, CS>(v, ch, p.y, nullptr, r0, p.hidden);
 #pragma unroll
         for (int q = 0; q < MLP_U; q++) w[q] = wn[q];
     }
