@@ -84,12 +84,7 @@ __device__ __forceinline__ void attn_o_body(const AttnOParams& p) {
     for (int i = 0; i < mine; i++) {
         if (i > 0) load(w, i);  // row blocks taller than one batch a warp: the rest after attention
         float v[AO_U];
-#pragma unroll
-        for (int q = 0; q < AO_U; q++) v[q] = dot8(w[q], o);
-#pragma unroll
-        for (int s = 1; s < CS; s <<= 1)
-#pragma unroll
-            for (int q = 0; q < AO_U; q++) v[q] += __shfl_xor_sync(0xffffffffu, v[q], s);
+        group_row_sums<AO_U, CS>(w, o, v);
         const int rb = r0 + (warp + nwarps * i) * ROWS + grp * AO_U;
         add_row_sums<AO_U, CS>(v, ch, p.y, p.y2, rb, r1);
     }

@@ -40,6 +40,19 @@ struct MlpParams {
 #endif
 static_assert(MLP_U % 8 == 0, "a batch holds both rows of a gate/up pair and whole groups of four down rows");
 
+// The sums of U weight rows (a lane's 8 columns each, w) with x over a group of CS lanes, in
+// every lane of the group (the fused kernels' column slices: this file's down projection,
+// attn_o.cuh's O projection).
+template <int U, int CS>
+__device__ __forceinline__ void group_row_sums(const uint4 (&w)[U], const float* x, float (&v)[U]) {
+#pragma unroll
+    for (int q = 0; q < U; q++) v[q] = dot8(w[q], x);
+#pragma unroll
+    for (int s = 1; s < CS; s <<= 1)
+#pragma unroll
+        for (int q = 0; q < U; q++) v[q] += __shfl_xor_sync(0xffffffffu, v[q], s);
+}
+
 // The column-slice epilogue of the fused kernels (this file's down projection, attn_o.cuh's
 // O projection): every lane of a group of CS holds the sums of U rows (v), and lane ch adds
 // rows r0 + 4 q4.. (q4 % CS == ch, below r_end) into y, and into y2 unless it is null, four at
@@ -160,12 +173,7 @@ __device__ __forceinline__ void mlp_body(const MlpParams& p) {
     for (int i = 0; i < n2; i++) {
         if (i + 1 < n2) load(wn, n1 + i + 1);
         float v[MLP_U];
-#pragma unroll
-        for (int q = 0; q < MLP_U; q++) v[q] = dot8(w[q], h);
-#pragma unroll
-        for (int o = 1; o < CS; o <<= 1)
-#pragma unroll
-            for (int q = 0; q < MLP_U; q++) v[q] += __shfl_xor_sync(0xffffffffu, v[q], o);
+        group_row_sums<MLP_U, CS>(w, h, v);
         const int r0 = (warp + MV_WARPS * i) * ROWS2 + grp * MLP_U;
         add_row_sums<MLP_U, CS>(v, ch, p.y, nullptr, r0, p.hidden);
 #pragma unroll
