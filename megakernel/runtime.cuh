@@ -573,8 +573,7 @@ __device__ __forceinline__ void consumers_partial_sum(float v, float* ss) {
 #ifndef COPY_MAX
 #define COPY_MAX ((COPY_LONGEST + CONSUMERS - 1) / CONSUMERS < 8 ? (COPY_LONGEST + CONSUMERS - 1) / CONSUMERS : 8)
 #endif
-// Inlined where the caller has loads of its own in flight: a call waits for them first.
-__device__ __forceinline__ void copy_in_inline(const MkParams& p, float* dst, const u64* src, int n) {
+__device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) {
     const int ct = threadIdx.x - 32;
     for (int i0 = 0; i0 < n; i0 += COPY_MAX * CONSUMERS) {
         u64 raw[COPY_MAX];
@@ -591,7 +590,6 @@ __device__ __forceinline__ void copy_in_inline(const MkParams& p, float* dst, co
             if (k < mine) dst[first + k * CONSUMERS] = tagged_float(raw[k]);
     }
 }
-__device__ void copy_in(const MkParams& p, float* dst, const u64* src, int n) { copy_in_inline(p, dst, src, n); }
 
 // A warp covers columns c0 + 512 i of every row (c0: its lane's 8 columns within its half of a
 // 512-column step). With rows of at most MK_X_REG_STEPS steps (defined below), x stays in

@@ -10,9 +10,9 @@ __device__ __forceinline__ WRow down_row(const u32* w, const MkParams& p, const 
 }
 
 // Chunk 0's attention residual rows wait in res[RES_MAX + j], beside the rows' results (the
-// host keeps the down projection's rows within RES_MAX / 2, check_limits). They are loaded
-// with the input, in the same round trip: the input's copy is inlined here, since a call
-// would first wait for the loads in flight.
+// host keeps the down projection's rows within RES_MAX / 2, check_limits). Their loads are
+// issued before the input's copy and settled after it, so both share a round trip (the rows
+// were written before up-gate ran, so they are there by then).
 #define DOWN_RESID_MAX (RES_MAX / 2 / CONSUMERS)
 __device__ __forceinline__ void prepare_down(const MkParams& p, const u32* w, const Smem& sm) {
     const int ct = threadIdx.x - 32, rows = w[W_C] == 0 ? (int)w[W_B] : 0;
@@ -20,7 +20,7 @@ __device__ __forceinline__ void prepare_down(const MkParams& p, const u32* w, co
     u64 raw[DOWN_RESID_MAX];
 #pragma unroll
     for (int k = 0; k < DOWN_RESID_MAX; k++) raw[k] = ct + k * CONSUMERS < rows ? ld_tagged(resid + ct + k * CONSUMERS) : 0;
-    copy_in_inline(p, sm.xs, p.act + (size_t)w[W_LAYER] * p.inter + w[W_D], w[W_E]);
+    copy_in(p, sm.xs, p.act + (size_t)w[W_LAYER] * p.inter + w[W_D], w[W_E]);
     const int mine = rows > ct ? (rows - ct + CONSUMERS - 1) / CONSUMERS : 0;
     settle<DOWN_RESID_MAX>(p, raw, [&](int k) { return resid + ct + k * CONSUMERS; }, mine);
 #pragma unroll

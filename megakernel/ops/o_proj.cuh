@@ -10,8 +10,8 @@ __device__ __forceinline__ WRow oproj_row(const u32* w, const MkParams& p, const
 // The residual rows it adds wait in the second half of res (the host keeps O-proj's rows
 // within RES_MAX / 2). Read by resid_in, they are waited for before the input's copy starts:
 // two round trips where O starts after attention has stored. MK_OPROJ_ONE_TRIP=1 (for
-// measuring) issues the rows' loads (one a thread, every chunk), copies the input (inlined: a
-// call would wait for the loads first) and then settles the rows, one round trip for both.
+// measuring) issues the rows' loads (one a thread, every chunk), copies the input and then
+// settles the rows, one round trip for both.
 #ifndef MK_OPROJ_ONE_TRIP
 #define MK_OPROJ_ONE_TRIP 0
 #endif
@@ -26,7 +26,7 @@ __device__ __forceinline__ void prepare_oproj(const MkParams& p, const u32* w, c
         u64 raw[1 + PREP_CHUNKS];
 #pragma unroll
         for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k < n ? ld_tagged(addr(k)) : 0;
-        copy_in_inline(p, sm.xs, p.attn_out + (size_t)layer * p.heads * p.head_dim, p.heads * p.head_dim);
+        copy_in(p, sm.xs, p.attn_out + (size_t)layer * p.heads * p.head_dim, p.heads * p.head_dim);
         settle<1 + PREP_CHUNKS>(p, raw, addr, n);
         if (n > 0) {
             float v = tagged_float(raw[0]);
