@@ -32,31 +32,35 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 }
 
 // How the residual entering a layer is read (resid_in, prepare_normed): its sources are the
-// attention residual and the down projection's MK_DOWN_CHUNKS k-chunks (the schedule's; 0 if
-// not given), and every group of loads a thread waits for is a dependent L2 round trip, about
-// 1 µs while every SM streams (measured on the H100: BENCHMARKS.md, c1f090b and after).
+// down projection's MK_DOWN_CHUNKS k-chunks (the schedule's; 0 if not given), the first of
+// which holds the attention residual too (DownProjPartial adds it), and every group of loads a
+// thread waits for is a dependent L2 round trip, about 1 µs while every SM streams (measured
+// on the H100: BENCHMARKS.md, c1f090b and after).
 // - One round: a thread holds PREP_MAX elements of every source in flight at once: its whole
-//   share (ceil(hidden / 256)) for hidden sizes up to 2048, and PREP_CHUNKS the schedule's
-//   k-chunks (up to two there). The loops are unrolled to those counts and no further: this
+//   share (ceil(hidden / 256)) for hidden sizes up to 2048, and besides the first chunk
+//   PREP_CHUNKS more (up to two there). The loops are unrolled to those counts and no further: this
 //   code runs once per instruction, and on the small shapes fetching it is much of an
 //   instruction's time once its inputs are there (8 elements and 2 chunks for every shape
 //   made it 2.7x as long on SmolLM2, whose QKV instructions took 1.22 µs from their start to
 //   their inputs where they found them waiting; 0.61 µs sized to the shape: BENCHMARKS.md,
 //   7cfe179). Larger sizes take their whole share
 //   when that is at most 40 loads with every source (Llama-3.2-3B 12 x 3, Qwen3-4B 10 x 4:
-//   2.478 -> 2.436 and 3.236 -> 3.141 ms against two rounds); more spills (Qwen3-8B's 16 x 4:
-//   local stores / loads 37 / 73 -> 207 / 334 SASS instructions).
+//   2.478 -> 2.436 and 3.236 -> 3.141 ms against two rounds, when the attention residual was
+//   a source of its own); more spills (Qwen3-8B's 16 x 4: local stores / loads 37 / 73 -> 207
+//   / 334 SASS instructions).
 // - Otherwise rounds of 8 elements, PREP_SRC sources a group: all four where there are
 //   four (Qwen3-8B: 5.371 -> 5.304 ms against 3 + 1), else three. Five at once spill, and five
 //   or six sources take two groups at three or at four (Qwen2.5-7B: 0.4% slower at four).
 #ifndef MK_DOWN_CHUNKS
 #define MK_DOWN_CHUNKS 0
 #endif
+// The k-chunks read besides the first.
+#define PREP_LATER (MK_DOWN_CHUNKS > 1 ? MK_DOWN_CHUNKS - 1 : 0)
 #ifndef PREP_SRC
-#define PREP_SRC (MK_DOWN_CHUNKS + 1 == 4 ? 4 : 3)
+#define PREP_SRC (MK_DOWN_CHUNKS == 4 ? 4 : 3)
 #endif
 #define PREP_SHARE ((MK_HIDDEN + CONSUMERS - 1) / CONSUMERS)
-#define PREP_WHOLE (MK_HIDDEN > 8 * CONSUMERS && MK_DOWN_CHUNKS > 0 && PREP_SHARE * (MK_DOWN_CHUNKS + 1) <= 40)
+#define PREP_WHOLE (MK_HIDDEN > 8 * CONSUMERS && MK_DOWN_CHUNKS > 0 && PREP_SHARE * MK_DOWN_CHUNKS <= 40)
 #ifndef PREP_MAX
 #define PREP_MAX (PREP_WHOLE || MK_HIDDEN <= 8 * CONSUMERS ? PREP_SHARE : 8)
 #endif
@@ -70,32 +74,34 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 #endif
 
 // Residual stream entering `layer`: the embedding row for layer 0, else the previous layer's
-// attention residual plus its down-projection partial sums (each written once per token).
-// Its parts are read at once (one round trip, not one each) when there are at most
-// PREP_CHUNKS k-chunks, else PREP_SRC at a time; summed in order either way.
+// down-projection partial sums (each written once per token; the first with the attention
+// residual in it). Its chunks are read at once (one round trip, not one each) when there are
+// at most 1 + PREP_CHUNKS, else PREP_SRC at a time; summed in order either way.
 #ifndef PREP_CHUNKS
-#define PREP_CHUNKS (MK_DOWN_CHUNKS > 0 && (PREP_WHOLE || MK_DOWN_CHUNKS <= 2) ? MK_DOWN_CHUNKS : 2)
+#define PREP_CHUNKS (MK_DOWN_CHUNKS > 0 && (PREP_WHOLE || MK_DOWN_CHUNKS <= 3) ? PREP_LATER : 2)
 #endif
+// Arrays of the later chunks' words hold at least one (C++ has no arrays of none).
+#define PREP_CHUNKS_ARR (PREP_CHUNKS > 0 ? PREP_CHUNKS : 1)
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return embed_at(p, token, i);
     const int l = layer - 1;
-    const u64* base = p.resid_attn + (size_t)l * p.hidden + i;
-    const u64* parts = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
-    auto addr = [&](int k) { return k == 0 ? base : parts + (size_t)(k - 1) * p.hidden; };
-    if (p.chunks <= PREP_CHUNKS) {
+    const int later = p.chunks - 1;
+    const u64* base = p.mlp_part + (size_t)l * p.chunks * p.hidden + i;
+    auto addr = [&](int k) { return base + (size_t)k * p.hidden; };
+    if (later <= PREP_CHUNKS) {
         u64 raw[1 + PREP_CHUNKS];
 #pragma unroll
-        for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= p.chunks ? ld_tagged(addr(k)) : 0;
-        settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + p.chunks);
+        for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= later ? ld_tagged(addr(k)) : 0;
+        settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + later);
         float v = tagged_float(raw[0]);
 #pragma unroll
         for (int k = 1; k <= PREP_CHUNKS; k++)
-            if (k <= p.chunks) v += tagged_float(raw[k]);
+            if (k <= later) v += tagged_float(raw[k]);
         return v;
     }
     float v = 0.f;
-    for (int k0 = 0; k0 <= p.chunks; k0 += PREP_SRC) {
-        const int n = min(PREP_SRC, p.chunks + 1 - k0);
+    for (int k0 = 0; k0 < p.chunks; k0 += PREP_SRC) {
+        const int n = min(PREP_SRC, p.chunks - k0);
         u64 raw[PREP_SRC];
 #pragma unroll
         for (int k = 0; k < PREP_SRC; k++) raw[k] = k < n ? ld_tagged(addr(k0 + k)) : 0;
@@ -110,22 +116,24 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 // xs = src * g, src given by resid_in(layer) or resid_attn[l] (after_attn), and the sums of
 // squares in ss: the norm's scale is one number, applied to the mat-vec's results (W(x·s·g) =
 // s·W(x·g)), so the tiles need not wait for the sum to be reduced.
-// The sources are the residual entering the layer and the down projection's k-chunk partial
-// sums. A thread takes PREP_MAX elements at a time (a round: PREP_MAX * CONSUMERS elements of
-// the vector) and PREP_SRC sources at a time (a group), and issues every L2 load of a group
-// before it waits for any (see MK_DOWN_CHUNKS above for the sizes).
-// For hidden sizes of one round: every load of the residual, up to PREP_CHUNKS partial
-// sums and g issued at once, a round trip per element past that (more k-chunks).
+// The sources are the down projection's k-chunk partial sums of the layer before (the first
+// holding the attention residual too), or the attention residual alone (after_attn). A
+// thread takes PREP_MAX elements at a time (a round: PREP_MAX * CONSUMERS elements of the
+// vector) and PREP_SRC sources at a time (a group), and issues every L2 load of a group before
+// it waits for any (see MK_DOWN_CHUNKS above for the sizes).
+// For hidden sizes of one round: every load of the first chunk (or the attention residual), up
+// to PREP_CHUNKS later chunks and g issued at once, a round trip per element past that (more
+// k-chunks).
 __device__ __forceinline__ void prepare_normed_small(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* ss) {
     const int ct = threadIdx.x - 32;
-    const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
+    const int nparts = after_attn || layer == 0 ? 0 : p.chunks - 1;
     if (p.hidden <= PREP_MAX * CONSUMERS && nparts <= PREP_CHUNKS) {
-        u64 raw[PREP_MAX], rawp[PREP_CHUNKS][PREP_MAX];
+        u64 raw[PREP_MAX], rawp[PREP_CHUNKS_ARR][PREP_MAX];
         float gw[PREP_MAX], v[PREP_MAX];
         const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
-                          : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
-        const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
+                          : layer == 0 ? nullptr : p.mlp_part + (size_t)(layer - 1) * p.chunks * p.hidden;
+        const u64* parts = base ? base + p.hidden : nullptr;
         // The norm's weights (and layer 0's embedding row) do not depend on this step: they
         // are issued first, so they are in flight while the inputs are waited for.
 #pragma unroll
@@ -182,10 +190,10 @@ __device__ __forceinline__ void prepare_normed_small(const MkParams& p, int laye
 __device__ __forceinline__ void prepare_normed_rounds(const MkParams& p, int layer, bool after_attn, u32 token, const bf16_t* g,
                                float* xs, float* ss) {
     const int ct = threadIdx.x - 32;
-    const int nparts = after_attn || layer == 0 ? 0 : p.chunks;
+    const int nparts = after_attn || layer == 0 ? 0 : p.chunks - 1;
     const u64* base = after_attn ? p.resid_attn + (size_t)layer * p.hidden
-                      : layer == 0 ? nullptr : p.resid_attn + (size_t)(layer - 1) * p.hidden;
-    const u64* parts = p.mlp_part + (size_t)(layer > 0 ? layer - 1 : 0) * p.chunks * p.hidden;
+                      : layer == 0 ? nullptr : p.mlp_part + (size_t)(layer - 1) * p.chunks * p.hidden;
+    const u64* parts = base ? base + p.hidden : nullptr;
     const int nsrc = (base ? 1 : 0) + nparts;
     auto src = [&](int s) -> const u64* {
         return base ? (s == 0 ? base : parts + (size_t)(s - 1) * p.hidden) : parts + (size_t)s * p.hidden;

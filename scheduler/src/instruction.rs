@@ -17,14 +17,16 @@
 //! | `attn_out[l]` | `H·d` | `Attention` (parts = 1) or `AttnReduce` |
 //! | `resid_attn[l]` | hidden | `OProjResidual`: layer input + O projection |
 //! | `act[l]` | intermediate | `RmsUpGateSilu`: silu(gate)·up |
-//! | `mlp_part[l][c]` | hidden | `DownProjPartial` of k-chunk `c` (partial dot products) |
+//! | `mlp_part[l][c]` | hidden | `DownProjPartial` of k-chunk `c` (partial dot products; chunk 0 adds `resid_attn[l]`) |
 //! | `logits` | vocab | `RmsLmHead` |
 //! | `lm_best` | `[blocks, 2]`: (max logit as f32 bits, its row) | `RmsLmHead` |
 //!
 //! The residual stream after layer `l` is never stored: it is the virtual sum
-//! `resid_attn[l] + (mlp_part[l][0] + mlp_part[l][1] + …)` (chunks summed first, in order, then
-//! added), which each consumer (the next layer's `RmsQkvRope` and `OProjResidual`, and
-//! `RmsLmHead`) computes itself for the elements it needs. Layer 0's input is the embedding row
+//! `mlp_part[l][0] + mlp_part[l][1] + …` (in order), which each consumer (the next layer's
+//! `RmsQkvRope` and `OProjResidual`, and `RmsLmHead`) computes itself for the elements it
+//! needs. Chunk 0's `DownProjPartial` adds the attention residual `resid_attn[l]` of its rows
+//! into its partial sums, so those readers wait for `chunks` words an element, not one more
+//! (a layer's first stage reads the whole residual at every SM). Layer 0's input is the embedding row
 //! of `token_in.token`, read straight from the embedding table (no embedding instruction).
 //!
 //! `token_in` and `token_out` must be distinct memory, since `Argmax` writes the next token
@@ -105,7 +107,8 @@ pub enum Op {
         row_start: u32,
         row_count: u32,
     },
-    /// `mlp_part[l][chunk][r] = W_down[r, cols]·act[l][cols]`, `cols = col_start..+col_count`.
+    /// `mlp_part[l][chunk][r] = W_down[r, cols]·act[l][cols]`, `cols = col_start..+col_count`,
+    /// plus `resid_attn[l][r]` for chunk 0.
     DownProjPartial {
         layer: u32,
         row_start: u32,
@@ -330,10 +333,6 @@ fn layer_input(layer: u32, rows: Range<u32>, chunks: u32, out: &mut Vec<Span>) {
         return;
     }
     let l = layer - 1;
-    out.push(Span {
-        buffer: Buffer::ResidAttn { layer: l },
-        elements: rows.clone(),
-    });
     for chunk in 0..chunks {
         out.push(Span {
             buffer: Buffer::MlpPart { layer: l, chunk },
@@ -459,6 +458,10 @@ pub fn access(op: &Op, model: &ModelShape, opts: &Options) -> Access {
         } => {
             a.reads
                 .push(span(Buffer::Act { layer }, col_start, col_count));
+            if chunk == 0 {
+                a.reads
+                    .push(span(Buffer::ResidAttn { layer }, row_start, row_count));
+            }
             a.writes
                 .push(span(Buffer::MlpPart { layer, chunk }, row_start, row_count));
         }

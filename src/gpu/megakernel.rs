@@ -941,11 +941,11 @@ pub fn check_limits(schedule: &Schedule, formats: &super::sources::MatrixFormats
                 bail!("schedule: {op:?} merges {parts} split-KV parts; the megakernel merges at most {MAX_REDUCE_PARTS}");
             }
         }
-        // O-proj keeps its residual rows in the second half of the row buffer.
-        let limit = if matches!(op, Op::OProjResidual { .. }) {
-            RES_MAX / 2
-        } else {
-            RES_MAX
+        // O-proj and the down projection keep residual rows in the second half of the row
+        // buffer (megakernel/ops/o_proj.cuh, down_proj.cuh).
+        let limit = match op {
+            Op::OProjResidual { .. } | Op::DownProjPartial { .. } => RES_MAX / 2,
+            _ => RES_MAX,
         };
         if rows > limit {
             bail!("schedule: {op:?} computes {rows} rows; the megakernel holds at most {limit}");

@@ -183,13 +183,12 @@ impl<'a> SlicedMachine<'a> {
     }
 
     /// Element `r` of layer `layer`'s input: the embedding for layer 0, else the virtual sum
-    /// `resid_attn[l-1] + (mlp_part[l-1][0] + …)`.
+    /// `mlp_part[l-1][0] + mlp_part[l-1][1] + …` (chunk 0 holds `resid_attn[l-1]` too).
     fn input(&self, layer: usize, r: usize) -> f32 {
         if layer == 0 {
             return widen(bf(&self.w.embed)[self.token as usize * self.cfg.hidden_size + r]);
         }
-        let down: f32 = self.mlp_part[layer - 1].iter().map(|p| p[r]).sum();
-        self.resid_attn[layer - 1][r] + down
+        self.mlp_part[layer - 1].iter().map(|p| p[r]).sum()
     }
 
     fn input_all(&self, layer: usize) -> Vec<f32> {
@@ -403,7 +402,12 @@ impl<'a> SlicedMachine<'a> {
             })
             .collect();
         let x = self.act[layer][cols.clone()].to_vec();
-        let out = matmul(MatRef::bf16(&block, cols.len()), &[x]).remove(0);
+        let mut out = matmul(MatRef::bf16(&block, cols.len()), &[x]).remove(0);
+        if chunk == 0 {
+            for (o, r) in out.iter_mut().zip(rows.clone()) {
+                *o += self.resid_attn[layer][r];
+            }
+        }
         self.mlp_part[layer][chunk][rows].copy_from_slice(&out);
     }
 
