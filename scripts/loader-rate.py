@@ -6,8 +6,9 @@
 
 Medians over steps 4-15 of: the loader's issue window (first page wait to last tile issued),
 the consumers' wait for inputs (start to prepared) and their tiles (prepared to tiles done),
-and for the mat-vecs with a known row size the bytes over the issue window (GB/s per SM;
-x 132 for the whole GPU). QKV rows vary by head and are left without a rate.
+the tiles' end after the loader issued the last one, and for the mat-vecs with a known row
+size the bytes over the issue window (GB/s per SM; x 132 for the whole GPU; bf16 bytes, so a
+quantised run's rate reads high by the formats' ratio). QKV rows vary by head and are left without a rate.
 """
 import csv
 import gzip
@@ -45,7 +46,11 @@ def main(path, hidden, inter):
         issue = st.median(t[5] - t[4] for _, t in rows) / 1000
         wait = st.median(t[1] - t[0] for _, t in rows) / 1000
         tiles = st.median(t[2] - t[1] for _, t in rows) / 1000
-        line = f"{kind:16s} n={len(rows):6d}  loader issue {issue:5.1f} us  inputs {wait:4.1f} us  tiles {tiles:5.1f} us"
+        # The tiles' end after the loader issued the last of them: about a load's latency when
+        # the consumers wait for the loader, more when they take longer than the weights do.
+        tail = st.median(t[2] - t[5] for _, t in rows) / 1000
+        line = (f"{kind:16s} n={len(rows):6d}  loader issue {issue:5.1f} us  inputs {wait:4.1f} us"
+                f"  tiles {tiles:5.1f} us  last issue to tiles done {tail:5.2f} us")
         size = rows[0][0]
         if size:
             rate = st.median(b / (t[5] - t[4]) for b, t in rows if t[5] > t[4])
