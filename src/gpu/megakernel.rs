@@ -5,8 +5,8 @@
 //!
 //! One file per job: [`abi`] (the host/device interface, emitted into the CUDA compile),
 //! [`layout`] (shared memory, scratch and arena planning), `compile`, `launch`, [`profile`]
-//! (timings, CSV and Chrome trace) and `diagnostics` (error reports); this file builds a path
-//! from a schedule.
+//! (timings, CSV and Chrome trace), [`tiles`] (each mat-vec's rows a page, written into its
+//! words) and `diagnostics` (error reports); this file builds a path from a schedule.
 
 use std::sync::Arc;
 
@@ -27,6 +27,7 @@ mod diagnostics;
 mod launch;
 pub mod layout;
 pub mod profile;
+pub mod tiles;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
 pub use compile::{defines as kernel_defines, freq_table_fits, ring_pages, KernelSpec};
@@ -249,9 +250,19 @@ impl<'g> MegakernelPath<'g> {
         let mut max_cols = c.hidden_size.max(c.q_dim());
         let down_cols = down_chunk_cols(first);
         let mut encoded = Vec::new();
+        let tile_formats = tiles::TileFormats {
+            layers: model
+                .layers
+                .iter()
+                .map(|l| [l.w_qkv.ty, l.wo.ty, l.w_gu.ty, l.w_down.ty])
+                .collect(),
+            lm_head: model.lm_head().ty,
+        };
+        let balance = super::switches::switch("MEGAINFER_MK_TILE_BALANCE", true)?;
         for &(upto, schedule) in buckets {
             max_cols = max_cols.max(check_limits(schedule, &formats)?);
-            let enc = schedule.encode();
+            let mut enc = schedule.encode();
+            tiles::write_tile_words(&mut enc.words, schedule, c, &tile_formats, balance)?;
             let mut descs = Vec::new();
             let mut kinds = Vec::new();
             for &k in schedule.streams.iter().flatten() {

@@ -168,46 +168,6 @@ mod tests {
         }
     }
 
-    /// runtime.cuh's `geom_div` with MK_FAST_GEOM=1, step for step in f32 (conversions and the
-    /// product rounded to nearest, truncation, as the device does them), with the reciprocal
-    /// anywhere within 2 ulp of 1/b (the hardware's approximation is within that): equal to
-    /// the integer quotient over its stated range, every dividend for the small divisors and
-    /// a spread for the tile geometry's page slots and others.
-    #[test]
-    fn the_fast_tile_geometry_division_is_exact() {
-        fn ulps(x: f32, k: i32) -> f32 {
-            f32::from_bits((x.to_bits() as i32 + k) as u32)
-        }
-        fn geom_div(a: i32, b: i32, rcp_ulps: i32) -> i32 {
-            let r = ulps(1.0f32 / b as f32, rcp_ulps);
-            let mut q = (a as f32 * r) as i32;
-            if q * b > a {
-                q -= 1;
-            } else if (q + 1) * b <= a {
-                q += 1;
-            }
-            q
-        }
-        let mut divisors: Vec<i32> = (1..=256).collect();
-        divisors.extend((1..=8).map(|k| (1 << 20) - k));
-        divisors.extend([
-            1152, 1536, 3072, 4096, 5120, 7168, 12_288, 16_384, 17_408, 65_521,
-        ]);
-        for &b in &divisors {
-            let step = if b <= 16 { 1 } else { 13 };
-            let dividends = (0..1 << 20).step_by(step).chain((1 << 20) - 2048..1 << 20);
-            for a in dividends {
-                for k in -2..=2 {
-                    assert_eq!(
-                        geom_div(a, b, k),
-                        a / b,
-                        "{a} / {b}, reciprocal {k} ulp off"
-                    );
-                }
-            }
-        }
-    }
-
     fn spec(sampled: bool) -> KernelSpec {
         KernelSpec {
             formats: Default::default(),
