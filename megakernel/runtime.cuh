@@ -21,11 +21,13 @@ static_assert(MK_EMPTY_ARRIVALS == CONSUMERS && MK_EMPTY_ARRIVALS % 64 == 0,
 #endif
 #define MK_THREADS (CONSUMERS + 32)
 // Each tile is consumed by a pair of warps splitting its columns; tile t goes to group
-// t % TILE_GROUPS and the host makes the page count a multiple of TILE_GROUPS, so a page is
-// always consumed by the same group. A warp then waits on a page's "full" barrier only after
-// it consumed the page's previous tile itself, so that phase is complete: the parity test
-// cannot pass for a phase two ahead. (Bulk copies complete out of order, so "issued earlier"
-// is not enough: pages shared round-robin by more groups than divide their count can hang.)
+// t % TILE_GROUPS and the host makes the page count a multiple of TILE_GROUPS, so within an
+// instruction a page is always consumed by the same group, and every instruction ends with a
+// consumers' barrier (megakernel.cu), so an earlier instruction's pages were all filled and
+// consumed whichever groups took them. A warp then waits on a page's "full" barrier only after
+// that page's previous tile was consumed, so that phase is complete: the parity test cannot
+// pass for a phase two ahead. (Bulk copies complete out of order, so "issued earlier" is not
+// enough: pages shared round-robin by more groups than divide their count can hang.)
 static_assert(TILE_GROUPS * 2 == CONSUMER_WARPS, "a tile group is a pair of consumer warps");
 #define ABORT_CHECK_SPINS 1024
 // The ring's page count: a constant where the host compiled one in (MK_PAGES, checked at the
