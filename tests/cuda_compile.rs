@@ -271,6 +271,37 @@ fn megakernel_compiles_for_quantised_formats() {
     }
 }
 
+/// Kernels compiled on several threads at once (the megakernel's variants are) are the ones
+/// compiled one at a time: the quant unit with two sets of options, each with a define of a
+/// value no earlier compile used (so none comes from the disk cache) and that the code does
+/// not read (so it changes nothing).
+#[test]
+fn compiles_on_several_threads_match_one_at_a_time() {
+    require_nvrtc();
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let sets = |k: u32| {
+        vec![
+            vec![format!("-DMEGAINFER_TEST_NONCE={nonce}{k}")],
+            vec![
+                format!("-DMEGAINFER_TEST_NONCE={nonce}{}", k + 1),
+                "-DQ_HAS_Q6K=0".to_string(),
+            ],
+        ]
+    };
+    let together = compile::compile_cubins("quant", &sources::quant(), "sm_90a", &sets(0)).unwrap();
+    assert_ne!(
+        together[0], together[1],
+        "the two option sets make different code"
+    );
+    for (i, options) in sets(2).iter().enumerate() {
+        let alone = compile::compile_cubin("quant", &sources::quant(), "sm_90a", options).unwrap();
+        assert_eq!(alone, together[i], "option set {i}");
+    }
+}
+
 #[test]
 fn nvrtc_errors_carry_the_compiler_log() {
     require_nvrtc();

@@ -331,17 +331,23 @@ impl<'g> MegakernelPath<'g> {
             freq_in_smem,
             pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
         };
+        let mut distinct: Vec<AttnWay> = Vec::new();
         for &w in &ways {
-            if !kernels.iter().any(|k| k.0 == w) {
-                let spec = KernelSpec {
-                    attn_by_warps: w.by_warps,
-                    attn_spread: w.spread,
-                    attn_heads: w.heads,
-                    ..spec
-                };
-                let (module, kernel) = compile::load(gpu, c, &spec)?;
-                kernels.push((w, module, kernel));
+            if !distinct.contains(&w) {
+                distinct.push(w);
             }
+        }
+        let specs: Vec<KernelSpec> = distinct
+            .iter()
+            .map(|w| KernelSpec {
+                attn_by_warps: w.by_warps,
+                attn_spread: w.spread,
+                attn_heads: w.heads,
+                ..spec
+            })
+            .collect();
+        for (w, (module, kernel)) in distinct.into_iter().zip(compile::load_all(gpu, c, &specs)?) {
+            kernels.push((w, module, kernel));
         }
         // The kernel's static shared memory (its two flags) sits beside the pages.
         let mut static_smem = 0;
@@ -1023,23 +1029,26 @@ impl<'g> MegakernelPath<'g> {
     /// Compiles the variants with the draw inside the launch, once.
     fn compile_sampled(&mut self) -> Result<()> {
         let b = &self.kernel_build;
-        for (i, slot) in self.sampled_kernels.iter_mut().enumerate() {
-            if slot.is_some() {
-                continue;
-            }
-            let spec = KernelSpec {
+        let missing: Vec<usize> = (0..self.sampled_kernels.len())
+            .filter(|&i| self.sampled_kernels[i].is_none())
+            .collect();
+        let specs: Vec<KernelSpec> = missing
+            .iter()
+            .map(|&i| KernelSpec {
                 attn_by_warps: b.ways[i].by_warps,
                 attn_spread: b.ways[i].spread,
                 attn_heads: b.ways[i].heads,
                 sampled: true,
                 ..b.spec
-            };
-            let (module, kernel) = compile::load(self.gpu, &self.model.config, &spec)?;
+            })
+            .collect();
+        let loaded = compile::load_all(self.gpu, &self.model.config, &specs)?;
+        for (i, (module, kernel)) in missing.into_iter().zip(loaded) {
             if kernel.static_smem()? > b.static_smem {
                 bail!("megakernel: the sampled variant needs more static shared memory than was planned");
             }
             kernel.allow_smem(self.smem as usize)?;
-            *slot = Some((module, kernel));
+            self.sampled_kernels[i] = Some((module, kernel));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaModule;
 use cudarc::nvrtc::Ptx;
 
-use crate::gpu::compile::compile_cubin;
+use crate::gpu::compile::compile_cubins;
 use crate::gpu::device::Gpu;
 use crate::gpu::launch::Kernel;
 use crate::gpu::sources;
@@ -111,28 +111,34 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     defines
 }
 
-/// The megakernel compiled (or taken from the disk cache) for [`defines`] with
-/// `MEGAINFER_MK_DEFINES` as the extra options, loaded on `gpu`.
-pub(super) fn load(
+/// The megakernel for each of `specs`, compiled (or taken from the disk cache) for
+/// [`defines`] with `MEGAINFER_MK_DEFINES` as the extra options, then loaded on `gpu` in
+/// order. The compiles run in parallel: NVRTC takes 10-20 s for each variant on one core, and
+/// a path with split-KV buckets needs two or three.
+pub(super) fn load_all(
     gpu: &Gpu,
     config: &crate::model::Config,
-    spec: &KernelSpec,
-) -> Result<(Arc<CudaModule>, Kernel)> {
+    specs: &[KernelSpec],
+) -> Result<Vec<(Arc<CudaModule>, Kernel)>> {
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
     if extra.contains("-DMK_PAGES") {
         bail!(
             "MEGAINFER_MK_DEFINES sets MK_PAGES, which the host derives from its shared-memory plan ({} pages here); -UMK_PAGES compiles the page count as a launch parameter instead",
-            spec.pages
+            specs.first().map_or(0, |s| s.pages)
         );
     }
-    let defines = defines(config, spec, &extra);
-    let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
-    let module = gpu
-        .ctx
-        .load_module(Ptx::from_binary(cubin))
-        .context("loading the megakernel CUBIN")?;
-    let kernel = Kernel::load(&module, "megakernel")?;
-    Ok((module, kernel))
+    let options: Vec<Vec<String>> = specs.iter().map(|s| defines(config, s, &extra)).collect();
+    compile_cubins("megakernel", &sources::megakernel(), &gpu.arch(), &options)?
+        .into_iter()
+        .map(|cubin| {
+            let module = gpu
+                .ctx
+                .load_module(Ptx::from_binary(cubin))
+                .context("loading the megakernel CUBIN")?;
+            let kernel = Kernel::load(&module, "megakernel")?;
+            Ok((module, kernel))
+        })
+        .collect()
 }
 
 #[cfg(test)]
