@@ -506,16 +506,14 @@ __device__ __forceinline__ int geom_div(int a, int b) {
 #define MK_TILE_BALANCE 0
 #endif
 __device__ __forceinline__ int rows_per_tile(int slot, int n) {
+    const int fit = geom_div(PAGE_BYTES, slot);
 #if MK_TILE_BALANCE
-    const int fit = max(1, geom_div(PAGE_BYTES, slot));
-    if (n > TILE_GROUPS * fit) {
+    if (fit > 0 && n > TILE_GROUPS * fit) {
         const int tiles = (geom_div(n + fit - 1, fit) + TILE_GROUPS - 1) / TILE_GROUPS * TILE_GROUPS;
         return geom_div(n + tiles - 1, tiles);
     }
-    return max(1, min(fit, (n + TILE_GROUPS - 1) / TILE_GROUPS));
-#else
-    return max(1, min(geom_div(PAGE_BYTES, slot), (n + TILE_GROUPS - 1) / TILE_GROUPS));
 #endif
+    return max(1, min(fit, (n + TILE_GROUPS - 1) / TILE_GROUPS));
 }
 
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
