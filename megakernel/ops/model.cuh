@@ -82,6 +82,16 @@ __device__ __forceinline__ float rms_scale(const MkParams& p, const float* ss) {
 #endif
 // Arrays of the later chunks' words hold at least one (C++ has no arrays of none).
 #define PREP_CHUNKS_ARR (PREP_CHUNKS > 0 ? PREP_CHUNKS : 1)
+// The first n (at least one) of a round's settled words, summed in order: an element of the
+// residual from its chunks.
+template <int N>
+__device__ __forceinline__ float sum_settled(const u64 (&raw)[N], int n) {
+    float v = tagged_float(raw[0]);
+#pragma unroll
+    for (int k = 1; k < N; k++)
+        if (k < n) v += tagged_float(raw[k]);
+    return v;
+}
 __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 token, int i) {
     if (layer == 0) return embed_at(p, token, i);
     const int l = layer - 1;
@@ -93,11 +103,7 @@ __device__ __forceinline__ float resid_in(const MkParams& p, int layer, u32 toke
 #pragma unroll
         for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k <= later ? ld_tagged(addr(k)) : 0;
         settle<1 + PREP_CHUNKS>(p, raw, addr, 1 + later);
-        float v = tagged_float(raw[0]);
-#pragma unroll
-        for (int k = 1; k <= PREP_CHUNKS; k++)
-            if (k <= later) v += tagged_float(raw[k]);
-        return v;
+        return sum_settled(raw, 1 + later);
     }
     float v = 0.f;
     for (int k0 = 0; k0 < p.chunks; k0 += PREP_SRC) {

@@ -28,13 +28,7 @@ __device__ __forceinline__ void prepare_oproj(const MkParams& p, const u32* w, c
         for (int k = 0; k <= PREP_CHUNKS; k++) raw[k] = k < n ? ld_tagged(addr(k)) : 0;
         copy_in(p, sm.xs, p.attn_out + (size_t)layer * p.heads * p.head_dim, p.heads * p.head_dim);
         settle<1 + PREP_CHUNKS>(p, raw, addr, n);
-        if (n > 0) {
-            float v = tagged_float(raw[0]);
-#pragma unroll
-            for (int k = 1; k <= PREP_CHUNKS; k++)
-                if (k < n) v += tagged_float(raw[k]);
-            sm.res[RES_MAX + ct] = v;
-        }
+        if (n > 0) sm.res[RES_MAX + ct] = sum_settled(raw, n);
         return;
     }
 #endif
