@@ -53,6 +53,7 @@ static_assert(TILE_GROUPS * 2 == CONSUMER_WARPS, "a tile group is a pair of cons
 #define W_D 5
 #define W_E 6
 #define W_F 7
+static_assert(W_F < MK_WORDS, "an instruction's words hold its tile word");
 
 struct LayerW {
     const bf16_t* attn_norm;
