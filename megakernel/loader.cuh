@@ -21,10 +21,11 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
                           u32& verified, u64 policy, u32& seq, bf16_t* pages, u64* full, u64* empty) {
     const int lane = threadIdx.x & 31;
     for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
-        // The operands, read once into registers rather than once per weight row.
-        u32 w[W_E + 1];
+        // The operands (all the words: the tile word is the last), read once into registers
+        // rather than once per weight row.
+        u32 w[MK_WORDS];
 #pragma unroll
-        for (int k = 0; k <= W_E; k++) w[k] = wg[k];
+        for (int k = 0; k < MK_WORDS; k++) w[k] = wg[k];
         const u32 instr = (u32)((wg - p.instrs) / MK_WORDS);
         if (op_has_own_loader(w[W_OP])) {
             if (lane == 0) note(p, 2, instr);

@@ -83,10 +83,13 @@ __device__ __forceinline__ TileGeom tile_geom(const u32* w, const MkParams& p, c
     if (n == 0) return {0, 0, 0, 0, 0, 0, 0, 0, 0};
     const int cols = seg_cols(w, p), wt = op_format(w, p, lw);
     const bool whole = cols == op_matrix_cols(w[W_OP], p);
-    const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols), rpt = rows_per_tile(slot, n);
+    const int slot = whole ? wt_row(wt, cols) : wt_chunk_slot(wt, cols);
+    // Rows a tile and tiles: chosen by the host for the rows' format and written into the
+    // instruction (src/gpu/megakernel/tiles.rs), so no division here.
+    const int rpt = (int)(w[W_F] & 0xffffu), tiles = (int)(w[W_F] >> 16);
     int soff = 0;
     if (MK_ANY_QUANT && wt != WEIGHT_BF16 && !whole) soff = (int)((size_t)seg_row(w, p, lw, 0).s & 15);
-    return {n, cols, rpt, geom_div(n + rpt - 1, rpt), wt, wt_qbytes(wt, cols), slot, whole, soff};
+    return {n, cols, rpt, tiles, wt, wt_qbytes(wt, cols), slot, whole, soff};
 }
 
 // The instruction's tiles (runtime.cuh, tiles_of_format), in its matrix's format: only the

@@ -43,7 +43,8 @@ static_assert(TILE_GROUPS * 2 == CONSUMER_WARPS, "a tile group is a pair of cons
 #error "the megakernel is compiled for a model: define MK_HEAD_DIM, MK_GROUP, MK_HIDDEN and MK_Q_DIM"
 #endif
 
-// Word layout of one instruction: scheduler/src/encode.rs (operands a0..a4 = W_A..W_E).
+// Word layout of one instruction: scheduler/src/encode.rs (operands a0..a5 = W_A..W_F); a
+// mat-vec's W_F holds its tiles, which the host writes (src/gpu/megakernel/tiles.rs).
 #define W_OP 0
 #define W_LAYER 1
 #define W_A 2
@@ -51,6 +52,8 @@ static_assert(TILE_GROUPS * 2 == CONSUMER_WARPS, "a tile group is a pair of cons
 #define W_C 4
 #define W_D 5
 #define W_E 6
+#define W_F 7
+static_assert(W_F < MK_WORDS, "an instruction's words hold its tile word");
 
 struct LayerW {
     const bf16_t* attn_norm;
@@ -470,58 +473,12 @@ __device__ __forceinline__ u32 scales_span(const unsigned char* s, int bytes) {
     return (u32)((((size_t)s + bytes + 15) & ~(size_t)15) - ((size_t)s & ~(size_t)15));
 }
 
-// Rows of n rows of `slot` bytes per tile: a page's worth, but no more than an even share for
-// the warp pairs, so that a small instruction's rows are worked on by all of them at once.
-// The tile geometry's quotients (0 <= a < 2^20, 0 < b < 2^20), computed by every consumer at
-// each instruction's start, from a float estimate and one correction each way instead of the
-// integer division's longer dependent chain (MK_FAST_GEOM=0 divides, for measuring): a and b are
-// exact as floats, and with the hardware reciprocal (rcp.approx, within 2 ulp; __frcp_rn
-// would call a slow path) the estimate is within a/b * 2^-21 < 1/2 of a/b, so its truncation
-// is off by at most one (the host's emulation, compile.rs' tests, checks the rule).
-#ifndef MK_FAST_GEOM
-#define MK_FAST_GEOM 1
-#endif
-__device__ __forceinline__ int geom_div(int a, int b) {
-#if MK_FAST_GEOM
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__int2float_rn(b)));
-    int q = (int)(__int2float_rn(a) * r);
-    if (q * b > a) q--;
-    else if ((q + 1) * b <= a) q++;
-    return q;
-#else
-    return a / b;
-#endif
-}
-
-// Rows per tile: what a page holds, at most a quarter of the rows. Tile t goes to warp pair
-// t % TILE_GROUPS, so when the tiles are not a multiple of TILE_GROUPS one pair does more rows
-// than the others. MK_TILE_BALANCE=1 (a measuring variant) rounds the tile count up to a
-// multiple of TILE_GROUPS and spreads the rows evenly over them: on the H100 Llama-3.2-3B Q4_0
-// was 2% faster with it (its up-gate: 15 tiles of 9 rows, one pair 36 rows, became 16 of 8),
-// Llama-1B Q4_0 level, and Llama-1B Q8_0, whose tiles it leaves as they are, 1% slower (its
-// code at each mat-vec's start, not its tiles; not profiled further; BENCHMARKS.md). Tiles
-// computed on the host, where the schedule is built, would cost the kernel nothing.
-#ifndef MK_TILE_BALANCE
-#define MK_TILE_BALANCE 0
-#endif
-__device__ __forceinline__ int rows_per_tile(int slot, int n) {
-    const int fit = geom_div(PAGE_BYTES, slot);
-#if MK_TILE_BALANCE
-    if (fit > 0 && n > TILE_GROUPS * fit) {
-        const int tiles = (geom_div(n + fit - 1, fit) + TILE_GROUPS - 1) / TILE_GROUPS * TILE_GROUPS;
-        return geom_div(n + tiles - 1, tiles);
-    }
-#endif
-    return max(1, min(fit, (n + TILE_GROUPS - 1) / TILE_GROUPS));
-}
-
 // A mat-vec instruction's weight rows, their length, rows per tile and tiles (all 0 for the
 // others), its matrix's format, the bytes of a row's quants and of its slot in a page, whether
 // its rows are whole (copied in one piece) and where their scales sit in the slot. The
 // consumers work it out when an instruction starts, before they wait for its inputs: between
-// the inputs and the tiles (two switches, two divisions) it would sit on the critical path of
-// every instruction.
+// the inputs and the tiles (its switches) it would sit on the critical path of every
+// instruction. The rows a tile and the tiles are the host's, read from the instruction.
 // soff: the scales' offset from the quants' end in a row's slot (see "weight formats").
 struct TileGeom {
     int n, cols, rpt, tiles, wt, qbytes, slot, whole, soff;

@@ -119,10 +119,9 @@ fn megakernel_sampled_variant_compiles() {
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
-/// in 64 bits, the tile geometry's quotients by integer division, with the consumers' tiles
-/// and post stage notes, the split-KV merge's first values read in its loop with 16 values in
-/// flight, the tiles balanced over the warp pairs, their rows eight at a time; with attention
-/// by rounds and by warps.
+/// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
+/// values read in its loop with 16 values in flight, a tile's rows eight at a time; with
+/// attention by rounds and by warps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -131,12 +130,10 @@ fn megakernel_measuring_variants_compile() {
         [
             "-DMK_TILE_NOTES=1",
             "-DMK_ATT_RANGE32=0",
-            "-DMK_FAST_GEOM=0",
             "-DMK_STAGE_NOTES=1",
             "-DMK_RED_HOIST=0",
             "-DMK_RED_BATCH=16",
             "-DMK_OPROJ_ONE_TRIP=1",
-            "-DMK_TILE_BALANCE=1",
             "-DMK_ROWS8=1",
         ]
         .map(String::from),
@@ -145,7 +142,7 @@ fn megakernel_measuring_variants_compile() {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
         let what = format!(
-            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_FAST_GEOM=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 MK_TILE_BALANCE=1 MK_ROWS8=1 {by_warps})"
+            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 MK_ROWS8=1 {by_warps})"
         );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
@@ -271,6 +268,37 @@ fn megakernel_compiles_for_quantised_formats() {
         defines.push("-DMK_ATT_BY_WARPS=1".into());
         let what = format!(" ({preset}, {formats:?})");
         assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
+/// Kernels compiled on several threads at once (the megakernel's variants are) are the ones
+/// compiled one at a time: the quant unit with two sets of options, each with a define of a
+/// value no earlier compile used (so none comes from the disk cache) and that the code does
+/// not read (so it changes nothing).
+#[test]
+fn compiles_on_several_threads_match_one_at_a_time() {
+    require_nvrtc();
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let sets = |k: u32| {
+        vec![
+            vec![format!("-DMEGAINFER_TEST_NONCE={nonce}{k}")],
+            vec![
+                format!("-DMEGAINFER_TEST_NONCE={nonce}{}", k + 1),
+                "-DQ_HAS_Q6K=0".to_string(),
+            ],
+        ]
+    };
+    let together = compile::compile_cubins("quant", &sources::quant(), "sm_90a", &sets(0)).unwrap();
+    assert_ne!(
+        together[0], together[1],
+        "the two option sets make different code"
+    );
+    for (i, options) in sets(2).iter().enumerate() {
+        let alone = compile::compile_cubin("quant", &sources::quant(), "sm_90a", options).unwrap();
+        assert_eq!(alone, together[i], "option set {i}");
     }
 }
 

@@ -10,7 +10,9 @@
 //!
 //! Nothing else: an instruction's inputs are tagged activations the interpreter waits for
 //! where it reads them (what each one reads is [`crate::access`]), so the words carry no
-//! waits or signals.
+//! waits or signals. The mat-vec instructions leave `a5` 0 here; the megakernel's host writes
+//! their tiles there (rows a page and pages, which depend on the weights' storage format:
+//! `src/gpu/megakernel/tiles.rs`) before it uploads the words.
 //!
 //! | opcode | instruction | a0 | a1 | a2 | a3 | a4 |
 //! | --- | --- | --- | --- | --- | --- | --- |

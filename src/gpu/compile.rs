@@ -82,12 +82,37 @@ pub fn compile_cubin(
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        // Per process and thread: variants compile on threads of their own.
+        let thread = format!("{:?}", std::thread::current().id());
+        let thread: String = thread.chars().filter(char::is_ascii_digit).collect();
+        let tmp = p.with_extension(format!("tmp{}-{thread}", std::process::id()));
         if std::fs::write(&tmp, &cubin).is_ok() {
             let _ = std::fs::rename(&tmp, p);
         }
     }
     Ok(cubin)
+}
+
+/// [`compile_cubin`] for each set of `option_sets`, on a thread each (NVRTC compiles one
+/// program on one core; the megakernel's variants take 10-20 s each), in order.
+pub fn compile_cubins(
+    name: &str,
+    source: &str,
+    arch: &str,
+    option_sets: &[Vec<String>],
+) -> Result<Vec<Vec<u8>>> {
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = option_sets
+            .iter()
+            .map(|o| s.spawn(move || compile_cubin(name, source, arch, o)))
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| bail!("a thread compiling {name} panicked"))
+            })
+            .collect()
+    })
 }
 
 fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {

@@ -5,8 +5,8 @@
 //!
 //! One file per job: [`abi`] (the host/device interface, emitted into the CUDA compile),
 //! [`layout`] (shared memory, scratch and arena planning), `compile`, `launch`, [`profile`]
-//! (timings, CSV and Chrome trace) and `diagnostics` (error reports); this file builds a path
-//! from a schedule.
+//! (timings, CSV and Chrome trace), [`tiles`] (each mat-vec's rows a page, written into its
+//! words) and `diagnostics` (error reports); this file builds a path from a schedule.
 
 use std::sync::Arc;
 
@@ -27,6 +27,7 @@ mod diagnostics;
 mod launch;
 pub mod layout;
 pub mod profile;
+pub mod tiles;
 
 use abi::{LayerW, MkParams, PAGE_BYTES, RES_MAX, THREADS, WORDS};
 pub use compile::{defines as kernel_defines, freq_table_fits, ring_pages, KernelSpec};
@@ -249,9 +250,19 @@ impl<'g> MegakernelPath<'g> {
         let mut max_cols = c.hidden_size.max(c.q_dim());
         let down_cols = down_chunk_cols(first);
         let mut encoded = Vec::new();
+        let tile_formats = tiles::TileFormats {
+            layers: model
+                .layers
+                .iter()
+                .map(|l| [l.w_qkv.ty, l.wo.ty, l.w_gu.ty, l.w_down.ty])
+                .collect(),
+            lm_head: model.lm_head().ty,
+        };
+        let balance = super::switches::switch("MEGAINFER_MK_TILE_BALANCE", true)?;
         for &(upto, schedule) in buckets {
             max_cols = max_cols.max(check_limits(schedule, &formats)?);
-            let enc = schedule.encode();
+            let mut enc = schedule.encode();
+            tiles::write_tile_words(&mut enc.words, schedule, c, &tile_formats, balance)?;
             let mut descs = Vec::new();
             let mut kinds = Vec::new();
             for &k in schedule.streams.iter().flatten() {
@@ -320,17 +331,23 @@ impl<'g> MegakernelPath<'g> {
             freq_in_smem,
             pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
         };
+        let mut distinct: Vec<AttnWay> = Vec::new();
         for &w in &ways {
-            if !kernels.iter().any(|k| k.0 == w) {
-                let spec = KernelSpec {
-                    attn_by_warps: w.by_warps,
-                    attn_spread: w.spread,
-                    attn_heads: w.heads,
-                    ..spec
-                };
-                let (module, kernel) = compile::load(gpu, c, &spec)?;
-                kernels.push((w, module, kernel));
+            if !distinct.contains(&w) {
+                distinct.push(w);
             }
+        }
+        let specs: Vec<KernelSpec> = distinct
+            .iter()
+            .map(|w| KernelSpec {
+                attn_by_warps: w.by_warps,
+                attn_spread: w.spread,
+                attn_heads: w.heads,
+                ..spec
+            })
+            .collect();
+        for (w, (module, kernel)) in distinct.into_iter().zip(compile::load_all(gpu, c, &specs)?) {
+            kernels.push((w, module, kernel));
         }
         // The kernel's static shared memory (its two flags) sits beside the pages.
         let mut static_smem = 0;
@@ -1012,23 +1029,26 @@ impl<'g> MegakernelPath<'g> {
     /// Compiles the variants with the draw inside the launch, once.
     fn compile_sampled(&mut self) -> Result<()> {
         let b = &self.kernel_build;
-        for (i, slot) in self.sampled_kernels.iter_mut().enumerate() {
-            if slot.is_some() {
-                continue;
-            }
-            let spec = KernelSpec {
+        let missing: Vec<usize> = (0..self.sampled_kernels.len())
+            .filter(|&i| self.sampled_kernels[i].is_none())
+            .collect();
+        let specs: Vec<KernelSpec> = missing
+            .iter()
+            .map(|&i| KernelSpec {
                 attn_by_warps: b.ways[i].by_warps,
                 attn_spread: b.ways[i].spread,
                 attn_heads: b.ways[i].heads,
                 sampled: true,
                 ..b.spec
-            };
-            let (module, kernel) = compile::load(self.gpu, &self.model.config, &spec)?;
+            })
+            .collect();
+        let loaded = compile::load_all(self.gpu, &self.model.config, &specs)?;
+        for (i, (module, kernel)) in missing.into_iter().zip(loaded) {
             if kernel.static_smem()? > b.static_smem {
                 bail!("megakernel: the sampled variant needs more static shared memory than was planned");
             }
             kernel.allow_smem(self.smem as usize)?;
-            *slot = Some((module, kernel));
+            self.sampled_kernels[i] = Some((module, kernel));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaModule;
 use cudarc::nvrtc::Ptx;
 
-use crate::gpu::compile::compile_cubin;
+use crate::gpu::compile::compile_cubins;
 use crate::gpu::device::Gpu;
 use crate::gpu::launch::Kernel;
 use crate::gpu::sources;
@@ -111,28 +111,34 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     defines
 }
 
-/// The megakernel compiled (or taken from the disk cache) for [`defines`] with
-/// `MEGAINFER_MK_DEFINES` as the extra options, loaded on `gpu`.
-pub(super) fn load(
+/// The megakernel for each of `specs`, compiled (or taken from the disk cache) for
+/// [`defines`] with `MEGAINFER_MK_DEFINES` as the extra options, then loaded on `gpu` in
+/// order. The compiles run in parallel: NVRTC takes 10-20 s for each variant on one core, and
+/// a path with split-KV buckets needs two or three.
+pub(super) fn load_all(
     gpu: &Gpu,
     config: &crate::model::Config,
-    spec: &KernelSpec,
-) -> Result<(Arc<CudaModule>, Kernel)> {
+    specs: &[KernelSpec],
+) -> Result<Vec<(Arc<CudaModule>, Kernel)>> {
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
     if extra.contains("-DMK_PAGES") {
         bail!(
             "MEGAINFER_MK_DEFINES sets MK_PAGES, which the host derives from its shared-memory plan ({} pages here); -UMK_PAGES compiles the page count as a launch parameter instead",
-            spec.pages
+            specs.first().map_or(0, |s| s.pages)
         );
     }
-    let defines = defines(config, spec, &extra);
-    let cubin = compile_cubin("megakernel", &sources::megakernel(), &gpu.arch(), &defines)?;
-    let module = gpu
-        .ctx
-        .load_module(Ptx::from_binary(cubin))
-        .context("loading the megakernel CUBIN")?;
-    let kernel = Kernel::load(&module, "megakernel")?;
-    Ok((module, kernel))
+    let options: Vec<Vec<String>> = specs.iter().map(|s| defines(config, s, &extra)).collect();
+    compile_cubins("megakernel", &sources::megakernel(), &gpu.arch(), &options)?
+        .into_iter()
+        .map(|cubin| {
+            let module = gpu
+                .ctx
+                .load_module(Ptx::from_binary(cubin))
+                .context("loading the megakernel CUBIN")?;
+            let kernel = Kernel::load(&module, "megakernel")?;
+            Ok((module, kernel))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -165,46 +171,6 @@ mod tests {
             let shape = crate::gpu::megakernel::megakernel_gpu_shape(&c, 132, 232_448);
             assert_eq!(pages, shape.smem_pages, "{name}");
             assert!(pages >= 8 && pages.is_multiple_of(4), "{name}: {pages}");
-        }
-    }
-
-    /// runtime.cuh's `geom_div` with MK_FAST_GEOM=1, step for step in f32 (conversions and the
-    /// product rounded to nearest, truncation, as the device does them), with the reciprocal
-    /// anywhere within 2 ulp of 1/b (the hardware's approximation is within that): equal to
-    /// the integer quotient over its stated range, every dividend for the small divisors and
-    /// a spread for the tile geometry's page slots and others.
-    #[test]
-    fn the_fast_tile_geometry_division_is_exact() {
-        fn ulps(x: f32, k: i32) -> f32 {
-            f32::from_bits((x.to_bits() as i32 + k) as u32)
-        }
-        fn geom_div(a: i32, b: i32, rcp_ulps: i32) -> i32 {
-            let r = ulps(1.0f32 / b as f32, rcp_ulps);
-            let mut q = (a as f32 * r) as i32;
-            if q * b > a {
-                q -= 1;
-            } else if (q + 1) * b <= a {
-                q += 1;
-            }
-            q
-        }
-        let mut divisors: Vec<i32> = (1..=256).collect();
-        divisors.extend((1..=8).map(|k| (1 << 20) - k));
-        divisors.extend([
-            1152, 1536, 3072, 4096, 5120, 7168, 12_288, 16_384, 17_408, 65_521,
-        ]);
-        for &b in &divisors {
-            let step = if b <= 16 { 1 } else { 13 };
-            let dividends = (0..1 << 20).step_by(step).chain((1 << 20) - 2048..1 << 20);
-            for a in dividends {
-                for k in -2..=2 {
-                    assert_eq!(
-                        geom_div(a, b, k),
-                        a / b,
-                        "{a} / {b}, reciprocal {k} ulp off"
-                    );
-                }
-            }
         }
     }
 
