@@ -1017,16 +1017,6 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     rows_store<WT, BL, R>(acc, res, row0, half);
 }
 
-// MK_ROWS8=1 (a measuring variant): a tile's rows eight at a time, as two groups of four whose
-// products come before either group's reduction. In a loop of single groups each group's
-// store to res precedes the next group's loads from the page, which the compiler must assume
-// may alias, so a group's loads and its five dependent shuffle levels are exposed in turn; two
-// groups in one block let it overlap them (seen in the SASS: the two groups' shuffles
-// interleave). Every row's sum is formed by the same operations as before.
-#ifndef MK_ROWS8
-#define MK_ROWS8 0
-#endif
-
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
 // last two and one.
 template <int WT, bool BL, typename X>
@@ -1039,15 +1029,6 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
         if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
         int rows = min(g.rpt, g.n - t * g.rpt), r = 0;
-#if MK_ROWS8
-        for (; r + 8 <= rows; r += 8) {
-            float a[4], b[4];
-            rows_dot<WT, BL, 4>(page + r * g.slot, g, c0, x, a);
-            rows_dot<WT, BL, 4>(page + (r + 4) * g.slot, g, c0, x, b);
-            rows_store<WT, BL, 4>(a, res, t * g.rpt + r, half);
-            rows_store<WT, BL, 4>(b, res, t * g.rpt + r + 4, half);
-        }
-#endif
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         if (r + 2 <= rows) {
             rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
