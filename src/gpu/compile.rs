@@ -82,10 +82,11 @@ pub fn compile_cubin(
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
-        // Per process and thread: variants compile on threads of their own.
-        let thread = format!("{:?}", std::thread::current().id());
-        let thread: String = thread.chars().filter(char::is_ascii_digit).collect();
-        let tmp = p.with_extension(format!("tmp{}-{thread}", std::process::id()));
+        // A name no other write uses: other processes, and variants compiling on threads of
+        // their own, may write the same entry at once.
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = p.with_extension(format!("tmp{}-{n}", std::process::id()));
         if std::fs::write(&tmp, &cubin).is_ok() {
             let _ = std::fs::rename(&tmp, p);
         }
