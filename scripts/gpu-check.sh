@@ -149,7 +149,7 @@ fi
 #   chosen geometries, then with each setting of MV_SWEEP (space-separated
 #   MEGAINFER_BASELINE_MV values, e.g. "qkv=r2u8:1:2 gu=r2u4d:1:2,down=r2u8d:1:1"), OLD_BIN's
 #   choices first when given.
-# ';'-separated lists (BL_DEFINES, BL_ENV, MK_ENV, DEFINES, AB_FUSION, SAMPLED_ENV, ...): bash's
+# ';'-separated lists (BL_DEFINES, BL_ENV, MK_ENV, DEFINES, AB_FUSION, AB_ENV, SAMPLED_ENV, ...): bash's
 #   `read -a` drops an empty last entry, so an empty entry (the default) goes first or between
 #   two others: ";X" runs the default and X, "X;" runs X alone.
 # BENCH=bldefines (not in BENCH=1): graph-path kernel variants of this build: each entry of
@@ -236,8 +236,11 @@ if [ "${BENCH:-0}" != 0 ]; then
   preset_args() { if [[ "$1" == *@* ]]; then echo "--preset ${1%@*} --dtype ${1#*@}"; else echo "--preset $1"; fi; }
   AB_PATHS=${AB_PATHS:-megakernel}
   # AB_PRESETS picks the presets, AB_ROUNDS the rounds (default 2); AB_FUSION (';'-separated
-  # MEGAINFER_BASELINE_FUSION values) adds this build with those graph-path fusions to each round.
+  # MEGAINFER_BASELINE_FUSION values) adds this build with those graph-path fusions to each round,
+  # and AB_ENV (';'-separated lists of NAME=VALUE words, e.g. "MEGAINFER_MK_TILE_BALANCE=0")
+  # this build with each list set in its environment.
   IFS=';' read -r -a ab_fusions <<< "${AB_FUSION:-}"
+  IFS=';' read -r -a ab_envs <<< "${AB_ENV:-}"
   for preset in ${AB_PRESETS:-llama-3.2-1b smollm2-135m}; do
     bench_on ab || continue
     for i in $(seq "${AB_ROUNDS:-2}"); do
@@ -247,6 +250,17 @@ if [ "${BENCH:-0}" != 0 ]; then
         "$bin" bench $(preset_args "$preset") --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
         for p in ${AB_PATHS//,/ }; do
           echo "$preset $(basename "$bin") run $i: $(row "$log" "$p")"
+        done
+      done
+      for j in "${!ab_envs[@]}"; do
+        [ -n "${ab_envs[$j]}" ] || continue
+        read -r -a words <<< "${ab_envs[$j]}"
+        log="$OUT/bench-ab-${preset/@/-}-env$j-$i.log"
+        # shellcheck disable=SC2046
+        env "${words[@]}" "$MEGAINFER_BIN" bench $(preset_args "$preset") \
+          --paths "${AB_PATHS:-megakernel}" --reps 5 > "$log" 2>&1
+        for p in ${AB_PATHS//,/ }; do
+          echo "$preset [${ab_envs[$j]}] run $i: $(row "$log" "$p")"
         done
       done
       for j in "${!ab_fusions[@]}"; do
