@@ -176,22 +176,19 @@ mod tests {
         }
         // Llama-3.2-3B Q4_0's up-gate (hidden 3072: 1,728-byte rows, 9 a page) and Llama-1B
         // Q4_0's (2048: 1,152 bytes, 14 a page), 128 rows each.
-        assert_eq!(
-            (rows_per_tile(1728, 128, false), busiest_pair(128, 9)),
-            (9, 36)
-        );
-        assert_eq!(
-            (rows_per_tile(1728, 128, true), busiest_pair(128, 8)),
-            (8, 32)
-        );
-        assert_eq!(
-            (rows_per_tile(1152, 128, false), busiest_pair(128, 14)),
-            (14, 42)
-        );
-        assert_eq!(
-            (rows_per_tile(1152, 128, true), busiest_pair(128, 11)),
-            (11, 33)
-        );
+        // (slot, balanced, rows a tile, the busiest pair's rows)
+        for (slot, balance, rpt, busiest) in [
+            (1728, false, 9, 36),
+            (1728, true, 8, 32),
+            (1152, false, 14, 42),
+            (1152, true, 11, 33),
+        ] {
+            assert_eq!(
+                (rows_per_tile(slot, 128, balance), busiest_pair(128, rpt)),
+                (rpt, busiest),
+                "slot {slot}, balanced {balance}"
+            );
+        }
     }
 
     #[test]
