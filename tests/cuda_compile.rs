@@ -134,7 +134,6 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_RED_HOIST=0",
             "-DMK_RED_BATCH=16",
             "-DMK_OPROJ_ONE_TRIP=1",
-            "-DMK_ROWS8=1",
         ]
         .map(String::from),
     );
@@ -142,7 +141,7 @@ fn megakernel_measuring_variants_compile() {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
         let what = format!(
-            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 MK_ROWS8=1 {by_warps})"
+            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 {by_warps})"
         );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
