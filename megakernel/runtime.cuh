@@ -984,21 +984,19 @@ __device__ __forceinline__ void rows_scatter_to_res(const float (&acc)[R], float
     if (lane < R) out[2 * row] = v;
 }
 
-// Rows [row0, row0 + R) of a page (the first at `rows`): this warp's products (rows_dot),
-// then its sums reduced over its lanes into res (rows_store; see tiles_of_format).
+// Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
+// lanes, into res (see tiles_of_format).
 template <int WT, bool BL, int R, typename X>
-__device__ __forceinline__ void rows_dot(const unsigned char* rows, const TileGeom& g, int c0, const X& x,
-                                         float (&acc)[R]) {
+__device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
+                                            int row0, int half) {
     const unsigned char* sc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) sc[k] = rows + k * g.slot + g.qbytes + g.soff;
+    float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
     else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
-}
-template <int WT, bool BL, int R>
-__device__ __forceinline__ void rows_store(float (&acc)[R], float* res, int row0, int half) {
     if constexpr (R > 1 && row_scatter<WT, BL>()) {
         rows_scatter_to_res<R>(acc, res + 2 * row0 + half);
     } else {
@@ -1008,13 +1006,6 @@ __device__ __forceinline__ void rows_store(float (&acc)[R], float* res, int row0
 #pragma unroll
             for (int k = 0; k < R; k++) res[2 * (row0 + k) + half] = acc[k];
     }
-}
-template <int WT, bool BL, int R, typename X>
-__device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
-                                            int row0, int half) {
-    float acc[R];
-    rows_dot<WT, BL, R>(rows, g, c0, x, acc);
-    rows_store<WT, BL, R>(acc, res, row0, half);
 }
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
