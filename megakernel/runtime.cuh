@@ -148,15 +148,36 @@ struct Smem {
 #ifndef MK_PREP_STAMPS
 #define MK_PREP_STAMPS 0
 #endif
-#if MK_PREP_STAMPS
+// MK_TILE_STAMPS=1 (for measuring, the same way): consumer thread 0 stamps the two extra words
+// of a mat-vec instruction when its first page wait returned and when its own warp finished
+// its tiles, splitting the tiles' time (prepared to tiles) into the wait for the first page,
+// the warp's own work and the wait for the other warps. MK_TILE_SKIP_DOT=1 (with it, for
+// measuring only: the results are garbage) leaves the dot products out of the tiles.
+#ifndef MK_TILE_STAMPS
+#define MK_TILE_STAMPS 0
+#endif
+#ifndef MK_TILE_SKIP_DOT
+#define MK_TILE_SKIP_DOT 0
+#endif
+#if MK_PREP_STAMPS || MK_TILE_STAMPS
 __shared__ u64* mk_prof;  // the current instruction's profile words
+#define PREP_SET_PROF(prof) (mk_prof = (prof))
+#else
+#define PREP_SET_PROF(prof) ((void)0)
+#endif
+#if MK_PREP_STAMPS
 __device__ __forceinline__ void prep_stamp(int w) {
     if (threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
 }
-#define PREP_SET_PROF(prof) (mk_prof = (prof))
 #else
 __device__ __forceinline__ void prep_stamp(int) {}
-#define PREP_SET_PROF(prof) ((void)0)
+#endif
+#if MK_TILE_STAMPS
+__device__ __forceinline__ void tile_stamp(int w) {
+    if (threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
+}
+#else
+__device__ __forceinline__ void tile_stamp(int) {}
 #endif
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
@@ -1018,8 +1039,9 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
     for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % MK_RING(p);
         if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
+        if (t == grp) tile_stamp(PROF_EXTRA1);
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
-        int rows = min(g.rpt, g.n - t * g.rpt), r = 0;
+        int rows = MK_TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt), r = 0;
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         if (r + 2 <= rows) {
             rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
@@ -1028,6 +1050,7 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
         if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         release_page(&empty[slot], lane);
     }
+    tile_stamp(PROF_EXTRA2);
     return true;
 }
 

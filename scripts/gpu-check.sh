@@ -137,7 +137,7 @@ fi
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES (PRESET[@DTYPE]:PROMPT_LEN ...).
 # BENCH=timeline (not in BENCH=1): a profiled step's per-instruction table and a layer's
 #   critical path (scripts/timeline.py) for each preset of TIMELINE_PRESETS, after a prompt of
-#   TIMELINE_PROMPT tokens (default 32).
+#   TIMELINE_PROMPT tokens (default 32); TIMELINE_FLAGS adds timeline.py flags (--prep, --tiles).
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
@@ -351,7 +351,8 @@ if [ "${BENCH:-0}" != 0 ]; then
         --profile --timeline "$OUT/timeline-$name.csv" > "$log" 2>&1
       echo "timeline $preset:"
       grep -E "^\| (megakernel|Rms|Attention|AttnReduce|OProj|Down)" "$log"
-      if [ -f "$OUT/timeline-$name.csv" ]; then python3 scripts/timeline.py "$OUT/timeline-$name.csv"
+      # shellcheck disable=SC2086 # TIMELINE_FLAGS is a list of words
+      if [ -f "$OUT/timeline-$name.csv" ]; then python3 scripts/timeline.py ${TIMELINE_FLAGS:-} "$OUT/timeline-$name.csv"
       else echo "  no timeline written; the end of $log:"; tail -3 "$log"; fi
     done
   fi

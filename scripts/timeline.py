@@ -14,6 +14,14 @@ With --prep, for a run with MEGAINFER_MK_DEFINES=-DMK_PREP_STAMPS=1 (whose consu
 stamps the extra words: before the prepare, and once its own inputs have settled), the
 prepare of each mat-vec instruction, split by whether it started before or after its
 producers' last store: start to thread 0's inputs settled, and from there to prepared.
+
+With --tiles, for a run with MEGAINFER_MK_DEFINES=-DMK_TILE_STAMPS=1 (consumer thread 0 stamps
+the extra words when its first page wait returned and when its own warp finished its tiles),
+each mat-vec kind's medians of: prepared to the first page ready, warp 0's own tiles, the wait
+for the other warps (to the tiles stamp) and the post stage (to stored).
+
+Where the schedule has split-KV merges (AttnReduce), each merge's start and end (prepared:
+its work is all prepare) after its own KV head's last attention part stored.
 """
 import csv
 import gzip
@@ -61,7 +69,45 @@ def prep(by_layer):
         print(f"  {cons:16s} {cols[0]}  |  {cols[1]}")
 
 
-def main(path, with_prep=False):
+def tiles(path):
+    """Each mat-vec kind's tiles split by the MK_TILE_STAMPS stamps (see the module's text)."""
+    split = defaultdict(lambda: ([], [], [], []))
+    for r in rows(path):
+        if r["kind"] in ("Attention", "AttnReduce", "Argmax"):
+            continue
+        prepared, tiles_done, e1, e2, stored = (int(r[k]) for k in ("prepared", "tiles", "extra1", "extra2", "stored"))
+        if e1 == 0 or e2 == 0:
+            continue
+        v = split[r["kind"]]
+        for i, d in enumerate((e1 - prepared, e2 - e1, tiles_done - e2, stored - tiles_done)):
+            v[i].append(d / 1000)
+    print("tiles (µs, medians; MK_TILE_STAMPS): prepared -> first page ready, warp 0's tiles, "
+          "the other warps, post")
+    for kind, v in sorted(split.items()):
+        print(f"  {kind:16s} " + " ".join(f"{st.median(x):6.2f}" for x in v))
+
+
+def merges(path):
+    """Each AttnReduce's start and end after its KV head's last attention part stored."""
+    parts, reduces = defaultdict(list), []
+    for r in rows(path):
+        m = re.search(r"layer: (\d+), kv_head: (\d+)", r["desc"])
+        if not m:
+            continue
+        key = (r["step"], m.group(1), m.group(2))
+        if r["kind"] == "Attention":
+            parts[key].append(int(r["stored"]))
+        elif r["kind"] == "AttnReduce":
+            reduces.append((key, int(r["start"]), int(r["prepared"])))
+    if not reduces:
+        return
+    start = [(s - max(parts[k])) / 1000 for k, s, _ in reduces if parts[k]]
+    end = [(e - max(parts[k])) / 1000 for k, _, e in reduces if parts[k]]
+    print(f"split-KV merges (µs after their head's last part stored): start {st.median(start):5.2f}, "
+          f"done {st.median(end):5.2f} (deciles {st.quantiles(end, n=10)[0]:.2f} .. {st.quantiles(end, n=10)[-1]:.2f})")
+
+
+def main(path, with_prep=False, with_tiles=False):
     by_layer = defaultdict(lambda: defaultdict(list))
     attention = []
     for r in rows(path):
@@ -92,8 +138,11 @@ def main(path, with_prep=False):
                            ("combine + output", 5, 2), ("store", 2, 3)]:
             print(f"  {name:18s} {st.median(x[b] - x[a] for x in attention):6.2f}")
     hops(by_layer)
+    merges(path)
     if with_prep:
         prep(by_layer)
+    if with_tiles:
+        tiles(path)
 
 
 def hops(by_layer):
@@ -120,7 +169,7 @@ def hops(by_layer):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--prep"]
+    args = [a for a in sys.argv[1:] if a not in ("--prep", "--tiles")]
     if len(args) != 1:
-        sys.exit("usage: timeline.py [--prep] TIMELINE.csv[.gz]")
-    main(args[0], "--prep" in sys.argv[1:])
+        sys.exit("usage: timeline.py [--prep] [--tiles] TIMELINE.csv[.gz]")
+    main(args[0], "--prep" in sys.argv[1:], "--tiles" in sys.argv[1:])

@@ -120,8 +120,8 @@ fn megakernel_sampled_variant_compiles() {
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
-/// values read in its loop with 16 values in flight, a tile's rows eight at a time; with
-/// attention by rounds and by warps.
+/// values read in its loop with 16 values in flight, the O projection's one round trip, the
+/// tiles' own stamps with the dot products left out; with attention by rounds and by warps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -134,6 +134,8 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_RED_HOIST=0",
             "-DMK_RED_BATCH=16",
             "-DMK_OPROJ_ONE_TRIP=1",
+            "-DMK_TILE_STAMPS=1",
+            "-DMK_TILE_SKIP_DOT=1",
         ]
         .map(String::from),
     );
@@ -141,7 +143,7 @@ fn megakernel_measuring_variants_compile() {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
         let what = format!(
-            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 {by_warps})"
+            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 MK_TILE_STAMPS=1 MK_TILE_SKIP_DOT=1 {by_warps})"
         );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
