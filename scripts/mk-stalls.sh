@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Where the megakernel's warps stall, under Nsight Compute:
-#   scripts/mk-stalls.sh BENCH_ARGS...   e.g. --preset smollm2-135m
+#   scripts/mk-stalls.sh BENCH_ARGS...   e.g. --preset smollm2-135m, --preset llama-3.2-1b --dtype q4_0
 # Profiles the second megakernel launch of `megainfer bench BENCH_ARGS --paths megakernel
 # --reps 1 --gen 8` (one launch runs the whole generation) with the WarpStateStats section and
 # prints, largest first, the cycles a warp spends stalled per instruction it issues, by reason.
+# SOURCE=1 profiles with the SourceCounters section too and prints the SASS instructions with
+# the most warp samples, each with its top stall reasons (the instruction whose result a stall
+# waits for is usually the one just before it).
 # The spinning waits (polls of tagged words, page barriers) count as stalls too, so compare
 # shapes and builds with each other rather than reading a reason's share as its cost. ncu locks
 # the clocks to base, so its kernel time is not a decode time.
@@ -29,4 +32,26 @@ for k, v in sorted(stalls.items(), key=lambda kv: -kv[1]):
     if v >= 0.005:
         print(f"{k:<22} {v:6.2f}")
 print(f"{'total':<22} {sum(stalls.values()):6.2f}")
+PY
+[ "${SOURCE:-0}" = 1 ] || exit 0
+src="$OUT/mk-source-$$.csv"
+"$NCU" --kernel-name regex:megakernel --launch-skip 1 --launch-count 1 --section SourceCounters \
+  --import-source no --page source --print-source sass --csv \
+  "$BIN" bench "$@" --paths megakernel --reps 1 --gen 8 > "$src" 2>/dev/null
+python3 - "$src" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).readlines()
+start = [i for i, l in enumerate(lines) if l.startswith('"Address"')]
+if not start:
+    sys.exit(f"no source page written; see {sys.argv[1]}")
+rows = list(csv.DictReader(lines[start[0]:]))
+num = lambda x: float(x.replace(",", "") or 0) if x else 0.0
+samples = "Warp Stall Sampling (All Samples)"
+reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+total = sum(num(r[samples]) for r in rows)
+print(f"\nSASS with the most warp samples ({total:.0f} samples, {len(rows)} instructions):")
+for i, r in sorted(enumerate(rows), key=lambda ir: -num(ir[1][samples]))[:30]:
+    top = sorted(((num(r[c]), c[6:]) for c in reasons), reverse=True)[:3]
+    why = " ".join(f"{n}:{v:.0f}" for v, n in top if v > 0)
+    print(f"{i:6d} {100 * num(r[samples]) / total:5.1f}%  {r['Source'].strip()[:56]:56s} {why}")
 PY
