@@ -162,23 +162,20 @@ struct Smem {
 #if MK_PREP_STAMPS || MK_TILE_STAMPS
 __shared__ u64* mk_prof;  // the current instruction's profile words
 #define PREP_SET_PROF(prof) (mk_prof = (prof))
+__device__ __forceinline__ void thread0_stamp(int w) {
+    if (threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
+}
 #else
 #define PREP_SET_PROF(prof) ((void)0)
+__device__ __forceinline__ void thread0_stamp(int) {}
 #endif
-#if MK_PREP_STAMPS
 __device__ __forceinline__ void prep_stamp(int w) {
-    if (threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
+    if (MK_PREP_STAMPS) thread0_stamp(w);
 }
-#else
-__device__ __forceinline__ void prep_stamp(int) {}
-#endif
-#if MK_TILE_STAMPS
 __device__ __forceinline__ void tile_stamp(int w) {
-    if (threadIdx.x == 32 && mk_prof) mk_prof[w] = global_ns();
+    if (MK_TILE_STAMPS) thread0_stamp(w);
 }
-#else
-__device__ __forceinline__ void tile_stamp(int) {}
-#endif
+
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }
 
 __device__ __noinline__ void raise_error(const MkParams& p, u32 kind, u32 instr, u32 what, u32 expected, u32 seen) {
