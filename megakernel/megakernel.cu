@@ -90,6 +90,9 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         if (ct == 0) PREP_SET_PROF(prof);
         prep_stamp(PROF_EXTRA1);
         if (ct == 0) {
+#if MK_TILE_SKIP_DOT == 2
+            mk_skip_dot = op == OP_OPROJ;
+#endif
             if (prof) prof[PROF_START] = global_ns();
             set_current_instr(instr);
             note(p, 0, instr);

@@ -152,12 +152,19 @@ struct Smem {
 // of a mat-vec instruction when its first page wait returned and when its own warp finished
 // its tiles, splitting the tiles' time (prepared to tiles) into the wait for the first page,
 // the warp's own work and the wait for the other warps. MK_TILE_SKIP_DOT=1 (with it, for
-// measuring only: the results are garbage) leaves the dot products out of the tiles.
+// measuring only: the results are garbage) leaves the dot products out of the tiles;
+// MK_TILE_SKIP_DOT=2 out of the O projection's tiles only (mk_skip_dot, set per instruction).
 #ifndef MK_TILE_STAMPS
 #define MK_TILE_STAMPS 0
 #endif
 #ifndef MK_TILE_SKIP_DOT
 #define MK_TILE_SKIP_DOT 0
+#endif
+#if MK_TILE_SKIP_DOT == 2
+__shared__ u32 mk_skip_dot;
+#define TILE_SKIP_DOT (mk_skip_dot != 0)
+#else
+#define TILE_SKIP_DOT (MK_TILE_SKIP_DOT != 0)
 #endif
 #if MK_PREP_STAMPS || MK_TILE_STAMPS
 __shared__ u64* mk_prof;  // the current instruction's profile words
@@ -1038,7 +1045,7 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
         if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         if (t == grp) tile_stamp(PROF_EXTRA1);
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
-        int rows = MK_TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt), r = 0;
+        int rows = TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt), r = 0;
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         if (r + 2 <= rows) {
             rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);

@@ -122,7 +122,7 @@ fn megakernel_sampled_variant_compiles() {
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
 /// values read in its loop with 16 values in flight, the O projection's one round trip, the
 /// tiles' own stamps with the dot products left out; with attention by rounds and by warps;
-/// and the prepare's stamps.
+/// and the prepare's stamps with only the O projection's dot products left out.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -148,10 +148,12 @@ fn megakernel_measuring_variants_compile() {
         );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
-    // The prepare's stamps share the profile words with the tiles' stamps: one or the other.
+    // The prepare's stamps share the profile words with the tiles' stamps: one or the other;
+    // here with the O projection's dot products left out.
     let (mut d, _) = preset_kernel_defines("smollm2-135m", false);
     d.push("-DMK_PREP_STAMPS=1".to_string());
-    assert_compiles("megakernel", &sources::megakernel(), &d, " (MK_PREP_STAMPS=1)");
+    d.push("-DMK_TILE_SKIP_DOT=2".to_string());
+    assert_compiles("megakernel", &sources::megakernel(), &d, " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2)");
 }
 
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
