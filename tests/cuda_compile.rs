@@ -122,7 +122,8 @@ fn megakernel_sampled_variant_compiles() {
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
 /// values read in its loop with 16 values in flight, the O projection's one round trip, the
 /// tiles' own stamps with the dot products left out; with attention by rounds and by warps;
-/// and the prepare's stamps with only the O projection's dot products left out.
+/// and the prepare's stamps with only the O projection's dot products left out and the
+/// split-KV merge not waiting for its parts.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -149,11 +150,17 @@ fn megakernel_measuring_variants_compile() {
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
     // The prepare's stamps share the profile words with the tiles' stamps: one or the other;
-    // here with the O projection's dot products left out.
+    // here with the O projection's dot products left out and the merge not waiting.
     let (mut d, _) = preset_kernel_defines("smollm2-135m", false);
     d.push("-DMK_PREP_STAMPS=1".to_string());
     d.push("-DMK_TILE_SKIP_DOT=2".to_string());
-    assert_compiles("megakernel", &sources::megakernel(), &d, " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2)");
+    d.push("-DMK_RED_NO_WAIT=1".to_string());
+    assert_compiles(
+        "megakernel",
+        &sources::megakernel(),
+        &d,
+        " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2 MK_RED_NO_WAIT=1)",
+    );
 }
 
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an

@@ -34,6 +34,12 @@ static_assert(32 % ATT_RED_BATCH == 0, "a chunk of 32 parts is whole batches");
 #ifndef MK_RED_HOIST_VALUES
 #define MK_RED_HOIST_VALUES 16
 #endif
+// MK_RED_NO_WAIT=1 (for measuring only: the merged values are garbage): the hoisted read takes
+// whatever its loads return, without waiting for the parts' tags, so the merge costs no hop:
+// the bound on any faster merge.
+#ifndef MK_RED_NO_WAIT
+#define MK_RED_NO_WAIT 0
+#endif
 static_assert(!MK_RED_HOIST || (MK_RED_HOIST_VALUES % ATT_RED_BATCH == 0 && MK_RED_HOIST_VALUES <= 32),
               "the batches after the hoisted values stay within and aligned to 32-part chunks");
 static_assert(ATT_HD % 32 == 0, "a warp's threads must share their head");
@@ -76,16 +82,17 @@ __device__ void op_attn_reduce(const MkParams& p, const u32* w, float*) {
             for (int e = 0; e < 2; e++) st[e] = has ? ld_tagged(addr(e)) : 0;
 #pragma unroll
             for (int k = 0; k < NH; k++) v[k] = k < nv ? ld_tagged(addr(k + 2)) : 0;
-            settle_with<2 + NH>(
-                p,
-                [&](int e) {
-                    return e < 2 ? (has ? (u32)(st[e] >> 32) : tag) : (e - 2 < nv ? (u32)(v[e - 2] >> 32) : tag);
-                },
-                [&](int e) {
-                    if (e < 2) st[e] = ld_tagged(addr(e));
-                    else v[e - 2] = ld_tagged(addr(e));
-                },
-                addr, 2 + NH);
+            if (!MK_RED_NO_WAIT)
+                settle_with<2 + NH>(
+                    p,
+                    [&](int e) {
+                        return e < 2 ? (has ? (u32)(st[e] >> 32) : tag) : (e - 2 < nv ? (u32)(v[e - 2] >> 32) : tag);
+                    },
+                    [&](int e) {
+                        if (e < 2) st[e] = ld_tagged(addr(e));
+                        else v[e - 2] = ld_tagged(addr(e));
+                    },
+                    addr, 2 + NH);
             prep_stamp(PROF_EXTRA2);
             if (__any_sync(0xffffffffu, any_failed())) return;
             const float l = has ? tagged_float(st[1]) : 0.f, m = tagged_float(st[0]);
