@@ -2,13 +2,16 @@
 """Per instruction type, how fast the megakernel's loader streamed weights, from a
 `megainfer bench --profile --timeline FILE` CSV (optionally gzipped):
 
-    scripts/loader-rate.py FILE HIDDEN INTERMEDIATE
+    scripts/loader-rate.py FILE HIDDEN INTERMEDIATE [HEAD_DIM CONTEXT]
 
 Medians over steps 4-15 of: the loader's issue window (first page wait to last tile issued),
 the consumers' wait for inputs (start to prepared) and their tiles (prepared to tiles done),
 the tiles' end after the loader issued the last one, and for the mat-vecs with a known row
 size the bytes over the issue window (GB/s per SM; x 132 for the whole GPU; bf16 bytes, so a
 quantised run's rate reads high by the formats' ratio). QKV rows vary by head and are left without a rate.
+With HEAD_DIM and CONTEXT (the step's sequence length), for a run built with
+MEGAINFER_MK_DEFINES=-DMK_ATT_LOADER_STAMPS=1, attention's K/V tiles too: a part's
+2 x HEAD_DIM x 2 bytes a position over CONTEXT / parts positions.
 """
 import csv
 import gzip
@@ -18,7 +21,7 @@ import sys
 from collections import defaultdict
 
 
-def main(path, hidden, inter):
+def main(path, hidden, inter, head_dim=0, context=0):
     opener = gzip.open if path.endswith(".gz") else open
     kinds = defaultdict(list)
     with opener(path, "rt") as f:
@@ -38,6 +41,8 @@ def main(path, hidden, inter):
                 size = field("row_count") * hidden * 2
             elif kind == "RmsQkvRope":
                 size = None
+            elif kind == "Attention" and head_dim:
+                size = 4 * head_dim * context // field("parts")
             else:
                 continue
             t = [int(r[k]) for k in ("start", "prepared", "tiles", "stored", "extra1", "extra2")]
@@ -59,6 +64,6 @@ def main(path, hidden, inter):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
+    if len(sys.argv) not in (4, 6):
         sys.exit(__doc__)
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))

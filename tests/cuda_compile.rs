@@ -121,7 +121,8 @@ fn megakernel_sampled_variant_compiles() {
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
 /// values read in its loop with 16 values in flight, the O projection's one round trip, the
-/// tiles' own stamps with the dot products left out; with attention by rounds and by warps;
+/// tiles' own stamps with the dot products left out, attention's loader stamps; with attention
+/// by rounds and by warps;
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts.
 #[test]
@@ -138,6 +139,7 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_OPROJ_ONE_TRIP=1",
             "-DMK_TILE_STAMPS=1",
             "-DMK_TILE_SKIP_DOT=1",
+            "-DMK_ATT_LOADER_STAMPS=1",
         ]
         .map(String::from),
     );
@@ -145,7 +147,7 @@ fn megakernel_measuring_variants_compile() {
         let mut d = defines.clone();
         d.push(by_warps.to_string());
         let what = format!(
-            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 MK_TILE_STAMPS=1 MK_TILE_SKIP_DOT=1 {by_warps})"
+            " (MK_TILE_NOTES=1 MK_ATT_RANGE32=0 MK_STAGE_NOTES=1 MK_RED_HOIST=0 MK_RED_BATCH=16 MK_OPROJ_ONE_TRIP=1 MK_TILE_STAMPS=1 MK_TILE_SKIP_DOT=1 MK_ATT_LOADER_STAMPS=1 {by_warps})"
         );
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }

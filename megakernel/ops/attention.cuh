@@ -63,6 +63,13 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
     return {p0, p1 == len ? len - 1 : p1, p1 == len};
 }
 
+// MK_ATT_LOADER_STAMPS=1 (for measuring, through MEGAINFER_MK_DEFINES): profile words 4 and 5
+// of an attention instruction are the loader's, when it reached the instruction and when it
+// issued its last K/V tile (scripts/loader-rate.py), instead of the consumers' steps.
+#ifndef MK_ATT_LOADER_STAMPS
+#define MK_ATT_LOADER_STAMPS 0
+#endif
+
 // Bytes in flight: an SM's share of the read bandwidth is ~3.1 TB/s / 132 = 23.5 GB/s, and a
 // copy takes ~1 µs from issue to landing under load, so by Little's law each SM needs about
 // 23.5 GB/s x 1 µs = ~24 KB in flight to stream at its share. A tile is 16 KB (K and V rows);
@@ -78,6 +85,8 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos
                                bf16_t* pages, u64* full, u64* empty, u64 policy) {
     const int lane = threadIdx.x & 31, layer = w[W_LAYER], kvh = w[W_A];
     const AttnRange a = attn_range(w, pos);
+    u64* prof = MK_ATT_LOADER_STAMPS && p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
+    if (prof && lane == 0) prof[PROF_EXTRA1] = global_ns();
     for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
         const u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
         if (MK_TILE_NOTES && lane == 0) note(p, 3, seq);
@@ -97,6 +106,7 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos
             bulk_load(page + lane * ATT_TR * ATT_HD, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
                       &full[slot], policy);
     }
+    if (prof && lane == 0) prof[PROF_EXTRA2] = global_ns();
     return true;
 }
 
@@ -500,7 +510,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     if (consumers_failed()) return ntiles;
     if (spread) attn_release_pages(p, empty, seq, 0, ntiles);
     // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
-    if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
+    if (!MK_ATT_LOADER_STAMPS && ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
     for (int i = ct; i < G * HD; i += CONSUMERS) {
         // The warps k0, k0 + HG, ... took head g (every warp with one head group: the loops'
         // bounds stay constants there, as the merge sits on the critical path of every part).
@@ -526,7 +536,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         }
         attn_store(p, w, i, o / L, M, L);
     }
-    if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
+    if (!MK_ATT_LOADER_STAMPS && ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
     return ntiles;
 }
 
@@ -678,10 +688,10 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
         consumers_sync();
         // Profile words 4 and 5 (the loader's for a mat-vec): scores and softmax done, and the
         // weighted values (the last round's).
-        if (ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
+        if (!MK_ATT_LOADER_STAMPS && ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
         attn_values(r, S, vn, partial);
         consumers_sync();
-        if (ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
+        if (!MK_ATT_LOADER_STAMPS && ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
         // The round's pages go back to the loader, every consumer past the barrier above.
         attn_release_pages(p, empty, seq, t0, t1);
         // The running output takes this round's values; after the last round it is divided by
