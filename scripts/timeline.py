@@ -22,6 +22,9 @@ for the other warps (to the tiles stamp) and the post stage (to stored).
 
 Where the schedule has split-KV merges (AttnReduce), each merge's start and end (prepared:
 its work is all prepare) after its own KV head's last attention part stored.
+
+Attention's steps read its words 4 and 5 as the consumers write them; a run built with
+-DMK_ATT_LOADER_STAMPS=1 has the loader's there instead (scripts/loader-rate.py reads those).
 """
 import csv
 import gzip
