@@ -530,9 +530,24 @@ struct TileGeom {
 #ifndef MK_INFLIGHT_ATT_STREAM
 #define MK_INFLIGHT_ATT_STREAM MK_INFLIGHT_STREAM
 #endif
+// MK_INFLIGHT_IN_ATT=N (for measuring; 0, off, by default): while the consumers are on an
+// attention instruction, the tiles of later instructions may have N in flight instead of
+// MK_INFLIGHT. At long contexts the loader issues a part's K/V tiles well before they land and
+// moves on to the O projection's rows, whose limit of 2 then also holds back the SM's stream
+// while the K/V still arrive (BENCHMARKS.md, 2026-11-28: K/V land at ~19 GB/s per SM at 8K).
+#ifndef MK_INFLIGHT_IN_ATT
+#define MK_INFLIGHT_IN_ATT 0
+#endif
+#if MK_INFLIGHT_IN_ATT
+__shared__ u32 mk_in_att;  // the consumers are on an attention instruction (volatile, as mk_instr)
+__device__ __forceinline__ void set_in_attention(bool v) { *(volatile u32*)&mk_in_att = v; }
+#define AHEAD_LIMIT(ahead) (*(volatile u32*)&mk_in_att ? (u32)MK_INFLIGHT_IN_ATT : (ahead))
+#else
+#define AHEAD_LIMIT(ahead) (ahead)
+#endif
 template <u32 AHEAD = MK_INFLIGHT, u32 STREAM = MK_INFLIGHT_STREAM>
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {
-    const u32 limit = current_instr() == instr ? STREAM : AHEAD;
+    const u32 limit = current_instr() == instr ? STREAM : AHEAD_LIMIT(AHEAD);
     if (limit >= (u32)MK_RING(p) || seq < limit) return true;
     const u32 s = seq - limit;
     return page_wait(p, &full[s % MK_RING(p)], (s / MK_RING(p)) & 1, ERR_PAGE_LOADER, instr, s);
