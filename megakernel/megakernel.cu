@@ -90,11 +90,8 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         if (ct == 0) PREP_SET_PROF(prof);
         prep_stamp(PROF_EXTRA1);
         if (ct == 0) {
-#if MK_TILE_SKIP_DOT == 2
-            mk_skip_dot = op == OP_OPROJ;
-#endif
-#if MK_INFLIGHT_IN_ATT
-            set_in_attention(op == OP_ATTN);
+#if MK_TRACK_OP
+            set_current_op(op);
 #endif
             if (prof) prof[PROF_START] = global_ns();
             set_current_instr(instr);
@@ -160,8 +157,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         for (int i = 0; i < p.pages; i++) { mbar_init(&sm.full[i], 1); mbar_init(&sm.empty[i], MK_EMPTY_ARRIVALS); }
         mbar_fence_init();
         set_failed(0);
-#if MK_INFLIGHT_IN_ATT
-        set_in_attention(false);
+#if MK_TRACK_OP
+        set_current_op(~0u);
 #endif
         mk_tag = p.epoch + 1;
         mk_stop = 0;

@@ -153,7 +153,7 @@ struct Smem {
 // its tiles, splitting the tiles' time (prepared to tiles) into the wait for the first page,
 // the warp's own work and the wait for the other warps. MK_TILE_SKIP_DOT=1 (with it, for
 // measuring only: the results are garbage) leaves the dot products out of the tiles;
-// MK_TILE_SKIP_DOT=2 out of the O projection's tiles only (mk_skip_dot, set per instruction).
+// MK_TILE_SKIP_DOT=2 out of the O projection's tiles only (current_op, below).
 #ifndef MK_TILE_STAMPS
 #define MK_TILE_STAMPS 0
 #endif
@@ -161,8 +161,7 @@ struct Smem {
 #define MK_TILE_SKIP_DOT 0
 #endif
 #if MK_TILE_SKIP_DOT == 2
-__shared__ u32 mk_skip_dot;
-#define TILE_SKIP_DOT (mk_skip_dot != 0)
+#define TILE_SKIP_DOT (current_op() == OP_OPROJ)
 #else
 #define TILE_SKIP_DOT (MK_TILE_SKIP_DOT != 0)
 #endif
@@ -538,10 +537,18 @@ struct TileGeom {
 #ifndef MK_INFLIGHT_IN_ATT
 #define MK_INFLIGHT_IN_ATT 0
 #endif
+// The op of the instruction the consumers are on, for the measuring switches that act on one
+// kind (MK_TILE_SKIP_DOT=2, MK_INFLIGHT_IN_ATT); volatile, as mk_instr.
+#if MK_TILE_SKIP_DOT == 2 || MK_INFLIGHT_IN_ATT
+#define MK_TRACK_OP 1
+__shared__ u32 mk_op;
+__device__ __forceinline__ void set_current_op(u32 v) { *(volatile u32*)&mk_op = v; }
+__device__ __forceinline__ u32 current_op() { return *(volatile u32*)&mk_op; }
+#else
+#define MK_TRACK_OP 0
+#endif
 #if MK_INFLIGHT_IN_ATT
-__shared__ u32 mk_in_att;  // the consumers are on an attention instruction (volatile, as mk_instr)
-__device__ __forceinline__ void set_in_attention(bool v) { *(volatile u32*)&mk_in_att = v; }
-#define AHEAD_LIMIT(ahead) (*(volatile u32*)&mk_in_att ? (u32)MK_INFLIGHT_IN_ATT : (ahead))
+#define AHEAD_LIMIT(ahead) (current_op() == OP_ATTN ? (u32)MK_INFLIGHT_IN_ATT : (ahead))
 #else
 #define AHEAD_LIMIT(ahead) (ahead)
 #endif

@@ -72,10 +72,10 @@ def prep(by_layer):
         print(f"  {cons:16s} {cols[0]}  |  {cols[1]}")
 
 
-def tiles(path):
+def tiles(records):
     """Each mat-vec kind's tiles split by the MK_TILE_STAMPS stamps (see the module's text)."""
     split = defaultdict(lambda: ([], [], [], []))
-    for r in rows(path):
+    for r in records:
         if r["kind"] in ("Attention", "AttnReduce", "Argmax"):
             continue
         prepared, tiles_done, e1, e2, stored = (int(r[k]) for k in ("prepared", "tiles", "extra1", "extra2", "stored"))
@@ -90,10 +90,10 @@ def tiles(path):
         print(f"  {kind:16s} " + " ".join(f"{st.median(x):6.2f}" for x in v))
 
 
-def merges(path):
+def merges(records):
     """Each AttnReduce's start and end after its KV head's last attention part stored."""
     parts, reduces = defaultdict(list), []
-    for r in rows(path):
+    for r in records:
         m = re.search(r"layer: (\d+), kv_head: (\d+)", r["desc"])
         if not m:
             continue
@@ -111,9 +111,10 @@ def merges(path):
 
 
 def main(path, with_prep=False, with_tiles=False):
+    records = list(rows(path))
     by_layer = defaultdict(lambda: defaultdict(list))
     attention = []
-    for r in rows(path):
+    for r in records:
         t = [int(r[k]) / 1000 for k in STAMPS]
         m = re.search(r"layer: (\d+)", r["desc"])
         if m:
@@ -141,11 +142,11 @@ def main(path, with_prep=False, with_tiles=False):
                            ("combine + output", 5, 2), ("store", 2, 3)]:
             print(f"  {name:18s} {st.median(x[b] - x[a] for x in attention):6.2f}")
     hops(by_layer)
-    merges(path)
+    merges(records)
     if with_prep:
         prep(by_layer)
     if with_tiles:
-        tiles(path)
+        tiles(records)
 
 
 def hops(by_layer):
