@@ -188,6 +188,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         down_chunks: chunks,
         attn_by_warps: false,
         attn_spread: false,
+        kv_two_in_flight: false,
         attn_heads: sched.options.attn_heads,
         sampled,
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).

@@ -116,12 +116,20 @@ pub struct MegakernelPath<'g> {
     sampler: Option<DeviceSampler>,
 }
 
+/// The longest bucket whose split-KV kernel streams attention's K/V tiles with 2 in flight
+/// (`KernelSpec::kv_two_in_flight`). On the H100 (BENCHMARKS.md, 2026-11-28), against the
+/// weights' 4: Llama-1B at 8K 1.2% and at 32K 1.7% faster, Llama-3.2-3B at 8K 1.6%; at 128K
+/// 1.3% slower (one round), so the buckets past 64K keep 4, at the cost of one more kernel
+/// variant to compile where the context reaches past 64K.
+const KV_TWO_IN_FLIGHT_UPTO: usize = 1 << 16;
+
 /// How a kernel variant computes attention (`KernelSpec`'s `attn_by_warps`, `attn_spread`,
-/// `attn_heads`).
+/// `attn_heads`, `kv_two_in_flight`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct AttnWay {
     by_warps: bool,
     spread: bool,
+    kv_two_in_flight: bool,
     heads: usize,
 }
 
@@ -306,7 +314,7 @@ impl<'g> MegakernelPath<'g> {
         let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
         let ways: Vec<AttnWay> = encoded
             .iter()
-            .map(|(_, schedule, ..)| {
+            .map(|(upto, schedule, ..)| {
                 let split = schedule.options.attn_parts > 1;
                 let heads = schedule.options.attn_heads;
                 let short_by_warps =
@@ -314,6 +322,7 @@ impl<'g> MegakernelPath<'g> {
                 AttnWay {
                     by_warps: short_by_warps || split,
                     spread: short_by_warps && !split,
+                    kv_two_in_flight: split && *upto <= KV_TWO_IN_FLIGHT_UPTO,
                     heads,
                 }
             })
@@ -326,6 +335,7 @@ impl<'g> MegakernelPath<'g> {
             down_chunks: chunks,
             attn_by_warps: false,
             attn_spread: false,
+            kv_two_in_flight: false,
             attn_heads: 0,
             sampled: false,
             freq_in_smem,
@@ -342,6 +352,7 @@ impl<'g> MegakernelPath<'g> {
             .map(|w| KernelSpec {
                 attn_by_warps: w.by_warps,
                 attn_spread: w.spread,
+                kv_two_in_flight: w.kv_two_in_flight,
                 attn_heads: w.heads,
                 ..spec
             })
@@ -1037,6 +1048,7 @@ impl<'g> MegakernelPath<'g> {
             .map(|&i| KernelSpec {
                 attn_by_warps: b.ways[i].by_warps,
                 attn_spread: b.ways[i].spread,
+                kv_two_in_flight: b.ways[i].kv_two_in_flight,
                 attn_heads: b.ways[i].heads,
                 sampled: true,
                 ..b.spec
@@ -1062,9 +1074,29 @@ impl<'g> MegakernelPath<'g> {
         overrides: &scheduler::Overrides,
     ) -> Result<Self> {
         let buckets = buckets_for(&model.config, gpu, max_seq, overrides)?;
-        let list: Vec<(usize, &Schedule)> = buckets.iter().map(|b| (b.upto, &b.schedule)).collect();
+        let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
         Self::with_buckets(gpu, model, &list, max_seq)
     }
+}
+
+/// The buckets, a split-KV bucket that spans [`KV_TWO_IN_FLIGHT_UPTO`] cut there into two with
+/// the same schedule: the scheduler merges neighbours with the same parts (Llama-1B's 4K to
+/// 128K are one bucket), but the sequences up to 64K positions run a kernel of their own.
+fn split_at_kv_bound<'s>(
+    buckets: impl Iterator<Item = (usize, &'s Schedule)>,
+) -> Vec<(usize, &'s Schedule)> {
+    let mut out: Vec<(usize, &Schedule)> = Vec::new();
+    for (upto, schedule) in buckets {
+        let from = out.last().map_or(0, |b| b.0);
+        if schedule.options.attn_parts > 1
+            && from < KV_TWO_IN_FLIGHT_UPTO
+            && KV_TWO_IN_FLIGHT_UPTO < upto
+        {
+            out.push((KV_TWO_IN_FLIGHT_UPTO, schedule));
+        }
+        out.push((upto, schedule));
+    }
+    out
 }
 
 /// Whether attention's part ranges over `parts` split-KV parts stay exact up to `max_seq`
@@ -1104,6 +1136,40 @@ mod tests {
         for bad in ["", "256,64", "64,64", "0,64", "64,x"] {
             let err = parse_bucket_bounds(Some(bad), 4096).unwrap_err();
             assert!(err.starts_with("MEGAINFER_MK_BUCKETS: '"), "{bad}: {err}");
+        }
+    }
+
+    /// Llama-1B's buckets at 128K (4K to 128K one bucket of 16 parts) get a cut at 64K with the
+    /// same schedule; buckets that end below it, or start at it, are left alone.
+    #[test]
+    fn a_split_kv_bucket_across_64k_is_cut_there() {
+        use super::{megakernel_gpu_shape, split_at_kv_bound, KV_TWO_IN_FLIGHT_UPTO};
+        let c = crate::model::presets::by_name("llama-3.2-1b").unwrap();
+        let shape = megakernel_gpu_shape(&c, 132, 232_448);
+        let model = crate::reference::sliced::shape_of(&c);
+        let plan = |max_seq: usize| {
+            let cost = scheduler::CostModel::megakernel(max_seq);
+            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq).unwrap()
+        };
+        let long = plan(131_072);
+        let before: Vec<usize> = long.iter().map(|b| b.upto).collect();
+        let after = split_at_kv_bound(long.iter().map(|b| (b.upto, &b.schedule)));
+        let uptos: Vec<usize> = after.iter().map(|b| b.0).collect();
+        assert_eq!(uptos.len(), before.len() + 1, "{before:?} -> {uptos:?}");
+        let cut = uptos
+            .iter()
+            .position(|&u| u == KV_TWO_IN_FLIGHT_UPTO)
+            .unwrap();
+        assert_eq!(uptos[cut + 1], 131_072);
+        assert!(std::ptr::eq(after[cut].1, after[cut + 1].1));
+        assert!(after[cut].1.options.attn_parts > 1);
+        for max_seq in [8192, 65_536] {
+            let short = plan(max_seq);
+            let same: Vec<usize> = split_at_kv_bound(short.iter().map(|b| (b.upto, &b.schedule)))
+                .iter()
+                .map(|b| b.0)
+                .collect();
+            assert_eq!(same, short.iter().map(|b| b.upto).collect::<Vec<_>>());
         }
     }
 

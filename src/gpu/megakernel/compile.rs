@@ -27,6 +27,10 @@ pub struct KernelSpec {
     /// Short attention parts spread over every warp (attention by warps only; off, the code is
     /// compiled out: MK_ATT_SPREAD_MAX=0).
     pub attn_spread: bool,
+    /// A split-KV kernel (long contexts) whose buckets end at most at 64K positions: its
+    /// attention streams K/V tiles with 2 in flight, not 4 (`MK_INFLIGHT_ATT_STREAM`, see
+    /// `defines` and `KV_TWO_IN_FLIGHT_UPTO` in megakernel.rs).
+    pub kv_two_in_flight: bool,
     /// Query heads an Attention instruction computes (the schedule's `attn_heads`; 0: the
     /// whole group of a KV head).
     pub attn_heads: usize,
@@ -107,6 +111,12 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     if !extra.contains("MK_INFLIGHT_STREAM") {
         defines.extend(sources::stream_bound(config, &spec.formats));
     }
+    // Split-KV parts up to 64K positions stream their K/V tiles with 2 in flight instead of the
+    // weights' 4 (measured on the H100: BENCHMARKS.md, 2026-11-28; 1 was 7% slower at 32K, 3
+    // gained at 32K only).
+    if spec.kv_two_in_flight && !extra.contains("MK_INFLIGHT_ATT_STREAM") {
+        defines.push("-DMK_INFLIGHT_ATT_STREAM=2".to_string());
+    }
     defines.extend(extra.split_whitespace().map(String::from));
     defines
 }
@@ -181,6 +191,7 @@ mod tests {
             down_chunks: 1,
             attn_by_warps: true,
             attn_spread: true,
+            kv_two_in_flight: false,
             attn_heads: 0,
             sampled,
             freq_in_smem: true,
@@ -236,6 +247,33 @@ mod tests {
                 .filter(|x| x.starts_with("-DMK_INFLIGHT_STREAM"))
                 .count(),
             1
+        );
+    }
+
+    /// The split-KV kernels of buckets up to 64K get attention's own in-flight limit; the others
+    /// keep the default, and a measuring extra replaces the choice.
+    #[test]
+    fn split_kv_kernels_stream_their_kv_with_two_in_flight() {
+        let cfg = crate::model::presets::by_name("llama-3.2-1b").unwrap();
+        let att = |d: &[String]| {
+            d.iter()
+                .filter(|x| x.starts_with("-DMK_INFLIGHT_ATT_STREAM"))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert!(att(&defines(&cfg, &spec(false), "")).is_empty());
+        let split = KernelSpec {
+            kv_two_in_flight: true,
+            attn_spread: false,
+            ..spec(false)
+        };
+        assert_eq!(
+            att(&defines(&cfg, &split, "")),
+            ["-DMK_INFLIGHT_ATT_STREAM=2"]
+        );
+        assert_eq!(
+            att(&defines(&cfg, &split, "-DMK_INFLIGHT_ATT_STREAM=3")),
+            ["-DMK_INFLIGHT_ATT_STREAM=3"]
         );
     }
 }
