@@ -118,8 +118,8 @@ pub struct MegakernelPath<'g> {
 
 /// The longest bucket whose split-KV kernel streams attention's K/V tiles with 2 in flight
 /// (`KernelSpec::kv_two_in_flight`). On the H100 (BENCHMARKS.md, 2026-11-28), against the
-/// weights' 4: Llama-1B at 8K 1.2% and at 32K 1.7% faster, Llama-3.2-3B at 8K 1.6%; at 128K
-/// 1.3% slower (one round), so the buckets past 64K keep 4, at the cost of one more kernel
+/// weights' 4: Llama-1B at 8K 1.2% faster on the mean of two rounds (level, then 2.4%), at 32K
+/// 1.7%, Llama-3.2-3B at 8K 1.6%; at 128K 1.3% slower (one round), so the buckets past 64K keep 4, at the cost of one more kernel
 /// variant to compile where the context reaches past 64K.
 const KV_TWO_IN_FLIGHT_UPTO: usize = 1 << 16;
 
