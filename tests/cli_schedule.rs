@@ -151,6 +151,35 @@ fn context_buckets_are_listed() {
     }
 }
 
+/// As the megakernel runs them: Llama-1B's one bucket of 16 parts from 4K to 128K is listed cut
+/// at 64K, the part up to it streaming its K/V with 2 tiles in flight, the rest and the shorter
+/// buckets not.
+#[test]
+fn the_split_kv_bucket_is_listed_cut_at_64k() {
+    let (stdout, _) = printed(&[
+        "--preset",
+        "llama-3.2-1b",
+        "--sms",
+        "132",
+        "--context",
+        "131072",
+    ]);
+    let line = |upto: usize| {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("up to {upto:>7}:")))
+            .unwrap_or_else(|| panic!("no bucket up to {upto} in\n{stdout}"))
+            .to_string()
+    };
+    assert!(
+        line(65536).ends_with("K/V streamed 2 tiles in flight"),
+        "{stdout}"
+    );
+    assert!(!line(131072).contains("in flight"), "{stdout}");
+    assert!(!line(4096).contains("in flight"), "below 4K: {stdout}");
+    assert!(!line(512).contains("in flight"), "one part: {stdout}");
+}
+
 #[test]
 fn impossible_options_are_refused_by_name() {
     let cases: &[(&[&str], &str)] = &[

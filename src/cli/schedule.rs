@@ -226,24 +226,34 @@ context buckets for sequences up to {} positions{}:",
             ""
         }
     )?;
-    for b in &buckets {
+    // As the megakernel runs them: a bucket with parts that spans 64K positions cut there, the
+    // split-KV buckets from 4K to 64K streaming their K/V with fewer tiles in flight.
+    let runs =
+        crate::gpu::megakernel::split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
+    for (i, &(upto, schedule)) in runs.iter().enumerate() {
+        let from = if i == 0 { 0 } else { runs[i - 1].0 };
         let at_end = CostModel {
-            context: b.upto,
+            context: upto,
             ..cost
         };
-        let kv_max = dump::summarize(&b.schedule, &at_end)
+        let kv_max = dump::summarize(schedule, &at_end)
             .stages
             .iter()
             .find(|st| st.kind == scheduler::StageKind::Attention)
             .map_or(0, |st| st.max);
-        let heads = b.schedule.options.attn_heads_label();
+        let heads = schedule.options.attn_heads_label();
+        let in_flight = if crate::gpu::megakernel::kv_two_in_flight(from, upto, schedule) {
+            ", K/V streamed 2 tiles in flight"
+        } else {
+            ""
+        };
         writeln!(
             out,
-            "  up to {:>7}: {:>3} split-KV parts{heads} (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB",
-            b.upto,
-            b.schedule.options.attn_parts,
-            b.schedule.options.context,
-            b.upto,
+            "  up to {:>7}: {:>3} split-KV parts{heads} (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB{in_flight}",
+            upto,
+            schedule.options.attn_parts,
+            schedule.options.context,
+            upto,
             kv_max as f64 / 1024.0
         )?;
     }

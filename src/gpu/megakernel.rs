@@ -116,11 +116,14 @@ pub struct MegakernelPath<'g> {
     sampler: Option<DeviceSampler>,
 }
 
-/// The longest bucket whose split-KV kernel streams attention's K/V tiles with 2 in flight
-/// (`KernelSpec::kv_two_in_flight`). On the H100 (BENCHMARKS.md, 2026-11-28), against the
-/// weights' 4: Llama-1B at 8K 1.2% faster on the mean of two rounds (level, then 2.4%), at 32K
-/// 1.7%, Llama-3.2-3B at 8K 1.6%; at 128K 1.3% slower (one round), so the buckets past 64K keep 4, at the cost of one more kernel
-/// variant to compile where the context reaches past 64K.
+/// The sequence lengths whose split-KV kernel streams attention's K/V tiles with 2 in flight
+/// (`KernelSpec::kv_two_in_flight`): buckets that start at 4K positions or later and end at 64K
+/// or earlier. On the H100 (BENCHMARKS.md, 2026-11-28), against the weights' 4: Llama-1B at 8K
+/// 1.2% faster on the mean of two rounds (level, then 2.4%), at 32K 1.7%, Llama-3.2-3B at 8K
+/// 1.6%; at 128K 1.3% slower (one round). Shorter split-KV buckets were not measured with it, so
+/// they and the buckets past 64K keep the weights' limit, at the cost of one more kernel variant
+/// to compile where the context passes 4K.
+const KV_TWO_IN_FLIGHT_FROM: usize = 1 << 12;
 const KV_TWO_IN_FLIGHT_UPTO: usize = 1 << 16;
 
 /// How a kernel variant computes attention (`KernelSpec`'s `attn_by_warps`, `attn_spread`,
@@ -314,7 +317,9 @@ impl<'g> MegakernelPath<'g> {
         let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
         let ways: Vec<AttnWay> = encoded
             .iter()
-            .map(|(upto, schedule, ..)| {
+            .enumerate()
+            .map(|(i, (upto, schedule, ..))| {
+                let from = if i == 0 { 0 } else { encoded[i - 1].0 };
                 let split = schedule.options.attn_parts > 1;
                 let heads = schedule.options.attn_heads;
                 let short_by_warps =
@@ -322,7 +327,7 @@ impl<'g> MegakernelPath<'g> {
                 AttnWay {
                     by_warps: short_by_warps || split,
                     spread: short_by_warps && !split,
-                    kv_two_in_flight: split && *upto <= KV_TWO_IN_FLIGHT_UPTO,
+                    kv_two_in_flight: kv_two_in_flight(from, *upto, schedule),
                     heads,
                 }
             })
@@ -1079,20 +1084,31 @@ impl<'g> MegakernelPath<'g> {
     }
 }
 
-/// The buckets, a split-KV bucket that spans [`KV_TWO_IN_FLIGHT_UPTO`] cut there into two with
-/// the same schedule: the scheduler merges neighbours with the same parts (Llama-1B's 4K to
-/// 128K are one bucket), but the sequences up to 64K positions run a kernel of their own.
-fn split_at_kv_bound<'s>(
+/// Whether the bucket of sequences longer than `from` and at most `upto` positions runs the
+/// split-KV kernel that streams its K/V with 2 tiles in flight (the others take the weights'
+/// limit, `MK_INFLIGHT_STREAM`).
+pub fn kv_two_in_flight(from: usize, upto: usize, schedule: &Schedule) -> bool {
+    schedule.options.attn_parts > 1
+        && from >= KV_TWO_IN_FLIGHT_FROM
+        && upto <= KV_TWO_IN_FLIGHT_UPTO
+}
+
+/// The buckets, a split-KV bucket that spans [`KV_TWO_IN_FLIGHT_FROM`] or
+/// [`KV_TWO_IN_FLIGHT_UPTO`] cut there into pieces with the same schedule: the scheduler merges
+/// neighbours with the same parts (Llama-1B's 4K to 128K are one bucket, Llama-3.2-3B's 1K to
+/// 128K), but the sequences between the two bounds run a kernel of their own.
+pub fn split_at_kv_bound<'s>(
     buckets: impl Iterator<Item = (usize, &'s Schedule)>,
 ) -> Vec<(usize, &'s Schedule)> {
     let mut out: Vec<(usize, &Schedule)> = Vec::new();
     for (upto, schedule) in buckets {
         let from = out.last().map_or(0, |b| b.0);
-        if schedule.options.attn_parts > 1
-            && from < KV_TWO_IN_FLIGHT_UPTO
-            && KV_TWO_IN_FLIGHT_UPTO < upto
-        {
-            out.push((KV_TWO_IN_FLIGHT_UPTO, schedule));
+        if schedule.options.attn_parts > 1 {
+            for cut in [KV_TWO_IN_FLIGHT_FROM, KV_TWO_IN_FLIGHT_UPTO] {
+                if from < cut && cut < upto {
+                    out.push((cut, schedule));
+                }
+            }
         }
         out.push((upto, schedule));
     }
@@ -1140,7 +1156,9 @@ mod tests {
     }
 
     /// Llama-1B's buckets at 128K (4K to 128K one bucket of 16 parts) get a cut at 64K with the
-    /// same schedule; buckets that end below it, or start at it, are left alone.
+    /// same schedule, and only the range from 4K to 64K takes two K/V tiles in flight; so is
+    /// Llama-3.2-3B's 1K to 128K at 4K too. Buckets whose bounds are already 4K and 64K are
+    /// left alone.
     #[test]
     fn a_split_kv_bucket_across_64k_is_cut_there() {
         use super::{megakernel_gpu_shape, split_at_kv_bound, KV_TWO_IN_FLIGHT_UPTO};
@@ -1163,7 +1181,33 @@ mod tests {
         assert_eq!(uptos[cut + 1], 131_072);
         assert!(std::ptr::eq(after[cut].1, after[cut + 1].1));
         assert!(after[cut].1.options.attn_parts > 1);
-        for max_seq in [8192, 65_536] {
+        // Only the split-KV range from 4K to 64K streams its K/V with 2 tiles in flight.
+        let two: Vec<bool> = (0..after.len())
+            .map(|i| {
+                let from = if i == 0 { 0 } else { after[i - 1].0 };
+                super::kv_two_in_flight(from, after[i].0, after[i].1)
+            })
+            .collect();
+        assert_eq!(two.iter().filter(|&&t| t).count(), 1, "{uptos:?}: {two:?}");
+        assert!(two[cut] && after[cut - 1].0 == 4096, "{uptos:?}: {two:?}");
+        // Llama-3.2-3B's 1K to 128K (one bucket of 16 parts) is cut at 4K and at 64K.
+        let c3 = crate::model::presets::by_name("llama-3.2-3b").unwrap();
+        let shape3 = megakernel_gpu_shape(&c3, 132, 232_448);
+        let model3 = crate::reference::sliced::shape_of(&c3);
+        let cost3 = scheduler::CostModel::megakernel(131_072);
+        let b3 = scheduler::plan_buckets(&model3, &shape3, &cost3, &Default::default(), 131_072)
+            .unwrap();
+        let u3: Vec<usize> = split_at_kv_bound(b3.iter().map(|b| (b.upto, &b.schedule)))
+            .iter()
+            .map(|b| b.0)
+            .collect();
+        let tail: Vec<usize> = u3.iter().copied().filter(|&u| u > 1024).collect();
+        assert_eq!(tail, [4096, 65_536, 131_072], "{u3:?}");
+        assert!(
+            b3.iter().all(|b| b.upto != 4096),
+            "4K is not a scheduler bound here: {u3:?}"
+        );
+        for max_seq in [4096, 65_536] {
             let short = plan(max_seq);
             let same: Vec<usize> = split_at_kv_bound(short.iter().map(|b| (b.upto, &b.schedule)))
                 .iter()
