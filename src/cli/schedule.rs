@@ -226,12 +226,12 @@ context buckets for sequences up to {} positions{}:",
             ""
         }
     )?;
-    // As the megakernel runs them: a bucket with parts that spans 64K positions cut there, the
-    // split-KV buckets from 4K to 64K streaming their K/V with fewer tiles in flight.
+    // As the megakernel runs them: a bucket with parts that spans 4K or 64K positions cut
+    // there, the split-KV buckets from 4K to 64K streaming their K/V with fewer tiles in flight.
     let runs =
         crate::gpu::megakernel::split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
-    for (i, &(upto, schedule)) in runs.iter().enumerate() {
-        let from = if i == 0 { 0 } else { runs[i - 1].0 };
+    let two_in_flight = crate::gpu::megakernel::kv_two_in_flight(&runs);
+    for (&(upto, schedule), two) in runs.iter().zip(two_in_flight) {
         let at_end = CostModel {
             context: upto,
             ..cost
@@ -242,7 +242,7 @@ context buckets for sequences up to {} positions{}:",
             .find(|st| st.kind == scheduler::StageKind::Attention)
             .map_or(0, |st| st.max);
         let heads = schedule.options.attn_heads_label();
-        let in_flight = if crate::gpu::megakernel::kv_two_in_flight(from, upto, schedule) {
+        let in_flight = if two {
             ", K/V streamed 2 tiles in flight"
         } else {
             ""

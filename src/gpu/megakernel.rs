@@ -118,9 +118,10 @@ pub struct MegakernelPath<'g> {
 
 /// The sequence lengths whose split-KV kernel streams attention's K/V tiles with 2 in flight
 /// (`KernelSpec::kv_two_in_flight`): buckets that start at 4K positions or later and end at 64K
-/// or earlier. On the H100 (BENCHMARKS.md, 2026-11-28), against the weights' 4: Llama-1B at 8K
-/// 1.2% faster on the mean of two rounds (level, then 2.4%), at 32K 1.7%, Llama-3.2-3B at 8K
-/// 1.6%; at 128K 1.3% slower (one round). Shorter split-KV buckets were not measured with it, so
+/// or earlier. On the H100 (BENCHMARKS.md, 2026-11-28), against the weights' limit (4; none for
+/// Llama-3.2-3B's bf16 kernel, `sources::stream_bound`): Llama-1B at 8K 1.2% faster on the mean
+/// of two rounds (level, then 2.4%), at 32K 1.7%, Llama-3.2-3B at 8K 1.6%; Llama-1B at 128K
+/// 1.3% slower (one round). Shorter split-KV buckets were not measured with it, so
 /// they and the buckets past 64K keep the weights' limit, at the cost of one more kernel variant
 /// to compile where the context passes 4K.
 const KV_TWO_IN_FLIGHT_FROM: usize = 1 << 12;
@@ -315,11 +316,12 @@ impl<'g> MegakernelPath<'g> {
             head_groups == 1 || (head_groups == 2 && c.head_dim == 128)
         };
         let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
+        let two_in_flight =
+            kv_two_in_flight(&encoded.iter().map(|e| (e.0, e.1)).collect::<Vec<_>>());
         let ways: Vec<AttnWay> = encoded
             .iter()
-            .enumerate()
-            .map(|(i, (upto, schedule, ..))| {
-                let from = if i == 0 { 0 } else { encoded[i - 1].0 };
+            .zip(two_in_flight)
+            .map(|((_, schedule, ..), kv_two_in_flight)| {
                 let split = schedule.options.attn_parts > 1;
                 let heads = schedule.options.attn_heads;
                 let short_by_warps =
@@ -327,7 +329,7 @@ impl<'g> MegakernelPath<'g> {
                 AttnWay {
                     by_warps: short_by_warps || split,
                     spread: short_by_warps && !split,
-                    kv_two_in_flight: kv_two_in_flight(from, *upto, schedule),
+                    kv_two_in_flight,
                     heads,
                 }
             })
@@ -1084,13 +1086,21 @@ impl<'g> MegakernelPath<'g> {
     }
 }
 
-/// Whether the bucket of sequences longer than `from` and at most `upto` positions runs the
-/// split-KV kernel that streams its K/V with 2 tiles in flight (the others take the weights'
-/// limit, `MK_INFLIGHT_STREAM`).
-pub fn kv_two_in_flight(from: usize, upto: usize, schedule: &Schedule) -> bool {
-    schedule.options.attn_parts > 1
-        && from >= KV_TWO_IN_FLIGHT_FROM
-        && upto <= KV_TWO_IN_FLIGHT_UPTO
+/// For each bucket `(upto, schedule)` (in order, each starting where the one before ends):
+/// whether it runs the split-KV kernel that streams its K/V with 2 tiles in flight (the others
+/// take the weights' limit, `MK_INFLIGHT_STREAM`).
+pub fn kv_two_in_flight(buckets: &[(usize, &Schedule)]) -> Vec<bool> {
+    let mut from = 0;
+    buckets
+        .iter()
+        .map(|&(upto, schedule)| {
+            let two = schedule.options.attn_parts > 1
+                && from >= KV_TWO_IN_FLIGHT_FROM
+                && upto <= KV_TWO_IN_FLIGHT_UPTO;
+            from = upto;
+            two
+        })
+        .collect()
 }
 
 /// The buckets, a split-KV bucket that spans [`KV_TWO_IN_FLIGHT_FROM`] or
@@ -1182,12 +1192,7 @@ mod tests {
         assert!(std::ptr::eq(after[cut].1, after[cut + 1].1));
         assert!(after[cut].1.options.attn_parts > 1);
         // Only the split-KV range from 4K to 64K streams its K/V with 2 tiles in flight.
-        let two: Vec<bool> = (0..after.len())
-            .map(|i| {
-                let from = if i == 0 { 0 } else { after[i - 1].0 };
-                super::kv_two_in_flight(from, after[i].0, after[i].1)
-            })
-            .collect();
+        let two = super::kv_two_in_flight(&after);
         assert_eq!(two.iter().filter(|&&t| t).count(), 1, "{uptos:?}: {two:?}");
         assert!(two[cut] && after[cut - 1].0 == 4096, "{uptos:?}: {two:?}");
         // Llama-3.2-3B's 1K to 128K (one bucket of 16 parts) is cut at 4K and at 64K.

@@ -27,9 +27,9 @@ pub struct KernelSpec {
     /// Short attention parts spread over every warp (attention by warps only; off, the code is
     /// compiled out: MK_ATT_SPREAD_MAX=0).
     pub attn_spread: bool,
-    /// A split-KV kernel (long contexts) whose buckets end at most at 64K positions: its
-    /// attention streams K/V tiles with 2 in flight, not 4 (`MK_INFLIGHT_ATT_STREAM`, see
-    /// `defines` and `KV_TWO_IN_FLIGHT_UPTO` in megakernel.rs).
+    /// The split-KV kernel of the buckets from 4K to 64K positions: its attention streams K/V
+    /// tiles with 2 in flight, not the weights' limit (`MK_INFLIGHT_ATT_STREAM`, see `defines`
+    /// and `kv_two_in_flight` in megakernel.rs).
     pub kv_two_in_flight: bool,
     /// Query heads an Attention instruction computes (the schedule's `attn_heads`; 0: the
     /// whole group of a KV head).
@@ -111,9 +111,9 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     if !extra.contains("MK_INFLIGHT_STREAM") {
         defines.extend(sources::stream_bound(config, &spec.formats));
     }
-    // Split-KV parts up to 64K positions stream their K/V tiles with 2 in flight instead of the
-    // weights' 4 (measured on the H100: BENCHMARKS.md, 2026-11-28; 1 was 7% slower at 32K, 3
-    // gained at 32K only).
+    // Split-KV parts from 4K to 64K positions stream their K/V tiles with 2 in flight instead of
+    // the weights' limit (measured on the H100: BENCHMARKS.md, 2026-11-28; 1 was 7% slower at
+    // 32K, 3 gained at 32K only).
     if spec.kv_two_in_flight && !extra.contains("MK_INFLIGHT_ATT_STREAM") {
         defines.push("-DMK_INFLIGHT_ATT_STREAM=2".to_string());
     }
