@@ -103,3 +103,35 @@ fn run_json_with_zero_tokens_generates_nothing() {
     assert_eq!(v["stop_reason"], json!("max_tokens"));
     assert_eq!(v["decode_tok_s"], json!(0.0));
 }
+
+/// Without --json, `-n 0` reports the prompt and that nothing was generated (no time to first
+/// token or rates: nothing ran), and `--max-context 0` is refused by name.
+#[test]
+fn zero_tokens_and_a_zero_context_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model_dir(dir.path());
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_megainfer"))
+            .args(["run", "--device", "cpu", "-p", "hello world"])
+            .args(extra)
+            .arg("-m")
+            .arg(dir.path())
+            .output()
+            .unwrap()
+    };
+    let out = run(&["-n", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("| generated: 0 (--max-tokens 0)")
+            && !stderr.contains("time to first token"),
+        "{stderr}"
+    );
+    let out = run(&["--max-context", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--max-context must be at least 1"),
+        "{stderr}"
+    );
+}

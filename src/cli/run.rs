@@ -131,6 +131,9 @@ pub(crate) fn context_limit(
     let config = &model.config;
     let most = config.max_position_embeddings;
     if let Some(n) = asked {
+        if n == 0 {
+            bail!("--max-context must be at least 1 (got 0)");
+        }
         if n > most {
             bail!("--max-context {n} exceeds the model's {most} positions");
         }
@@ -386,6 +389,14 @@ pub fn stream(
         Ok(())
     })?;
     writeln!(stdout)?;
+    if max_tokens == 0 {
+        // Nothing ran: no time to first token or rates to report.
+        eprintln!(
+            "prompt tokens: {} | generated: 0 (--max-tokens 0)",
+            stats.prompt_tokens
+        );
+        return Ok(());
+    }
     eprintln!(
         "prompt tokens: {} | time to first token: {:.1} ms (prefill {:.0} tok/s) | generated: {} | decode: {:.1} tok/s{}",
         stats.prompt_tokens,
