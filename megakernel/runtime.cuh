@@ -529,17 +529,11 @@ struct TileGeom {
 #ifndef MK_INFLIGHT_ATT_STREAM
 #define MK_INFLIGHT_ATT_STREAM MK_INFLIGHT_STREAM
 #endif
-// MK_INFLIGHT_IN_ATT=N (for measuring; 0, off, by default): while the consumers are on an
-// attention instruction, the tiles of later instructions may have N in flight instead of
-// MK_INFLIGHT. At long contexts the loader issues a part's K/V tiles well before they land and
-// moves on to the O projection's rows, whose limit of 2 then also holds back the SM's stream
-// while the K/V still arrive (BENCHMARKS.md, 2026-11-28: K/V land at ~19 GB/s per SM at 8K).
-#ifndef MK_INFLIGHT_IN_ATT
-#define MK_INFLIGHT_IN_ATT 0
-#endif
-// The op of the instruction the consumers are on, for the measuring switches that act on one
-// kind (MK_TILE_SKIP_DOT=2, MK_INFLIGHT_IN_ATT); volatile, as mk_instr.
-#if MK_TILE_SKIP_DOT == 2 || MK_INFLIGHT_IN_ATT
+// The op of the instruction the consumers are on, for the measuring switch that acts on one
+// kind (MK_TILE_SKIP_DOT=2); volatile, as mk_instr. (More of the later instructions' tiles in
+// flight while the consumers are in attention, measured this way too, was slower:
+// BENCHMARKS.md, 2026-11-28.)
+#if MK_TILE_SKIP_DOT == 2
 #define MK_TRACK_OP 1
 __shared__ u32 mk_op;
 __device__ __forceinline__ void set_current_op(u32 v) { *(volatile u32*)&mk_op = v; }
@@ -547,14 +541,9 @@ __device__ __forceinline__ u32 current_op() { return *(volatile u32*)&mk_op; }
 #else
 #define MK_TRACK_OP 0
 #endif
-#if MK_INFLIGHT_IN_ATT
-#define AHEAD_LIMIT(ahead) (current_op() == OP_ATTN ? (u32)MK_INFLIGHT_IN_ATT : (ahead))
-#else
-#define AHEAD_LIMIT(ahead) (ahead)
-#endif
 template <u32 AHEAD = MK_INFLIGHT, u32 STREAM = MK_INFLIGHT_STREAM>
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {
-    const u32 limit = current_instr() == instr ? STREAM : AHEAD_LIMIT(AHEAD);
+    const u32 limit = current_instr() == instr ? STREAM : AHEAD;
     if (limit >= (u32)MK_RING(p) || seq < limit) return true;
     const u32 s = seq - limit;
     return page_wait(p, &full[s % MK_RING(p)], (s / MK_RING(p)) & 1, ERR_PAGE_LOADER, instr, s);

@@ -153,18 +153,16 @@ fn megakernel_measuring_variants_compile() {
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
     // The prepare's stamps share the profile words with the tiles' stamps: one or the other;
-    // here with the O projection's dot products left out, the merge not waiting and the
-    // loader's limit while the consumers are in attention.
+    // here with the O projection's dot products left out and the merge not waiting.
     let (mut d, _) = preset_kernel_defines("smollm2-135m", false);
     d.push("-DMK_PREP_STAMPS=1".to_string());
     d.push("-DMK_TILE_SKIP_DOT=2".to_string());
     d.push("-DMK_RED_NO_WAIT=1".to_string());
-    d.push("-DMK_INFLIGHT_IN_ATT=4".to_string());
     assert_compiles(
         "megakernel",
         &sources::megakernel(),
         &d,
-        " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2 MK_RED_NO_WAIT=1 MK_INFLIGHT_IN_ATT=4)",
+        " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2 MK_RED_NO_WAIT=1)",
     );
 }
 
