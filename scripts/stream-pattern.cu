@@ -71,6 +71,10 @@ int main() {
         int row, rows_per_tile, per_cta, pages, inflight;
     } cases[] = {
         {"Llama-1B up-gate: 4 KB rows, 4 a tile (16 KB)", 4096, 4, 128, 12, 4},
+        {"Llama-1B up-gate, 2 in flight", 4096, 4, 128, 12, 2},
+        {"Llama-1B up-gate, 3 in flight", 4096, 4, 128, 12, 3},
+        {"Llama-1B up-gate, 6 in flight", 4096, 4, 128, 12, 6},
+        {"Llama-1B up-gate, 8 in flight", 4096, 4, 128, 12, 8},
         {"Llama-3B up-gate: 6 KB rows, 2 a tile (12 KB)", 6144, 2, 128, 12, 4},
         {"Llama-3B up-gate, 8 in flight", 6144, 2, 128, 12, 8},
         {"Llama-8B up-gate: 8 KB rows, 2 a tile (16 KB)", 8192, 2, 224, 12, 4},
