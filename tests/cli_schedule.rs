@@ -178,6 +178,15 @@ fn the_split_kv_bucket_is_listed_cut_at_64k() {
     assert!(!line(131072).contains("in flight"), "{stdout}");
     assert!(!line(4096).contains("in flight"), "below 4K: {stdout}");
     assert!(!line(512).contains("in flight"), "one part: {stdout}");
+    // Both pieces of the 4K-128K bucket name it (its schedule is costed for the whole bucket);
+    // a bucket that is not cut does not.
+    for upto in [65536, 131072] {
+        assert!(
+            line(upto).contains("(a piece of the bucket of 4097 to 131072 positions, costed at"),
+            "{stdout}"
+        );
+    }
+    assert!(!line(4096).contains("piece"), "{stdout}");
 }
 
 #[test]

@@ -231,7 +231,24 @@ context buckets for sequences up to {} positions{}:",
     let runs =
         crate::gpu::megakernel::split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
     let two_in_flight = crate::gpu::megakernel::kv_two_in_flight(&runs);
+    // The scheduler's bucket each run comes from (a cut bucket's pieces share its schedule,
+    // costed for the whole bucket): its first and last positions.
+    let mut spans = Vec::with_capacity(buckets.len());
+    let mut from = 0;
+    for b in &buckets {
+        spans.push((from + 1, b.upto, &b.schedule));
+        from = b.upto;
+    }
+    let mut run_from = 0;
     for (&(upto, schedule), two) in runs.iter().zip(two_in_flight) {
+        let costed = match spans.iter().find(|s| std::ptr::eq(s.2, schedule)) {
+            Some(&(first, last, _)) if (first, last) != (run_from + 1, upto) => format!(
+                "a piece of the bucket of {first} to {last} positions, costed at {}",
+                schedule.options.context
+            ),
+            _ => format!("costed at {}", schedule.options.context),
+        };
+        run_from = upto;
         let at_end = CostModel {
             context: upto,
             ..cost
@@ -249,10 +266,9 @@ context buckets for sequences up to {} positions{}:",
         };
         writeln!(
             out,
-            "  up to {:>7}: {:>3} split-KV parts{heads} (costed at {}), K/V per SM and layer at {} positions: max {:.1} KiB{in_flight}",
+            "  up to {:>7}: {:>3} split-KV parts{heads} ({costed}), K/V per SM and layer at {} positions: max {:.1} KiB{in_flight}",
             upto,
             schedule.options.attn_parts,
-            schedule.options.context,
             upto,
             kv_max as f64 / 1024.0
         )?;
