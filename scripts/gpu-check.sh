@@ -141,7 +141,9 @@ fi
 # MEGAINFER_MK_DEFINES values) on DEFINES_CASES (PRESET[@DTYPE]:PROMPT_LEN ...).
 # BENCH=timeline (not in BENCH=1): a profiled step's per-instruction table and a layer's
 #   critical path (scripts/timeline.py) for each preset of TIMELINE_PRESETS, after a prompt of
-#   TIMELINE_PROMPT tokens (default 32); TIMELINE_FLAGS adds timeline.py flags (--prep, --tiles).
+#   TIMELINE_PROMPT tokens (default 32); TIMELINE_FLAGS adds timeline.py flags (--prep, --tiles);
+#   LOADER_RATE="HIDDEN INTERMEDIATE [HEAD_DIM CONTEXT]" adds scripts/loader-rate.py's table
+#   (one preset's sizes). The CSV comes back gzipped.
 # BENCH=run (not in BENCH=1): `megainfer run` on the default model, OLD_BIN against this build.
 # BENCH=chat (not in BENCH=1): `megainfer chat -v` turns on the default model, OLD_BIN too.
 # BENCH=gen (not in BENCH=1): one launch per token against one per generation, OLD_BIN too.
@@ -357,6 +359,10 @@ if [ "${BENCH:-0}" != 0 ]; then
       grep -E "^\| (megakernel|Rms|Attention|AttnReduce|OProj|Down)" "$log"
       # shellcheck disable=SC2086 # TIMELINE_FLAGS is a list of words
       if [ -f "$OUT/timeline-$name.csv" ]; then python3 scripts/timeline.py ${TIMELINE_FLAGS:-} "$OUT/timeline-$name.csv"
+        # shellcheck disable=SC2086 # LOADER_RATE is a list of words
+        [ -n "${LOADER_RATE:-}" ] && python3 scripts/loader-rate.py "$OUT/timeline-$name.csv" $LOADER_RATE
+        # Gzipped, the CSV fits what a call brings back (16 MB a file); both scripts read it so.
+        gzip -f "$OUT/timeline-$name.csv"
       else echo "  no timeline written; the end of $log:"; tail -3 "$log"; fi
     done
   fi
