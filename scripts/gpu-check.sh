@@ -61,9 +61,9 @@ for t in ${TESTS:-bundle/tests/*}; do
   start=$(date +%s.%N)
   # chat_cli's other tests run the CLI binary at the path it was built at (CARGO_BIN_EXE), which
   # exists on the development machine only: CI runs them; here its GPU tests alone (--ignored).
-  which=--include-ignored
-  [ "$name" = chat_cli ] && which=--ignored
-  timeout "${TEST_TIMEOUT:-400}" "$t" $which --test-threads=1 --nocapture ${TEST_FILTER:-} \
+  scope=--include-ignored
+  [ "$name" = chat_cli ] && scope=--ignored
+  timeout "${TEST_TIMEOUT:-400}" "$t" $scope --test-threads=1 --nocapture ${TEST_FILTER:-} \
     > "$OUT/$name.log" 2>&1
   rc=$?
   secs=$(python3 -c "import time; print(round(time.time() - $start, 1))")
