@@ -530,9 +530,7 @@ struct TileGeom {
 #define MK_INFLIGHT_ATT_STREAM MK_INFLIGHT_STREAM
 #endif
 // The op of the instruction the consumers are on, for the measuring switch that acts on one
-// kind (MK_TILE_SKIP_DOT=2); volatile, as mk_instr. (More of the later instructions' tiles in
-// flight while the consumers are in attention, measured this way too, was slower:
-// BENCHMARKS.md, 2026-11-28.)
+// kind (MK_TILE_SKIP_DOT=2); volatile, as mk_instr.
 #if MK_TILE_SKIP_DOT == 2
 #define MK_TRACK_OP 1
 __shared__ u32 mk_op;
