@@ -529,6 +529,22 @@ struct TileGeom {
 #ifndef MK_INFLIGHT_ATT_STREAM
 #define MK_INFLIGHT_ATT_STREAM MK_INFLIGHT_STREAM
 #endif
+// MK_WEIGHTS_WHOLE_RING=1 (the host's choice on fast memory, KernelSpec::whole_ring): the
+// weights' tiles are issued as soon as their page is free, ahead or streaming; attention's K/V
+// tiles keep the limits above. With 2 tiles ahead the ring refills during a layer's chain of
+// waits at about 2 tiles a memory latency, which an H100's share of the bandwidth an SM nearly
+// matches (there the queueing in front of the activations cost more than the fuller ring
+// gained) and an H200's does not (BENCHMARKS.md).
+#ifndef MK_WEIGHTS_WHOLE_RING
+#define MK_WEIGHTS_WHOLE_RING 0
+#endif
+#if MK_WEIGHTS_WHOLE_RING
+#define MK_W_AHEAD 0xffffffffu
+#define MK_W_STREAM 0xffffffffu
+#else
+#define MK_W_AHEAD MK_INFLIGHT
+#define MK_W_STREAM MK_INFLIGHT_STREAM
+#endif
 // The op of the instruction the consumers are on, for the measuring switch that acts on one
 // kind (MK_TILE_SKIP_DOT=2); volatile, as mk_instr.
 #if MK_TILE_SKIP_DOT == 2
@@ -539,7 +555,7 @@ __device__ __forceinline__ u32 current_op() { return *(volatile u32*)&mk_op; }
 #else
 #define MK_TRACK_OP 0
 #endif
-template <u32 AHEAD = MK_INFLIGHT, u32 STREAM = MK_INFLIGHT_STREAM>
+template <u32 AHEAD = MK_W_AHEAD, u32 STREAM = MK_W_STREAM>
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {
     const u32 limit = current_instr() == instr ? STREAM : AHEAD;
     if (limit >= (u32)MK_RING(p) || seq < limit) return true;

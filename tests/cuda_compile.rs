@@ -117,6 +117,20 @@ fn megakernel_sampled_variant_compiles() {
     }
 }
 
+/// The kernel fast memory (an H200) runs, the weights' whole ring in flight
+/// (`MK_WEIGHTS_WHOLE_RING=1`, `KernelSpec::whole_ring`), which only such a GPU would compile
+/// otherwise: a model with a streaming bound and one without (Llama-3.2-3B).
+#[test]
+fn megakernel_whole_ring_variant_compiles() {
+    require_nvrtc();
+    for name in ["llama-3.2-1b", "llama-3.2-3b"] {
+        let (mut defines, _) = preset_kernel_defines(name, false);
+        defines.push("-DMK_WEIGHTS_WHOLE_RING=1".to_string());
+        let what = format!(" ({name}, MK_WEIGHTS_WHOLE_RING=1)");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
@@ -192,6 +206,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
         freq_in_smem,
         pages: ring_pages(&cfg, 232_448, widest_xs_floats(&cfg), freq_in_smem).unwrap(),
+        whole_ring: false,
     };
     (kernel_defines(&cfg, &spec, ""), chunks)
 }

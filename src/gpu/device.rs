@@ -19,6 +19,10 @@ pub struct Gpu {
     /// Opt-in dynamic shared memory per block, bytes.
     pub max_smem_per_block: usize,
     pub total_memory: usize,
+    /// The memory's peak bandwidth in bytes a second, from its clock and bus width (None where
+    /// the driver reports neither): what sizes the megakernel's loads in flight
+    /// ([`Gpu::fast_memory`]).
+    pub peak_bandwidth: Option<f64>,
 }
 
 impl Gpu {
@@ -52,10 +56,22 @@ impl Gpu {
             max_smem_per_block: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
                 as usize,
             total_memory: total,
+            peak_bandwidth: peak_bandwidth(
+                attr(Attr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).ok(),
+                attr(Attr::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH).ok(),
+            ),
             ctx,
             stream,
             copy_stream,
         })
+    }
+
+    /// Whether the memory streams fast enough that the megakernel's loader keeps its whole ring
+    /// of pages in flight for the weights (`KernelSpec::whole_ring`): a peak of 4 TB/s or more
+    /// (an H200's 4.9; an H100's 3.35 is under it).
+    pub fn fast_memory(&self) -> bool {
+        self.peak_bandwidth
+            .is_some_and(|b| b >= FAST_MEMORY_BYTES_PER_S)
     }
 
     /// Device memory free now, in bytes.
@@ -204,9 +220,34 @@ pub fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     s.device_ptr(stream).0
 }
 
+/// See [`Gpu::fast_memory`].
+pub const FAST_MEMORY_BYTES_PER_S: f64 = 4.0e12;
+
+/// Peak bandwidth from the memory clock (kHz, as the driver reports it) and the bus width
+/// (bits): two transfers a clock.
+pub fn peak_bandwidth(clock_khz: Option<i32>, bus_bits: Option<i32>) -> Option<f64> {
+    match (clock_khz, bus_bits) {
+        (Some(k), Some(b)) if k > 0 && b > 0 => Some(k as f64 * 1e3 * 2.0 * b as f64 / 8.0),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::check_compute_capability;
+    use super::{check_compute_capability, peak_bandwidth, FAST_MEMORY_BYTES_PER_S};
+
+    /// The clocks and bus widths the driver reports on an H100 SXM (2,619 MHz, 5,120 bits)
+    /// and an H200 (3,201 MHz, 6,144 bits): only the H200 is fast memory.
+    #[test]
+    fn peak_bandwidth_separates_h100_and_h200() {
+        let h100 = peak_bandwidth(Some(2_619_000), Some(5120)).unwrap();
+        let h200 = peak_bandwidth(Some(3_201_000), Some(6144)).unwrap();
+        assert!((h100 / 1e12 - 3.352).abs() < 1e-3, "{h100}");
+        assert!((h200 / 1e12 - 4.917).abs() < 1e-3, "{h200}");
+        assert!(h100 < FAST_MEMORY_BYTES_PER_S && h200 >= FAST_MEMORY_BYTES_PER_S);
+        assert_eq!(peak_bandwidth(None, Some(6144)), None);
+        assert_eq!(peak_bandwidth(Some(0), Some(6144)), None);
+    }
 
     #[test]
     fn pre_hopper_gpus_are_refused_by_name() {

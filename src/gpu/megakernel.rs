@@ -347,6 +347,7 @@ impl<'g> MegakernelPath<'g> {
             sampled: false,
             freq_in_smem,
             pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
+            whole_ring: gpu.fast_memory(),
         };
         let mut distinct: Vec<AttnWay> = Vec::new();
         for &w in &ways {

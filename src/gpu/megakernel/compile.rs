@@ -37,6 +37,12 @@ pub struct KernelSpec {
     pub sampled: bool,
     pub freq_in_smem: bool,
     pub pages: usize,
+    /// The loader keeps the whole ring in flight for the weights' tiles (`MK_WEIGHTS_WHOLE_RING`,
+    /// megakernel/runtime.cuh), not 2 ahead and 4 while the consumers stream: chosen on fast
+    /// memory (`Gpu::fast_memory`), where 2 ahead fills the ring during a layer's chain of
+    /// waits at about half an SM's share of the bandwidth. Attention's K/V tiles keep their
+    /// limits.
+    pub whole_ring: bool,
 }
 
 /// Bytes of the kernel's static shared memory besides the frequency table (its flags and
@@ -83,7 +89,8 @@ pub fn ring_pages(
 
 /// The NVRTC options the megakernel is compiled with for `config` and `spec`. `extra`: further
 /// options for measuring variants (`MEGAINFER_MK_DEFINES`, e.g. `-DMK_INFLIGHT_STREAM=3`),
-/// added last; an MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice (and
+/// added last; an MK_ATT_BY_WARPS or MK_INFLIGHT_STREAM among them replaces the choice, as does
+/// an MK_INFLIGHT or MK_WEIGHTS_WHOLE_RING that of the whole ring (and
 /// `-UMK_PAGES` compiles the ring's size as a parameter read at run time).
 pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) -> Vec<String> {
     let mut defines = sources::megakernel_defines(config, spec.attn_heads);
@@ -110,6 +117,22 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     }
     if !extra.contains("MK_INFLIGHT_STREAM") {
         defines.extend(sources::stream_bound(config, &spec.formats));
+    }
+    // Measured on the H200 against the bounded loader (BENCHMARKS.md, 2026-11-28): Llama-3.2-3B
+    // 4.8% faster, Qwen3-4B 6.3%, Llama-1B Q8_0 5.9% (Q4_0 2.5%), Llama-3.1-8B 1.8%; Llama-1B
+    // bf16 and Qwen3-0.6B 0.6% slower, SmolLM2 level. On the H100 the whole ring was 4-11%
+    // slower on every shape but the 3B, hence fast memory only.
+    let weights_limit = extra.split_whitespace().any(|d| {
+        [
+            "-DMK_INFLIGHT=",
+            "-DMK_INFLIGHT_STREAM=",
+            "-DMK_WEIGHTS_WHOLE_RING",
+        ]
+        .iter()
+        .any(|n| d.starts_with(n))
+    });
+    if spec.whole_ring && !weights_limit {
+        defines.push("-DMK_WEIGHTS_WHOLE_RING=1".to_string());
     }
     // Split-KV parts from 4K to 64K positions stream their K/V tiles with 2 in flight instead of
     // the weights' limit (measured on the H100: BENCHMARKS.md, 2026-11-28; 1 was 7% slower at
@@ -196,6 +219,7 @@ mod tests {
             sampled,
             freq_in_smem: true,
             pages: 12,
+            whole_ring: false,
         }
     }
 
@@ -248,6 +272,25 @@ mod tests {
                 .count(),
             1
         );
+    }
+
+    /// Fast memory compiles the weights' whole ring in flight; an extra naming an in-flight
+    /// limit replaces the choice (so the bounded kernel stays measurable there).
+    #[test]
+    fn the_whole_ring_on_fast_memory_unless_an_extra_sets_a_limit() {
+        let cfg = crate::model::presets::by_name("llama-3.2-1b").unwrap();
+        let ring = |d: &[String]| d.iter().any(|x| x == "-DMK_WEIGHTS_WHOLE_RING=1");
+        assert!(!ring(&defines(&cfg, &spec(false), "")));
+        let fast = KernelSpec {
+            whole_ring: true,
+            ..spec(false)
+        };
+        assert!(ring(&defines(&cfg, &fast, "")));
+        assert!(ring(&defines(&cfg, &fast, "-DMK_TILE_STAMPS=1")));
+        assert!(!ring(&defines(&cfg, &fast, "-DMK_INFLIGHT=2")));
+        assert!(!ring(&defines(&cfg, &fast, "-DMK_INFLIGHT_STREAM=4")));
+        // Attention's own limits leave the weights' choice alone.
+        assert!(ring(&defines(&cfg, &fast, "-DMK_INFLIGHT_ATT_STREAM=3")));
     }
 
     /// The split-KV kernels of buckets up to 64K get attention's own in-flight limit; the others
