@@ -95,9 +95,15 @@ impl Gpu {
         }
     }
 
+    /// Name, architecture, SMs, memory and its peak bandwidth (which picks the megakernel's
+    /// loader, [`Gpu::fast_memory`]).
     pub fn describe(&self) -> String {
+        let peak = self
+            .peak_bandwidth
+            .map(|b| format!(", peak {:.2} TB/s", b / 1e12))
+            .unwrap_or_default();
         format!(
-            "{} (sm_{}{}, {} SMs, {:.0} GiB)",
+            "{} (sm_{}{}, {} SMs, {:.0} GiB{peak})",
             self.name,
             self.compute_capability.0,
             self.compute_capability.1,
