@@ -532,9 +532,9 @@ struct TileGeom {
 // MK_WEIGHTS_WHOLE_RING=1 (the host's choice on fast memory, KernelSpec::whole_ring): the
 // weights' tiles are issued as soon as their page is free, ahead or streaming; attention's K/V
 // tiles keep the limits above. With 2 tiles ahead the ring refills during a layer's chain of
-// waits at about 2 tiles a memory latency, which an H100's share of the bandwidth an SM nearly
-// matches (there the queueing in front of the activations cost more than the fuller ring
-// gained) and an H200's does not (BENCHMARKS.md).
+// waits at about 2 tiles a memory latency, by estimate near an SM's share of an H100's
+// bandwidth (where the whole ring was slower: the activations queued behind it) and half of an
+// H200's (where it was faster on most shapes: BENCHMARKS.md).
 #ifndef MK_WEIGHTS_WHOLE_RING
 #define MK_WEIGHTS_WHOLE_RING 0
 #endif

@@ -39,9 +39,9 @@ pub struct KernelSpec {
     pub pages: usize,
     /// The loader keeps the whole ring in flight for the weights' tiles (`MK_WEIGHTS_WHOLE_RING`,
     /// megakernel/runtime.cuh), not 2 ahead and 4 while the consumers stream: chosen on fast
-    /// memory (`Gpu::fast_memory`), where 2 ahead fills the ring during a layer's chain of
-    /// waits at about half an SM's share of the bandwidth. Attention's K/V tiles keep their
-    /// limits.
+    /// memory (`Gpu::fast_memory`), where 2 ahead would fill the ring during a layer's chain
+    /// of waits at about 2 tiles a memory latency, an estimate of half an SM's share of the
+    /// bandwidth. Attention's K/V tiles keep their limits.
     pub whole_ring: bool,
 }
 
@@ -120,8 +120,8 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     }
     // Measured on the H200 against the bounded loader (BENCHMARKS.md, 2026-11-28): Llama-3.2-3B
     // 4.8% faster, Qwen3-4B 6.3%, Llama-1B Q8_0 5.9% (Q4_0 2.5%), Llama-3.1-8B 1.8%; Llama-1B
-    // bf16 and Qwen3-0.6B 0.6% slower, SmolLM2 level. On the H100 the whole ring was 4-11%
-    // slower on every shape but the 3B, hence fast memory only.
+    // bf16 and Qwen3-0.6B 0.6% slower, SmolLM2 level. On the H100 it was 4-11% slower on
+    // Llama-1B, Qwen3-1.7B and Qwen3-4B (faster on the 3B alone), hence fast memory only.
     let weights_limit = extra.split_whitespace().any(|d| {
         [
             "-DMK_INFLIGHT=",
