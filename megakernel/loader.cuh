@@ -14,6 +14,15 @@ __device__ void loader_drain(const MkParams& p, u64* full, u32 seq) {
     }
 }
 
+// MK_L2_PF_NEXT=N (for measuring, through MEGAINFER_MK_DEFINES): when the loader reaches an
+// instruction's first tile with the ring still full (the consumers streaming the instruction
+// before, as at the down projection's end before the next layer's QKV), it asks L2 for the rows
+// of the instruction's first N tiles, so that their copies, once pages are free, come from L2
+// rather than wait a memory latency on the critical path.
+#ifndef MK_L2_PF_NEXT
+#define MK_L2_PF_NEXT 0
+#endif
+
 // One step's loads; false when the generation stopped or a wait failed. pos0: the launch's
 // first position (rows before it were written by earlier launches); verified: the steps of
 // the launch whose K/V rows the loader has acquired (see rows_of_step_ready in runtime.cuh).
@@ -42,6 +51,16 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
             u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
             if (MK_TILE_NOTES && lane == 0) note(p, 3, seq);
             int rows = min(g.rpt, g.n - t * g.rpt);
+#if MK_L2_PF_NEXT
+            // The ring is full at an instruction's first tile: ask L2 for its first tiles' rows.
+            if (t == 0 && !mbar_test_wait(&empty[slot], (round & 1) ^ 1))
+                for (int r = lane; r < min(g.n, MK_L2_PF_NEXT * g.rpt); r += 32) {
+                    const WRow a = seg_row(w, p, lw, r);
+                    bulk_prefetch_l2(a.q, g.whole ? g.slot : g.qbytes);
+                    if (MK_ANY_QUANT && g.wt != WEIGHT_BF16 && !g.whole)
+                        bulk_prefetch_l2(scales_from(a.s), scales_span(a.s, sbytes));
+                }
+#endif
             if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
             if (!inflight_wait(p, full, seq, instr)) return false;
             // The tile's bytes: whole rows, or the chunks' quants and each one's scales span

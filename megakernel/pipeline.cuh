@@ -66,6 +66,15 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
     return ok != 0;
 }
 
+// Whether the phase of `parity` has completed, without waiting (try_wait may suspend the thread
+// for a while before it answers).
+__device__ __forceinline__ bool mbar_test_wait(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+
 // Streamed data is marked first to go from L2 (MK_EVICT_FIRST, on unless defined 0): a token's
 // weights pass through the 50 MB L2 fifty times over, and with the default policy they evicted
 // the lines that are read again soon, the kernel's own code above all, which then came from
@@ -91,6 +100,12 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 #endif
+}
+
+// Asks L2 for `bytes` at src (a multiple of 16 bytes at a 16-byte address), copying nothing
+// further: the loader's MK_L2_PF_NEXT variant (loader.cuh).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ u64 global_ns() {

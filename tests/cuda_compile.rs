@@ -139,7 +139,7 @@ fn megakernel_whole_ring_variant_compiles() {
 /// by rounds and by warps;
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts and the loader's own limit while the consumers
-/// are in attention.
+/// are in attention; and the loader's L2 prefetch of an instruction's first tiles.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -177,6 +177,36 @@ fn megakernel_measuring_variants_compile() {
         &sources::megakernel(),
         &d,
         " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2 MK_RED_NO_WAIT=1)",
+    );
+    // The loader asking L2 for an instruction's first tiles while the ring is full, on bf16
+    // rows (copied whole) and on Q8_0 rows (their quants and scales copied apart).
+    let (mut bf16, _) = preset_kernel_defines("llama-3.2-1b", false);
+    bf16.push("-DMK_L2_PF_NEXT=8".to_string());
+    assert_compiles(
+        "megakernel",
+        &sources::megakernel(),
+        &bf16,
+        " (llama-3.2-1b, MK_L2_PF_NEXT=8)",
+    );
+    let cfg = presets::by_name("llama-3.2-1b").unwrap();
+    let mut q8 = sources::megakernel_defines(&cfg, 0);
+    let q8_formats = sources::MatrixFormats {
+        qkv: 1,
+        o: 1,
+        gate_up: 1,
+        down: 1,
+        lm_head: 1,
+        embed: 1,
+        mixed: 0,
+    };
+    q8.extend(q8_formats.defines());
+    q8.push("-DMK_ATT_BY_WARPS=1".to_string());
+    q8.push("-DMK_L2_PF_NEXT=8".to_string());
+    assert_compiles(
+        "megakernel",
+        &sources::megakernel(),
+        &q8,
+        " (llama-3.2-1b Q8_0, MK_L2_PF_NEXT=8)",
     );
 }
 
