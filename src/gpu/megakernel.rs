@@ -936,8 +936,29 @@ pub fn schedule_for(
         attn_parts,
         ..Default::default()
     };
-    let cost = scheduler::CostModel::megakernel(context);
+    let cost = cost_model(context)?;
     megakernel_schedule(config, &shape, &cost, &overrides)
+}
+
+/// The megakernel's cost model at `context` positions: `scheduler::CostModel::megakernel` (an
+/// H100's 3,110 GB/s on every GPU), or, for measuring schedules costed for another memory, with
+/// `MEGAINFER_MK_BANDWIDTH_GBPS` as its bandwidth (`megainfer schedule --bandwidth` prints
+/// them). `run` and `bench` read it alike.
+pub fn cost_model(context: usize) -> Result<scheduler::CostModel> {
+    let v = std::env::var("MEGAINFER_MK_BANDWIDTH_GBPS").ok();
+    parse_cost_bandwidth(v.as_deref(), context).map_err(anyhow::Error::msg)
+}
+
+fn parse_cost_bandwidth(v: Option<&str>, context: usize) -> Result<scheduler::CostModel, String> {
+    let mut cost = scheduler::CostModel::megakernel(context);
+    if let Some(s) = v {
+        cost.bandwidth_gbps = s.trim().parse::<f64>().map_err(|_| {
+            format!("MEGAINFER_MK_BANDWIDTH_GBPS: '{s}' is not a bandwidth in GB/s")
+        })?;
+        cost.check()
+            .map_err(|e| format!("MEGAINFER_MK_BANDWIDTH_GBPS: {e}"))?;
+    }
+    Ok(cost)
 }
 
 /// The limits a schedule must keep to run on the megakernel as compiled (rows an instruction
@@ -1004,7 +1025,7 @@ pub fn buckets_for(
 ) -> Result<Vec<scheduler::Bucket>> {
     let shape = megakernel_gpu_shape(config, gpu.sm_count, gpu.max_smem_per_block);
     let model = crate::reference::sliced::shape_of(config);
-    let cost = scheduler::CostModel::megakernel(max_seq.max(1));
+    let cost = cost_model(max_seq.max(1))?;
     let bounds = bucket_bounds_for(max_seq)?;
     scheduler::plan_buckets_within(&model, &shape, &cost, overrides, &bounds)
         .map_err(|e| anyhow::anyhow!("scheduler: {e}"))
@@ -1163,6 +1184,25 @@ mod tests {
         for bad in ["", "256,64", "64,64", "0,64", "64,x"] {
             let err = parse_bucket_bounds(Some(bad), 4096).unwrap_err();
             assert!(err.starts_with("MEGAINFER_MK_BUCKETS: '"), "{bad}: {err}");
+        }
+    }
+
+    /// The cost model's bandwidth is the H100's unless the measuring variable gives another;
+    /// one no GPU has is refused, naming the variable.
+    #[test]
+    fn cost_bandwidth_comes_from_the_environment_for_measuring() {
+        use super::parse_cost_bandwidth;
+        let h100 = scheduler::CostModel::megakernel(1024);
+        assert_eq!(parse_cost_bandwidth(None, 1024), Ok(h100));
+        let h200 = parse_cost_bandwidth(Some(" 4526"), 1024).unwrap();
+        assert_eq!(h200.bandwidth_gbps, 4526.0);
+        assert_eq!((h200.latency_us, h200.context), (h100.latency_us, 1024));
+        for bad in ["", "fast", "0", "-5", "1e12"] {
+            let err = parse_cost_bandwidth(Some(bad), 1024).unwrap_err();
+            assert!(
+                err.starts_with("MEGAINFER_MK_BANDWIDTH_GBPS: "),
+                "{bad}: {err}"
+            );
         }
     }
 
