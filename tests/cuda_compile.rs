@@ -180,34 +180,36 @@ fn megakernel_measuring_variants_compile() {
     );
     // The loader asking L2 for an instruction's first tiles while the ring is full, on bf16
     // rows (copied whole) and on Q8_0 rows (their quants and scales copied apart).
-    let (mut bf16, _) = preset_kernel_defines("llama-3.2-1b", false);
-    bf16.push("-DMK_L2_PF_NEXT=8".to_string());
-    assert_compiles(
-        "megakernel",
-        &sources::megakernel(),
-        &bf16,
-        " (llama-3.2-1b, MK_L2_PF_NEXT=8)",
-    );
-    let cfg = presets::by_name("llama-3.2-1b").unwrap();
-    let mut q8 = sources::megakernel_defines(&cfg, 0);
-    let q8_formats = sources::MatrixFormats {
-        qkv: 1,
-        o: 1,
-        gate_up: 1,
-        down: 1,
-        lm_head: 1,
-        embed: 1,
+    let (bf16, _) = preset_kernel_defines("llama-3.2-1b", false);
+    let q8 = quantised_kernel_defines("llama-3.2-1b", all_formats(1));
+    for (mut d, what) in [(bf16, "llama-3.2-1b"), (q8, "llama-3.2-1b Q8_0")] {
+        d.push("-DMK_L2_PF_NEXT=8".to_string());
+        let what = format!(" ({what}, MK_L2_PF_NEXT=8)");
+        assert_compiles("megakernel", &sources::megakernel(), &d, &what);
+    }
+}
+
+/// Every kind of matrix in format `t` (quant.cu's `WEIGHT_*` code).
+fn all_formats(t: i32) -> sources::MatrixFormats {
+    sources::MatrixFormats {
+        qkv: t,
+        o: t,
+        gate_up: t,
+        down: t,
+        lm_head: t,
+        embed: t,
         mixed: 0,
-    };
-    q8.extend(q8_formats.defines());
-    q8.push("-DMK_ATT_BY_WARPS=1".to_string());
-    q8.push("-DMK_L2_PF_NEXT=8".to_string());
-    assert_compiles(
-        "megakernel",
-        &sources::megakernel(),
-        &q8,
-        " (llama-3.2-1b Q8_0, MK_L2_PF_NEXT=8)",
-    );
+    }
+}
+
+/// The megakernel's options for preset `preset` with its matrices in `formats`, attention by
+/// warps.
+fn quantised_kernel_defines(preset: &str, formats: sources::MatrixFormats) -> Vec<String> {
+    let cfg = presets::by_name(preset).unwrap();
+    let mut defines = sources::megakernel_defines(&cfg, 0);
+    defines.extend(formats.defines());
+    defines.push("-DMK_ATT_BY_WARPS=1".into());
+    defines
 }
 
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
@@ -266,15 +268,7 @@ fn megakernel_compiles_for_racecheck() {
 #[test]
 fn megakernel_compiles_for_quantised_formats() {
     require_nvrtc();
-    let all = |t| sources::MatrixFormats {
-        qkv: t,
-        o: t,
-        gate_up: t,
-        down: t,
-        lm_head: t,
-        embed: t,
-        mixed: 0,
-    };
+    let all = all_formats;
     let default_model = sources::MatrixFormats {
         lm_head: 1,
         embed: 1,
@@ -326,10 +320,7 @@ fn megakernel_compiles_for_quantised_formats() {
             },
         ),
     ] {
-        let cfg = presets::by_name(preset).unwrap();
-        let mut defines = sources::megakernel_defines(&cfg, 0);
-        defines.extend(formats.defines());
-        defines.push("-DMK_ATT_BY_WARPS=1".into());
+        let defines = quantised_kernel_defines(preset, formats);
         let what = format!(" ({preset}, {formats:?})");
         assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
     }
