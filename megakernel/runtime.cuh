@@ -1102,6 +1102,155 @@ __device__ __forceinline__ bool tiles_x_in_registers(const MkParams& p, u32 inst
     }
 }
 
+// ---- bf16 rows on the tensor cores (MK_MMA) ----
+//
+// A batch-1 mat-vec wastes most of an mma, but one mma.sync m16n8k16 takes 256 weights from a
+// single ldmatrix, where the CUDA-core path (dot_rows) spends a shared-memory load, eight
+// widenings and eight FMAs per lane and 8 weights. That arithmetic is 9-11% of a step on the
+// H200 (MK_TILE_SKIP_DOT): the consumers drain a full ring slower than HBM refills it after
+// each wait for inputs.
+//
+// Layout: an mma's A is two weight rows r0, r0 + 1 of the page, each cut into 8 chunks of 16
+// columns: A-row m = 8 (row) + j holds chunk j, and B's column n holds x's chunk n, so
+// D[m][m % 8] is row (m / 8)'s sum over chunk j and the other 56 entries of each row of D are
+// waste. A step covers 128 columns: chunk j's first 8 columns are the step's columns 8j..8j+7,
+// its last 8 are 64 + 8j..64 + 8j + 7, so each of ldmatrix's four 8x8 matrices is 128
+// contiguous bytes of one row (conflict-free) and B's fragments are x's step in lane order.
+// x is split into bf16 high and low parts (x = hi + lo to 2^-17), two mmas per A, so the sums
+// keep f32 inputs' precision (the CUDA-core path's); products are exact and accumulate in f32.
+// A warp takes its pair's half of the columns, as the CUDA-core path does.
+// Off by default, for measuring: on the H200 it was slower than the CUDA-core path (Llama-1B
+// 1.4-2.0%, Llama-3.2-3B 3.5%, Llama-3.1-8B 3.3-3.5%, Qwen3-0.6B 12-14%; BENCHMARKS.md,
+// 2026-11-28): each tile's sums are a chain of dependent mmas, and turning xs costs the
+// instruction a consumer barrier on its critical path.
+#ifndef MK_MMA
+#define MK_MMA 0
+#endif
+#ifndef MK_MMA_UNROLL
+#define MK_MMA_UNROLL 2
+#endif
+template <int WT, int COLS>
+__device__ __forceinline__ constexpr bool mma_rows() {
+    return MK_MMA && WT == WEIGHT_BF16 && COLS % 256 == 0 && COLS <= 4096;
+}
+
+__device__ __forceinline__ void split_bf16x2(float a, float b, u32& hi, u32& lo) {
+    const bf16_t ha = f32_to_bf16(a), hb = f32_to_bf16(b);
+    const bf16_t la = f32_to_bf16(a - bf16_to_f32(ha)), lb = f32_to_bf16(b - bf16_to_f32(hb));
+    hi = (u32)ha | (u32)hb << 16;
+    lo = (u32)la | (u32)lb << 16;
+}
+
+__device__ __forceinline__ void ldsm_x4(const void* p, u32 (&a)[4]) {
+    // volatile: the page it reads is only valid after the page wait before it.
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// xs's floats turned in place into their bf16 high and low parts, a pair of columns' two
+// high parts then their two low parts (B fragments, one 8-byte load each), once per
+// instruction: unless `fresh` is false, when the previous instruction (same kind and layer)
+// turned them (the normed input shared, see megakernel.cu). Held in registers instead, a
+// 4096-column row's fragments took 64 of them and the kernel spilled.
+__device__ __forceinline__ void mma_ready(float* xs, int cols, bool fresh) {
+    if (!fresh) return;
+    for (int e = 2 * (threadIdx.x - 32); e < cols; e += 2 * CONSUMERS) {
+        const float2 v = *(const float2*)(xs + e);
+        uint2 w;
+        split_bf16x2(v.x, v.y, w.x, w.y);
+        *(uint2*)(xs + e) = w;
+    }
+    consumers_sync();
+}
+
+// This lane's share of rows r0 .. r0 + 2 NG - 1 (rows at `rows`, `slot` bytes apart; ONE: a
+// single row, read twice, whose second result is dropped) dotted with its half of x (xw: the
+// lane's first B fragments in mma_ready's words): sums over all lanes of acc[k] give row k.
+// a_off: the lane's ldmatrix address in a row's step.
+template <int S, int NG, bool ONE>
+__device__ __forceinline__ void mma_dot_rows(const unsigned char* rows, int slot, int a_row, int a_off,
+                                             const uint2* xw, float (&acc)[2 * NG]) {
+    const int lane = threadIdx.x & 31, g8 = lane >> 2;
+    float dh[NG][4], dl[NG][4];
+#pragma unroll
+    for (int j = 0; j < NG; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) dh[j][k] = dl[j][k] = 0.f;
+    const unsigned char* a0 = rows + (ONE ? 0 : a_row * slot) + a_off;
+#pragma unroll MK_MMA_UNROLL
+    for (int s = 0; s < S; s++) {
+        const uint2 x0 = xw[64 * s], x1 = xw[64 * s + 32];
+#pragma unroll
+        for (int j = 0; j < NG; j++) {
+            u32 a[4];
+            ldsm_x4(a0 + 2 * j * slot + 256 * s, a);
+            mma_bf16(dh[j], a, x0.x, x1.x);
+            mma_bf16(dl[j], a, x0.y, x1.y);
+        }
+    }
+    // D[m][n] sits in lane 4 (m % 8) + n / 2, element (m >= 8 ? 2 : 0) + n % 2: the useful
+    // n = m % 8 in lane 4 g + g / 2.
+    // (Selects, not dh[j][e]: an array indexed at run time would live in local memory.)
+    const bool mine = (lane & 3) == (g8 >> 1), odd = g8 & 1;
+#pragma unroll
+    for (int j = 0; j < NG; j++) {
+        const float r0 = odd ? dh[j][1] + dl[j][1] : dh[j][0] + dl[j][0];
+        const float r1 = odd ? dh[j][3] + dl[j][3] : dh[j][2] + dl[j][2];
+        acc[2 * j] = mine ? r0 : 0.f;
+        acc[2 * j + 1] = mine ? r1 : 0.f;
+    }
+}
+
+// tiles_to_res on the tensor cores, for rows of COLS columns (mma_rows).
+template <int COLS>
+__device__ __forceinline__ bool tiles_mma(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
+                                          const bf16_t* pages, u64* full, u64* empty, float* xs, bool fresh,
+                                          float* res) {
+    constexpr int S = COLS / 256;
+    mma_ready(xs, COLS, fresh);
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
+    const int base = half * (COLS / 2);
+    const uint2* xw = (const uint2*)(xs + base + 8 * (lane >> 2) + 2 * (lane & 3));
+    // ldmatrix: lane L gives row L % 8 of matrix L / 8; matrices 0 and 2 are the first row's
+    // step columns 0-7 and 8-15 of each chunk, 1 and 3 the second row's.
+    const int q = lane >> 3, a_row = q & 1, a_off = 2 * (base + 64 * (q >> 1) + 8 * (lane & 7));
+    for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
+        u32 s = seq + t, slot = s % MK_RING(p);
+        if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
+        if (t == grp) tile_stamp(PROF_EXTRA1);
+        const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
+        int rows = TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt), r = 0;
+        for (; r + 4 <= rows; r += 4) {
+            float acc[4];
+            mma_dot_rows<S, 2, false>(page + r * g.slot, g.slot, a_row, a_off, xw, acc);
+            rows_scatter_to_res<4>(acc, res + 2 * (t * g.rpt + r) + half);
+        }
+        if (r + 2 <= rows) {
+            float acc[2];
+            mma_dot_rows<S, 1, false>(page + r * g.slot, g.slot, a_row, a_off, xw, acc);
+            rows_scatter_to_res<2>(acc, res + 2 * (t * g.rpt + r) + half);
+            r += 2;
+        }
+        if (r < rows) {
+            float acc[2];
+            mma_dot_rows<S, 1, true>(page + r * g.slot, g.slot, a_row, a_off, xw, acc);
+            const float v = warp_sum(acc[0]);
+            if (lane == 0) res[2 * (t * g.rpt + r) + half] = v;
+        }
+        release_page(&empty[slot], lane);
+    }
+    tile_stamp(PROF_EXTRA2);
+    return true;
+}
+
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
 // they are at most MK_X_REG_STEPS steps long (block lanes: MK_XQ_REG_STEPS steps of 2048
 // columns, 18 registers of digits each), else read from shared memory. Four steps in
@@ -1137,6 +1286,7 @@ template <int WT, int COLS>
 __device__ __forceinline__ bool tiles_of_width(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                                const bf16_t* pages, u64* full, u64* empty, float* xs, bool fresh,
                                                float* res) {
+    if constexpr (mma_rows<WT, COLS>()) return tiles_mma<COLS>(p, instr, seq, g, pages, full, empty, xs, fresh, res);
     constexpr bool BL = block_lanes<WT, COLS>();
     constexpr int STEP = 64 * lane_cols<BL>(), S = (COLS + STEP - 1) / STEP;
     digits_ready<WT, BL>(xs, g.cols, fresh);

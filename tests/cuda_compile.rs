@@ -131,6 +131,26 @@ fn megakernel_whole_ring_variant_compiles() {
     }
 }
 
+/// bf16 rows on the tensor cores (`MK_MMA=1`): the shapes whose rows take it (Llama-1B's
+/// 2048- and 4096-column rows, the 3B's 3072, the 8B's 4096 and 3584, Qwen3-0.6B's 1024 and
+/// 3072) and one whose hidden size does not (SmolLM2's 576: only its 1536-column rows).
+#[test]
+fn megakernel_mma_variant_compiles() {
+    require_nvrtc();
+    for name in [
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "llama-3.1-8b",
+        "qwen3-0.6b",
+        "smollm2-135m",
+    ] {
+        let (mut defines, _) = preset_kernel_defines(name, false);
+        defines.push("-DMK_MMA=1".to_string());
+        let what = format!(" ({name}, MK_MMA=1)");
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first
