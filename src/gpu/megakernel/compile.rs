@@ -45,6 +45,11 @@ pub struct KernelSpec {
     pub whole_ring: bool,
 }
 
+/// The widest bf16 model whose whole-ring kernel asks L2 for an instruction's first tiles
+/// (`MK_L2_PF_NEXT`, see [`defines`]), and how many tiles it asks for.
+const L2_PF_NEXT_MAX_HIDDEN: usize = 2048;
+const L2_PF_NEXT_TILES: usize = 8;
+
 /// Bytes of the kernel's static shared memory besides the frequency table (its flags and
 /// words, about 20 bytes), with room to spare.
 const STATIC_SMEM_BOUND: usize = 64;
@@ -133,6 +138,17 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     });
     if spec.whole_ring && !weights_limit {
         defines.push("-DMK_WEIGHTS_WHOLE_RING=1".to_string());
+        // With the whole ring, the loader asks L2 for an instruction's first 8 tiles when it
+        // reaches them with the ring full (megakernel/loader.cuh), on bf16 models at most 2048
+        // wide. Measured on the H200 (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 3.0-3.8% faster
+        // (three rounds), Qwen3-1.7B 0.9-1.5%, Qwen3-0.6B 0.4-0.7%, SmolLM2 level; Llama-3.2-3B
+        // 2.7% and Llama-1B Q8_0 1.1% slower.
+        if config.hidden_size <= L2_PF_NEXT_MAX_HIDDEN
+            && spec.formats == sources::MatrixFormats::default()
+            && !extra.contains("MK_L2_PF_NEXT")
+        {
+            defines.push(format!("-DMK_L2_PF_NEXT={L2_PF_NEXT_TILES}"));
+        }
     }
     // Split-KV parts from 4K to 64K positions stream their K/V tiles with 2 in flight instead of
     // the weights' limit (measured on the H100: BENCHMARKS.md, 2026-11-28; 1 was 7% slower at
@@ -291,6 +307,52 @@ mod tests {
         assert!(!ring(&defines(&cfg, &fast, "-DMK_INFLIGHT_STREAM=4")));
         // Attention's own limits leave the weights' choice alone.
         assert!(ring(&defines(&cfg, &fast, "-DMK_INFLIGHT_ATT_STREAM=3")));
+    }
+
+    /// The whole ring's L2 prefetch of an instruction's first tiles: bf16 models at most 2048
+    /// wide, not the bounded loader, not quantised weights, not the 3B; an extra replaces it.
+    #[test]
+    fn the_l2_prefetch_of_first_tiles_on_small_bf16_models_with_the_whole_ring() {
+        let pf = |d: &[String]| {
+            d.iter()
+                .filter(|x| x.starts_with("-DMK_L2_PF_NEXT"))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        let fast = KernelSpec {
+            whole_ring: true,
+            ..spec(false)
+        };
+        for name in ["llama-3.2-1b", "qwen3-1.7b", "qwen3-0.6b", "smollm2-135m"] {
+            let cfg = crate::model::presets::by_name(name).unwrap();
+            assert_eq!(
+                pf(&defines(&cfg, &fast, "")),
+                ["-DMK_L2_PF_NEXT=8"],
+                "{name}"
+            );
+            assert!(pf(&defines(&cfg, &spec(false), "")).is_empty(), "{name}");
+        }
+        let cfg = crate::model::presets::by_name("llama-3.2-1b").unwrap();
+        assert!(pf(&defines(&cfg, &fast, "-DMK_INFLIGHT=2")).is_empty());
+        assert_eq!(
+            pf(&defines(&cfg, &fast, "-DMK_L2_PF_NEXT=4")),
+            ["-DMK_L2_PF_NEXT=4"]
+        );
+        let q8 = KernelSpec {
+            formats: crate::gpu::sources::MatrixFormats {
+                qkv: 1,
+                o: 1,
+                gate_up: 1,
+                down: 1,
+                lm_head: 1,
+                embed: 1,
+                mixed: 0,
+            },
+            ..fast
+        };
+        assert!(pf(&defines(&cfg, &q8, "")).is_empty());
+        let wide = crate::model::presets::by_name("llama-3.2-3b").unwrap();
+        assert!(pf(&defines(&wide, &fast, "")).is_empty());
     }
 
     /// The split-KV kernels of buckets up to 64K get attention's own in-flight limit; the others
