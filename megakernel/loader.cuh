@@ -18,7 +18,7 @@ __device__ void loader_drain(const MkParams& p, u64* full, u32 seq) {
 // (the consumers streaming the instruction before, as at the down projection's end before the
 // next layer's QKV), it asks L2 for the rows of the instruction's first N tiles, so that their
 // copies, once pages are free, come from L2 rather than wait a memory latency on the critical
-// path. The host compiles N = 8 with the weights' whole ring on bf16 models at most 2048 wide
+// path. The host compiles N = 8 with the weights' whole ring on bf16 models 1024 to 2048 wide
 // (src/gpu/megakernel/compile.rs, `defines`: measured there); MEGAINFER_MK_DEFINES may set it.
 #ifndef MK_L2_PF_NEXT
 #define MK_L2_PF_NEXT 0
