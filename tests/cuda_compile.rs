@@ -117,18 +117,29 @@ fn megakernel_sampled_variant_compiles() {
     }
 }
 
-/// The kernel fast memory (an H200) runs, the weights' whole ring in flight
+/// Compiles the megakernel for each preset of `names` with `extra` added to the options `run`
+/// and `bench` use (`preset_kernel_defines`).
+fn assert_preset_variants_compile(names: &[&str], extra: &[&str]) {
+    for name in names {
+        let (mut defines, _) = preset_kernel_defines(name, false);
+        defines.extend(extra.iter().map(|d| d.to_string()));
+        let what = format!(" ({name}, {})", extra.join(" "));
+        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
+    }
+}
+
+/// The kernels fast memory (an H200) runs, the weights' whole ring in flight
 /// (`MK_WEIGHTS_WHOLE_RING=1`, `KernelSpec::whole_ring`), which only such a GPU would compile
-/// otherwise: a model with a streaming bound and one without (Llama-3.2-3B).
+/// otherwise: a model with a streaming bound and one without (Llama-3.2-3B); Llama-1B's with
+/// the L2 prefetch of first tiles the host adds there (`MK_L2_PF_NEXT=8`).
 #[test]
 fn megakernel_whole_ring_variant_compiles() {
     require_nvrtc();
-    for name in ["llama-3.2-1b", "llama-3.2-3b"] {
-        let (mut defines, _) = preset_kernel_defines(name, false);
-        defines.push("-DMK_WEIGHTS_WHOLE_RING=1".to_string());
-        let what = format!(" ({name}, MK_WEIGHTS_WHOLE_RING=1)");
-        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
-    }
+    assert_preset_variants_compile(&["llama-3.2-3b"], &["-DMK_WEIGHTS_WHOLE_RING=1"]);
+    assert_preset_variants_compile(
+        &["llama-3.2-1b"],
+        &["-DMK_WEIGHTS_WHOLE_RING=1", "-DMK_L2_PF_NEXT=8"],
+    );
 }
 
 /// bf16 rows on the tensor cores (`MK_MMA=1`): the shapes whose rows take it (Llama-1B's
@@ -137,18 +148,16 @@ fn megakernel_whole_ring_variant_compiles() {
 #[test]
 fn megakernel_mma_variant_compiles() {
     require_nvrtc();
-    for name in [
-        "llama-3.2-1b",
-        "llama-3.2-3b",
-        "llama-3.1-8b",
-        "qwen3-0.6b",
-        "smollm2-135m",
-    ] {
-        let (mut defines, _) = preset_kernel_defines(name, false);
-        defines.push("-DMK_MMA=1".to_string());
-        let what = format!(" ({name}, MK_MMA=1)");
-        assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
-    }
+    assert_preset_variants_compile(
+        &[
+            "llama-3.2-1b",
+            "llama-3.2-3b",
+            "llama-3.1-8b",
+            "qwen3-0.6b",
+            "smollm2-135m",
+        ],
+        &["-DMK_MMA=1"],
+    );
 }
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
