@@ -168,7 +168,8 @@ fn megakernel_mma_variant_compiles() {
 /// by rounds and by warps;
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts and the loader's own limit while the consumers
-/// are in attention; and the loader's L2 prefetch of an instruction's first tiles.
+/// are in attention; the loader's L2 prefetch of an instruction's first tiles; the bf16 dot
+/// products in two chains.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -216,6 +217,8 @@ fn megakernel_measuring_variants_compile() {
         let what = format!(" ({what}, MK_L2_PF_NEXT=8)");
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
+    // The bf16 dot products in two chains of four.
+    assert_preset_variants_compile(&["llama-3.2-1b"], &["-DMK_DOT8_CHAINS=2"]);
 }
 
 /// Every kind of matrix in format `t` (quant.cu's `WEIGHT_*` code).
