@@ -1058,29 +1058,40 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     }
 }
 
-// Each tile of the warp's group: its rows four at a time (four independent chains), then the
-// last two and one.
-template <int WT, bool BL, typename X>
-__device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
-                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
-    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
-    const int c0 = (half * 32 + lane) * lane_cols<BL>();
+// Each tile of the warp's group (warp pair), page by page: waits for it, calls rows(page, tile,
+// its row count: 0 with MK_TILE_SKIP_DOT), releases it.
+template <typename Rows>
+__device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
+                                            const bf16_t* pages, u64* full, u64* empty, const Rows& rows) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1;
     for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
         u32 s = seq + t, slot = s % MK_RING(p);
         if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         if (t == grp) tile_stamp(PROF_EXTRA1);
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
-        int rows = TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt), r = 0;
+        rows(page, t, TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt));
+        release_page(&empty[slot], lane);
+    }
+    tile_stamp(PROF_EXTRA2);
+    return true;
+}
+
+// Each tile of the warp's group: its rows four at a time (four independent chains), then the
+// last two and one.
+template <int WT, bool BL, typename X>
+__device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
+                                             const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, half = cw & 1;
+    const int c0 = (half * 32 + lane) * lane_cols<BL>();
+    return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
+        int r = 0;
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         if (r + 2 <= rows) {
             rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
             r += 2;
         }
         if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
-        release_page(&empty[slot], lane);
-    }
-    tile_stamp(PROF_EXTRA2);
-    return true;
+    });
 }
 
 // The tiles with this lane's S steps of xs held in registers (block lanes: their digits).
@@ -1216,18 +1227,14 @@ __device__ __forceinline__ bool tiles_mma(const MkParams& p, u32 instr, u32 seq,
                                           float* res) {
     constexpr int S = COLS / 256;
     mma_ready(xs, COLS, fresh);
-    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1, half = cw & 1;
+    const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, half = cw & 1;
     const int base = half * (COLS / 2);
     const uint2* xw = (const uint2*)(xs + base + 8 * (lane >> 2) + 2 * (lane & 3));
     // ldmatrix: lane L gives row L % 8 of matrix L / 8; matrices 0 and 2 are the first row's
     // step columns 0-7 and 8-15 of each chunk, 1 and 3 the second row's.
     const int q = lane >> 3, a_row = q & 1, a_off = 2 * (base + 64 * (q >> 1) + 8 * (lane & 7));
-    for (int t = grp; t < g.tiles; t += TILE_GROUPS) {
-        u32 s = seq + t, slot = s % MK_RING(p);
-        if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
-        if (t == grp) tile_stamp(PROF_EXTRA1);
-        const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
-        int rows = TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt), r = 0;
+    return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
+        int r = 0;
         for (; r + 4 <= rows; r += 4) {
             float acc[4];
             mma_dot_rows<S, 2, false>(page + r * g.slot, g.slot, a_row, a_off, xw, acc);
@@ -1245,10 +1252,7 @@ __device__ __forceinline__ bool tiles_mma(const MkParams& p, u32 instr, u32 seq,
             const float v = warp_sum(acc[0]);
             if (lane == 0) res[2 * (t * g.rpt + r) + half] = v;
         }
-        release_page(&empty[slot], lane);
-    }
-    tile_stamp(PROF_EXTRA2);
-    return true;
+    });
 }
 
 // Rows of `cols` columns, a model dimension the kernel is compiled with: x in registers when
