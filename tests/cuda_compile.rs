@@ -160,6 +160,26 @@ fn megakernel_mma_variant_compiles() {
     );
 }
 
+/// Attention's by-warps blocks on the tensor cores (`MK_ATT_MMA=1`, head_dim 64): SmolLM2's and
+/// Llama-1B's kernels as the split-KV buckets get them (`MK_ATT_SPREAD_MAX=0`), and with short
+/// parts spread over every warp (the short contexts' kernel, where the host leaves it off).
+#[test]
+fn megakernel_attention_mma_variant_compiles() {
+    require_nvrtc();
+    assert_preset_variants_compile(
+        &["smollm2-135m", "llama-3.2-1b"],
+        &[
+            "-DMK_ATT_BY_WARPS=1",
+            "-DMK_ATT_SPREAD_MAX=0",
+            "-DMK_ATT_MMA=1",
+        ],
+    );
+    assert_preset_variants_compile(
+        &["smollm2-135m"],
+        &["-DMK_ATT_BY_WARPS=1", "-DMK_ATT_MMA=1"],
+    );
+}
+
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's
 /// BENCH=defines): with the loader's per-tile progress word, attention's part range divided
 /// in 64 bits, with the consumers' tiles and post stage notes, the split-KV merge's first

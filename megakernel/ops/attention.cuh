@@ -410,6 +410,154 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
     }
 }
 
+// MK_ATT_MMA=1 (the host compiles it into the split-KV kernels at head_dim 64: compile::defines,
+// with the measurements): the by-warps blocks on the tensor cores (mma.sync m16n8k16, bf16 in,
+// f32 out) where head_dim is 64 and one head group covers the KV head's query heads (SmolLM2,
+// Llama-3.2-1B). A warp's block of 16 positions is then 8 mmas of scores and 8 of values
+// instead of ~490 CUDA-core instructions: the CUDA-core block is bound by its instruction
+// chain (SmolLM2 at 8K: a part's 341 positions took 3.5 us on the H200, the same with more
+// K/V tiles in flight), not by shared memory.
+// Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
+// 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
+// same lane adds (c0 + c2, c1 + c3). Scores: A = q, B = K (n = position r of an 8-position
+// n-tile), k-chunk c's index k = 2 qd + e is dim 16 qd + 4c + e and k = 2 qd + 8 + e is dim
+// 16 qd + 4c + 2 + e, so a lane reads its K row's dims 16 qd..16 qd + 15 as two 16-byte
+// words (odd rows the second word first: no bank conflict) and uses them as they are.
+// Values: A = the probabilities (the scores' accumulators are laid out as the A fragment of
+// the next mma: positions 2 qd + e and 8 + 2 qd + e), B = V with n-tile t's column r being dim
+// 8 r + t, so a lane reads 16 bytes of each of its four rows (conflict-free) and pairs their
+// halves with byte permutes; O's column 2 qd + e of n-tile t is then dim 16 qd + 8 e + t.
+#ifndef MK_ATT_MMA
+#define MK_ATT_MMA 0
+#endif
+// A function, not a constexpr variable: NVRTC gives such a variable a byte of global memory,
+// which moves the other globals' addresses in every kernel.
+__device__ __forceinline__ constexpr bool att_mma() {
+    return MK_ATT_MMA && ATT_BY_WARPS && ATT_HD == 64 && ATT_HG == 1;
+}
+
+// bf16x2 of (a, b): a in the low half.
+__device__ __forceinline__ u32 bf16x2_rn(float a, float b) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+// (a, b) as bf16x2 high parts and the bf16x2 of what they leave.
+__device__ __forceinline__ void bf16x2_split(float a, float b, u32& hi, u32& lo) {
+    hi = bf16x2_rn(a, b);
+    lo = bf16x2_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
+struct AttnMma {
+    u32 qa[4][4];   // q's A fragments per k-chunk (rows 0-7 high parts, 8-15 low)
+    float o[8][4];  // the output's accumulators per n-tile of 8 dims (c0, c1 high; c2, c3 low)
+    float m, l;     // head r's running max (the same over the quad), this lane's share of the sum
+
+    __device__ __forceinline__ void init(const float* qs) {
+        const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) x[e] = r < ATT_G ? qs[r * ATT_HD + 16 * qd + 4 * c + e] : 0.f;
+            bf16x2_split(x[0], x[1], qa[c][0], qa[c][1]);
+            bf16x2_split(x[2], x[3], qa[c][2], qa[c][3]);
+        }
+#pragma unroll
+        for (int t = 0; t < 8; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[t][e] = 0.f;
+        m = NEG_INF;
+        l = 0.f;
+    }
+
+    // Positions [0, rows) of a block (1 <= rows <= 16): K rows at kp, V rows at vp.
+    __device__ __forceinline__ void block(const bf16_t* kp, const bf16_t* vp, int rows, float scale) {
+        const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+        float s[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            if (j == 0 || rows > 8) {
+                const int row = min(8 * j + r, rows - 1), odd = row & 1;
+                const char* kr = (const char*)(kp + row * ATT_HD) + 32 * qd;
+                const uint4 a = *(const uint4*)(kr + 16 * odd), b = *(const uint4*)(kr + 16 - 16 * odd);
+                const uint4 u = odd ? b : a, v = odd ? a : b;
+                mma_bf16(d, qa[0], u.x, u.y);
+                mma_bf16(d, qa[1], u.z, u.w);
+                mma_bf16(d, qa[2], v.x, v.y);
+                mma_bf16(d, qa[3], v.z, v.w);
+            }
+            s[j][0] = d[0] + d[2];
+            s[j][1] = d[1] + d[3];
+        }
+        float mx = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                s[j][e] = 8 * j + 2 * qd + e < rows ? s[j][e] * scale : NEG_INF;
+                mx = fmaxf(mx, s[j][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Finite (position 0 is valid); the factor is 0 on the warp's first block (m = -inf).
+        const float mn = fmaxf(m, mx), corr = __expf(m - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                s[j][e] = __expf(s[j][e] - mn);
+                ps += s[j][e];
+            }
+        l = l * corr + ps;
+        m = mn;
+        u32 pa[4];
+        bf16x2_split(s[0][0], s[0][1], pa[0], pa[1]);
+        bf16x2_split(s[1][0], s[1][1], pa[2], pa[3]);
+        // Rows past the block's end weigh 0 and are read on its last row (finite values).
+        const int last = rows - 1;
+        const uint4 v0 = *(const uint4*)(vp + min(2 * qd, last) * ATT_HD + 8 * r);
+        const uint4 v1 = *(const uint4*)(vp + min(2 * qd + 1, last) * ATT_HD + 8 * r);
+        const uint4 v8 = *(const uint4*)(vp + min(2 * qd + 8, last) * ATT_HD + 8 * r);
+        const uint4 v9 = *(const uint4*)(vp + min(2 * qd + 9, last) * ATT_HD + 8 * r);
+        const u32 w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+        const u32 w8[4] = {v8.x, v8.y, v8.z, v8.w}, w9[4] = {v9.x, v9.y, v9.z, v9.w};
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const u32 sel = t & 1 ? 0x7632u : 0x5410u;
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[t][e] *= corr;
+            mma_bf16(o[t], pa, __byte_perm(w0[t >> 1], w1[t >> 1], sel), __byte_perm(w8[t >> 1], w9[t >> 1], sel));
+        }
+    }
+
+    // The warp's results as attn_by_warps' CUDA-core blocks leave them: head r's output, max
+    // and sum in the warp's slots.
+    __device__ __forceinline__ void finish(float* partial, float* wstat, int cw) {
+        const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (r < ATT_G) {
+            float out[16];
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                out[t] = o[t][0] + o[t][2];
+                out[8 + t] = o[t][1] + o[t][3];
+            }
+            float* dst = partial + (cw * ATT_G + r) * ATT_HD + 16 * qd;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                *(float4*)(dst + 4 * k) = make_float4(out[4 * k], out[4 * k + 1], out[4 * k + 2], out[4 * k + 3]);
+            if (qd == 0) {
+                wstat[cw * 2 * ATT_G + r] = m;
+                wstat[cw * 2 * ATT_G + ATT_G + r] = l;
+            }
+        }
+    }
+};
+
 // The whole part by warps (see the top of the file): each warp streams its tiles, then the
 // warps' (max, sum, output) and this token's position are merged by thread (head, dim).
 // Scratch: the S region holds each warp's max and sum per head, then this token's scores;
@@ -432,6 +580,9 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     float* wstat = scratch;  // [CW][max[G], sum[G]], then this token's score per head
     const float scale = rsqrtf((float)HD);
     float q[WG][LD], m[WG], l[WG], acc[WG][LD];
+    AttnMma mm;
+    if constexpr (att_mma()) mm.init(qs);
+    else
 #pragma unroll
     for (int g = 0; g < WG; g++) {
         m[g] = NEG_INF;
@@ -453,6 +604,8 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         for (int r0 = cw / HG * ATT_SPREAD_ROWS; r0 < n; r0 += CW / HG * ATT_SPREAD_ROWS) {
             const u32 slot = (seq + r0 / ATT_TR) % MK_RING(p);
             const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + (r0 % ATT_TR) * HD;
+            if constexpr (att_mma()) mm.block(kp, kp + ATT_TR * HD, min(n - r0, ATT_SPREAD_ROWS), scale);
+            else
             attn_warp_block<ATT_SPREAD_ROWS / 4>(kp, kp + ATT_TR * HD, min(n - r0, ATT_SPREAD_ROWS), q, m, l, acc,
                                                   scale);
         }
@@ -469,12 +622,19 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + half * ATT_WROWS * HD;
 #pragma unroll
         for (int b = 0; b < ATT_WROWS / ATT_BROWS; b++)
-            if (rows > b * ATT_BROWS)
+            if (rows > b * ATT_BROWS) {
+                if constexpr (att_mma())
+                    mm.block(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
+                             min(rows - b * ATT_BROWS, ATT_BROWS), scale);
+                else
                 attn_warp_block<ATT_WSTEPS>(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
                                 min(rows - b * ATT_BROWS, ATT_BROWS), q, m, l, acc, scale);
+            }
         release_page(&empty[slot], lane);
     }
     // The warp's output: its four octets' sums (stored at the heads' places in the group).
+    if constexpr (att_mma()) mm.finish(partial, wstat, cw);
+    else {
 #pragma unroll
     for (int g = 0; g < WG; g++)
 #pragma unroll
@@ -499,6 +659,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
                 wstat[cw * 2 * G + g0 + g] = m[g];
                 wstat[cw * 2 * G + G + g0 + g] = l[g];
             }
+    }
     // This token's score (the last part only), a warp per head.
     if (a.has_new)
         for (int g = cw; g < G; g += CW) {

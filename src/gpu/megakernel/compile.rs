@@ -120,6 +120,18 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     if !spec.attn_spread && !extra.contains("MK_ATT_SPREAD_MAX") {
         defines.push("-DMK_ATT_SPREAD_MAX=0".to_string());
     }
+    // The split-KV kernels (no short parts spread) compute attention's blocks on the tensor
+    // cores at head_dim 64 (megakernel/ops/attention.cuh, `AttnMma`). Measured on the H200
+    // (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 7.3% faster at 8K and 7.9% at 32K, SmolLM2 1.9%
+    // at 8K; in the short contexts' kernel, whose short parts are spread over every warp, it
+    // made SmolLM2 4.1% and Llama-1B 1.9% slower, so that kernel keeps the CUDA cores.
+    if spec.attn_by_warps
+        && !spec.attn_spread
+        && config.head_dim == 64
+        && !extra.contains("MK_ATT_MMA")
+    {
+        defines.push("-DMK_ATT_MMA=1".to_string());
+    }
     if !extra.contains("MK_INFLIGHT_STREAM") {
         defines.extend(sources::stream_bound(config, &spec.formats));
     }
@@ -357,6 +369,45 @@ mod tests {
             let cfg = crate::model::presets::by_name(name).unwrap();
             assert!(pf(&defines(&cfg, &fast, "")).is_empty(), "{name}");
         }
+    }
+
+    /// Attention's blocks go to the tensor cores in the split-KV kernels of head_dim-64 models
+    /// computed by warps, not in the short contexts' kernel nor at head_dim 128; an extra
+    /// replaces the choice.
+    #[test]
+    fn split_kv_kernels_at_head_dim_64_take_the_tensor_cores() {
+        let mma = |d: &[String]| {
+            d.iter()
+                .filter(|x| x.starts_with("-DMK_ATT_MMA"))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        let split = KernelSpec {
+            attn_spread: false,
+            ..spec(false)
+        };
+        for name in ["llama-3.2-1b", "smollm2-135m"] {
+            let cfg = crate::model::presets::by_name(name).unwrap();
+            assert_eq!(
+                mma(&defines(&cfg, &split, "")),
+                ["-DMK_ATT_MMA=1"],
+                "{name}"
+            );
+            assert!(mma(&defines(&cfg, &spec(false), "")).is_empty(), "{name}");
+            assert_eq!(
+                mma(&defines(&cfg, &split, "-DMK_ATT_MMA=0")),
+                ["-DMK_ATT_MMA=0"],
+                "{name}"
+            );
+        }
+        let by_rounds = KernelSpec {
+            attn_by_warps: false,
+            ..split
+        };
+        let cfg = crate::model::presets::by_name("qwen2.5-0.5b").unwrap();
+        assert!(mma(&defines(&cfg, &by_rounds, "")).is_empty());
+        let cfg = crate::model::presets::by_name("llama-3.2-3b").unwrap();
+        assert!(mma(&defines(&cfg, &split, "")).is_empty());
     }
 
     /// The split-KV kernels of buckets up to 64K get attention's own in-flight limit; the others
