@@ -1145,11 +1145,17 @@ __device__ __forceinline__ constexpr bool mma_rows() {
     return MK_MMA && WT == WEIGHT_BF16 && COLS % 256 == 0 && COLS <= 4096;
 }
 
+// bf16x2 of (a, b), a in the low half, rounded to nearest even (one instruction).
+__device__ __forceinline__ u32 bf16x2_rn(float a, float b) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+// (a, b) as bf16x2 high parts and the bf16x2 of what they leave (a = hi + lo to 2^-17): the
+// operands of an mma that keeps f32 inputs.
 __device__ __forceinline__ void split_bf16x2(float a, float b, u32& hi, u32& lo) {
-    const bf16_t ha = f32_to_bf16(a), hb = f32_to_bf16(b);
-    const bf16_t la = f32_to_bf16(a - bf16_to_f32(ha)), lb = f32_to_bf16(b - bf16_to_f32(hb));
-    hi = (u32)ha | (u32)hb << 16;
-    lo = (u32)la | (u32)lb << 16;
+    hi = bf16x2_rn(a, b);
+    lo = bf16x2_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
 }
 
 __device__ __forceinline__ void ldsm_x4(const void* p, u32 (&a)[4]) {

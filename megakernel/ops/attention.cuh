@@ -436,18 +436,6 @@ __device__ __forceinline__ constexpr bool att_mma() {
     return MK_ATT_MMA && ATT_BY_WARPS && ATT_HD == 64 && ATT_HG == 1;
 }
 
-// bf16x2 of (a, b): a in the low half.
-__device__ __forceinline__ u32 bf16x2_rn(float a, float b) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-// (a, b) as bf16x2 high parts and the bf16x2 of what they leave.
-__device__ __forceinline__ void bf16x2_split(float a, float b, u32& hi, u32& lo) {
-    hi = bf16x2_rn(a, b);
-    lo = bf16x2_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
-}
-
 struct AttnMma {
     u32 qa[4][4];   // q's A fragments per k-chunk (rows 0-7 high parts, 8-15 low)
     float o[8][4];  // the output's accumulators per n-tile of 8 dims (c0, c1 high; c2, c3 low)
@@ -460,8 +448,8 @@ struct AttnMma {
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) x[e] = r < ATT_G ? qs[r * ATT_HD + 16 * qd + 4 * c + e] : 0.f;
-            bf16x2_split(x[0], x[1], qa[c][0], qa[c][1]);
-            bf16x2_split(x[2], x[3], qa[c][2], qa[c][3]);
+            split_bf16x2(x[0], x[1], qa[c][0], qa[c][1]);
+            split_bf16x2(x[2], x[3], qa[c][2], qa[c][3]);
         }
 #pragma unroll
         for (int t = 0; t < 8; t++)
@@ -514,8 +502,8 @@ struct AttnMma {
         l = l * corr + ps;
         m = mn;
         u32 pa[4];
-        bf16x2_split(s[0][0], s[0][1], pa[0], pa[1]);
-        bf16x2_split(s[1][0], s[1][1], pa[2], pa[3]);
+        split_bf16x2(s[0][0], s[0][1], pa[0], pa[1]);
+        split_bf16x2(s[1][0], s[1][1], pa[2], pa[3]);
         // Rows past the block's end weigh 0 and are read on its last row (finite values).
         const int last = rows - 1;
         const uint4 v0 = *(const uint4*)(vp + min(2 * qd, last) * ATT_HD + 8 * r);
