@@ -25,6 +25,9 @@ its work is all prepare) after its own KV head's last attention part stored.
 
 Attention's steps read its words 4 and 5 as the consumers write them; a run built with
 -DMK_ATT_LOADER_STAMPS=1 has the loader's there instead (scripts/loader-rate.py reads those).
+With --att-pages, for a run with -DMK_ATT_PAGE_STAMPS=1 (word 5 of a part computed by warps is
+when consumer warp 0's last page wait returned), attention's steps are its inputs, the time to
+that last page, the rest of the part's tiles, and the merge with the store.
 """
 import csv
 import gzip
@@ -110,7 +113,7 @@ def merges(records):
           f"done {st.median(end):5.2f} (deciles {st.quantiles(end, n=10)[0]:.2f} .. {st.quantiles(end, n=10)[-1]:.2f})")
 
 
-def main(path, with_prep=False, with_tiles=False):
+def main(path, with_prep=False, with_tiles=False, att_pages=False):
     records = list(rows(path))
     by_layer = defaultdict(lambda: defaultdict(list))
     attention = []
@@ -138,9 +141,13 @@ def main(path, with_prep=False, with_tiles=False):
             print(f"  {k:18s} first start {first:6.1f}  last prepared {ready:6.1f}  last stored {stored:6.1f}")
     if attention:
         print("attention (µs):")
-        for name, a, b in [("inputs", 0, 1), ("scores + softmax", 1, 4), ("values", 4, 5),
-                           ("combine + output", 5, 2), ("store", 2, 3)]:
-            print(f"  {name:18s} {st.median(x[b] - x[a] for x in attention):6.2f}")
+        steps = [("inputs", 0, 1), ("scores + softmax", 1, 4), ("values", 4, 5),
+                 ("combine + output", 5, 2), ("store", 2, 3)]
+        if att_pages:
+            steps = [("inputs", 0, 1), ("to warp 0's last page", 1, 5), ("the rest of the tiles", 5, 4),
+                     ("merge + store", 4, 3)]
+        for name, a, b in steps:
+            print(f"  {name:22s} {st.median(x[b] - x[a] for x in attention):6.2f}")
     hops(by_layer)
     merges(records)
     if with_prep:
@@ -173,7 +180,7 @@ def hops(by_layer):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--prep", "--tiles")]
+    args = [a for a in sys.argv[1:] if a not in ("--prep", "--tiles", "--att-pages")]
     if len(args) != 1:
-        sys.exit("usage: timeline.py [--prep] [--tiles] TIMELINE.csv[.gz]")
-    main(args[0], "--prep" in sys.argv[1:], "--tiles" in sys.argv[1:])
+        sys.exit("usage: timeline.py [--prep] [--tiles] [--att-pages] TIMELINE.csv[.gz]")
+    main(args[0], "--prep" in sys.argv[1:], "--tiles" in sys.argv[1:], "--att-pages" in sys.argv[1:])

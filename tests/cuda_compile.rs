@@ -189,7 +189,7 @@ fn megakernel_attention_mma_variant_compiles() {
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts and the loader's own limit while the consumers
 /// are in attention; the loader's L2 prefetch of an instruction's first tiles; the bf16 dot
-/// products in two chains.
+/// products in two chains; attention's page stamps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -239,6 +239,16 @@ fn megakernel_measuring_variants_compile() {
     }
     // The bf16 dot products in two chains of four.
     assert_preset_variants_compile(&["llama-3.2-1b"], &["-DMK_DOT8_CHAINS=2"]);
+    // Attention's page stamps, in the kernel the split-KV buckets get.
+    assert_preset_variants_compile(
+        &["smollm2-135m"],
+        &[
+            "-DMK_ATT_BY_WARPS=1",
+            "-DMK_ATT_SPREAD_MAX=0",
+            "-DMK_ATT_MMA=1",
+            "-DMK_ATT_PAGE_STAMPS=1",
+        ],
+    );
 }
 
 /// Every kind of matrix in format `t` (quant.cu's `WEIGHT_*` code).

@@ -69,6 +69,13 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
 #ifndef MK_ATT_LOADER_STAMPS
 #define MK_ATT_LOADER_STAMPS 0
 #endif
+// MK_ATT_PAGE_STAMPS=1 (for measuring): word 5 of a part computed by warps is when consumer warp
+// 0's last page wait returned (scripts/timeline.py --att-pages), instead of the merge's end: how
+// much of the part's time goes to waiting for its K/V tiles rather than computing on them.
+#ifndef MK_ATT_PAGE_STAMPS
+#define MK_ATT_PAGE_STAMPS 0
+#endif
+static_assert(!(MK_ATT_LOADER_STAMPS && MK_ATT_PAGE_STAMPS), "words 4 and 5 take one kind of stamp");
 
 // Bytes in flight: an SM's share of the read bandwidth is ~3.1 TB/s / 132 = 23.5 GB/s, and a
 // copy takes ~1 µs from issue to landing under load, so by Little's law each SM needs about
@@ -601,6 +608,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     for (int t = spread ? ntiles : pair; t < ntiles; t += TILE_GROUPS) {
         const u32 sq = seq + t, slot = sq % MK_RING(p);
         const bool landed = page_wait(p, &full[slot], (sq / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, sq);
+        if (MK_ATT_PAGE_STAMPS && ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
         // The whole warp goes on or stops together (the tile's shuffles need every lane).
         if (!__all_sync(0xffffffffu, landed)) {
             set_failed(1);
@@ -685,7 +693,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         }
         attn_store(p, w, i, o / L, M, L);
     }
-    if (!MK_ATT_LOADER_STAMPS && ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
+    if (!MK_ATT_LOADER_STAMPS && !MK_ATT_PAGE_STAMPS && ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
     return ntiles;
 }
 
