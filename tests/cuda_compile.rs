@@ -160,24 +160,31 @@ fn megakernel_mma_variant_compiles() {
     );
 }
 
-/// Attention's by-warps blocks on the tensor cores (`MK_ATT_MMA=1`, head_dim 64): SmolLM2's and
-/// Llama-1B's kernels as the split-KV buckets get them (`MK_ATT_SPREAD_MAX=0`), and with short
-/// parts spread over every warp (the short contexts' kernel, where the host leaves it off).
+/// Attention's by-warps blocks on the tensor cores (`MK_ATT_MMA=1`): SmolLM2's and Llama-1B's
+/// kernels as the split-KV buckets get them (by warps, no short parts spread); and the
+/// measuring variant with the values transposed (`MK_ATT_MMA=2`), which takes head_dim 128 too
+/// (groups of 3, 4 and 2 heads).
 #[test]
 fn megakernel_attention_mma_variant_compiles() {
     require_nvrtc();
-    assert_preset_variants_compile(
-        &["smollm2-135m", "llama-3.2-1b"],
-        &[
-            "-DMK_ATT_BY_WARPS=1",
-            "-DMK_ATT_SPREAD_MAX=0",
-            "-DMK_ATT_MMA=1",
-        ],
-    );
-    assert_preset_variants_compile(
-        &["smollm2-135m"],
-        &["-DMK_ATT_BY_WARPS=1", "-DMK_ATT_MMA=1"],
-    );
+    for (mma, presets) in [
+        ("-DMK_ATT_MMA=1", &["smollm2-135m", "llama-3.2-1b"][..]),
+        (
+            "-DMK_ATT_MMA=2",
+            &[
+                "smollm2-135m",
+                "llama-3.2-1b",
+                "llama-3.2-3b",
+                "llama-3.1-8b",
+                "qwen3-0.6b",
+            ][..],
+        ),
+    ] {
+        assert_preset_variants_compile(
+            presets,
+            &["-DMK_ATT_BY_WARPS=1", "-DMK_ATT_SPREAD_MAX=0", mma],
+        );
+    }
 }
 
 /// The megakernel variants kept for measuring (`MEGAINFER_MK_DEFINES`, gpu-check.sh's

@@ -324,7 +324,12 @@ __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq
 // Qwen3-4B level, Llama-3.2-3B and Qwen3-4B 3.3% and 5.5% faster at 8K; Qwen2.5-0.5B's
 // (head_dim 64, 7 heads: 4 and 3) 3.1% slower at short contexts, so two head groups are taken
 // at head_dim 128 only. Groups of more heads (Qwen2.5-7B's 7 of 128) compute by rounds.
-constexpr int ATT_WG = ATT_G * ATT_LANE_DIMS <= 32 ? ATT_G : 32 / ATT_LANE_DIMS;
+#ifndef MK_ATT_MMA
+#define MK_ATT_MMA 0
+#endif
+// With the values transposed on the tensor cores (MK_ATT_MMA=2, below) a warp takes a group of
+// up to 4 heads whole, at head_dim 128 too.
+constexpr int ATT_WG = MK_ATT_MMA == 2 && ATT_G <= 4 ? ATT_G : ATT_G * ATT_LANE_DIMS <= 32 ? ATT_G : 32 / ATT_LANE_DIMS;
 constexpr int ATT_HG = (ATT_G + ATT_WG - 1) / ATT_WG;
 constexpr int ATT_WROWS = ATT_TR * ATT_HG / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4;
 // MK_ATT_BY_WARPS=0 (through MEGAINFER_MK_DEFINES) keeps the round-based way for every
@@ -434,30 +439,106 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // the next mma: positions 2 qd + e and 8 + 2 qd + e), B = V with n-tile t's column r being dim
 // 8 r + t, so a lane reads 16 bytes of each of its four rows (conflict-free) and pairs their
 // halves with byte permutes; O's column 2 qd + e of n-tile t is then dim 16 qd + 8 e + t.
-#ifndef MK_ATT_MMA
-#define MK_ATT_MMA 0
-#endif
 // A function, not a constexpr variable: NVRTC gives such a variable a byte of global memory,
 // which moves the other globals' addresses in every kernel.
 __device__ __forceinline__ constexpr bool att_mma() {
-    return MK_ATT_MMA && ATT_BY_WARPS && ATT_HD == 64 && ATT_HG == 1;
+    return MK_ATT_MMA == 1 ? ATT_BY_WARPS && ATT_HD == 64 && ATT_HG == 1
+                           : MK_ATT_MMA == 2 && ATT_BY_WARPS && ATT_HG == 1 && ATT_G <= 4;
+}
+
+// Lane quarter qd's 16-byte piece i of a K row (its dims 8 piece .. + 7): head_dim 64 two side
+// by side, 128 four a quarter of the row apart (either way rows of the other parity read them
+// in swapped pairs, so a warp's loads are conflict-free); k-chunk c's index k = 2 qd + e is dim
+// mma_chunk_base + e and k = 2 qd + 8 + e is dim mma_chunk_base + 2 + e.
+template <int HD>
+__device__ __forceinline__ int mma_piece(int qd, int i) { return HD == 64 ? 2 * qd + i : qd + 4 * i; }
+template <int HD>
+__device__ __forceinline__ int mma_chunk_base(int qd, int c) { return 8 * mma_piece<HD>(qd, c >> 1) + 4 * (c & 1); }
+
+// q's A fragments per k-chunk: rows 0-7 the heads' high parts, 8-15 their low parts.
+template <int HD>
+__device__ __forceinline__ void mma_q_frags(const float* qs, u32 (&qa)[HD / 16][4]) {
+    const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+#pragma unroll
+    for (int c = 0; c < HD / 16; c++) {
+        float x[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            x[e] = r < ATT_G ? qs[r * HD + (HD == 64 ? 16 * qd + 4 * c : mma_chunk_base<HD>(qd, c)) + e] : 0.f;
+        split_bf16x2(x[0], x[1], qa[c][0], qa[c][1]);
+        split_bf16x2(x[2], x[3], qa[c][2], qa[c][3]);
+    }
+}
+
+// A block's scores for head r at positions 8 j + 2 qd + e (-inf from rows on), then the online
+// softmax step on them: m and l move on, s becomes the probabilities (relative to the new max),
+// and the factor that rescales the output so far is returned.
+template <int HD>
+__device__ __forceinline__ float mma_scores_softmax(const bf16_t* kp, int rows, const u32 (&qa)[HD / 16][4],
+                                                    float scale, float& m, float& l, float (&s)[2][2]) {
+    constexpr int PC = HD / 32;
+    const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        if (j == 0 || rows > 8) {
+            const int row = min(8 * j + r, rows - 1), odd = row & 1;
+            if constexpr (HD == 64) {
+                // The same pieces as below, written out (the form the kernels were measured with).
+                const char* kr = (const char*)(kp + row * HD) + 32 * qd;
+                const uint4 a = *(const uint4*)(kr + 16 * odd), b = *(const uint4*)(kr + 16 - 16 * odd);
+                const uint4 u = odd ? b : a, v = odd ? a : b;
+                mma_bf16(d, qa[0], u.x, u.y);
+                mma_bf16(d, qa[1], u.z, u.w);
+                mma_bf16(d, qa[2], v.x, v.y);
+                mma_bf16(d, qa[3], v.z, v.w);
+            } else {
+                const bf16_t* kr = kp + row * HD;
+                uint4 w[PC], u[PC];
+#pragma unroll
+                for (int i = 0; i < PC; i++) w[i] = *(const uint4*)(kr + 8 * mma_piece<HD>(qd, i ^ odd));
+#pragma unroll
+                for (int i = 0; i < PC; i++) u[i] = odd ? w[i ^ 1] : w[i];
+#pragma unroll
+                for (int c = 0; c < HD / 16; c++)
+                    mma_bf16(d, qa[c], c & 1 ? u[c >> 1].z : u[c >> 1].x, c & 1 ? u[c >> 1].w : u[c >> 1].y);
+            }
+        }
+        s[j][0] = d[0] + d[2];
+        s[j][1] = d[1] + d[3];
+    }
+    float mx = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            s[j][e] = 8 * j + 2 * qd + e < rows ? s[j][e] * scale : NEG_INF;
+            mx = fmaxf(mx, s[j][e]);
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // Finite (position 0 is valid); the factor is 0 on the warp's first block (m = -inf).
+    const float mn = fmaxf(m, mx), corr = __expf(m - mn);
+    float ps = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            s[j][e] = __expf(s[j][e] - mn);
+            ps += s[j][e];
+        }
+    l = l * corr + ps;
+    m = mn;
+    return corr;
 }
 
 struct AttnMma {
-    u32 qa[4][4];   // q's A fragments per k-chunk (rows 0-7 high parts, 8-15 low)
+    u32 qa[4][4];   // q's A fragments per k-chunk (mma_q_frags)
     float o[8][4];  // the output's accumulators per n-tile of 8 dims (c0, c1 high; c2, c3 low)
     float m, l;     // head r's running max (the same over the quad), this lane's share of the sum
 
     __device__ __forceinline__ void init(const float* qs) {
-        const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            float x[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) x[e] = r < ATT_G ? qs[r * ATT_HD + 16 * qd + 4 * c + e] : 0.f;
-            split_bf16x2(x[0], x[1], qa[c][0], qa[c][1]);
-            split_bf16x2(x[2], x[3], qa[c][2], qa[c][3]);
-        }
+        mma_q_frags<64>(qs, qa);
 #pragma unroll
         for (int t = 0; t < 8; t++)
 #pragma unroll
@@ -470,44 +551,7 @@ struct AttnMma {
     __device__ __forceinline__ void block(const bf16_t* kp, const bf16_t* vp, int rows, float scale) {
         const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
         float s[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            if (j == 0 || rows > 8) {
-                const int row = min(8 * j + r, rows - 1), odd = row & 1;
-                const char* kr = (const char*)(kp + row * ATT_HD) + 32 * qd;
-                const uint4 a = *(const uint4*)(kr + 16 * odd), b = *(const uint4*)(kr + 16 - 16 * odd);
-                const uint4 u = odd ? b : a, v = odd ? a : b;
-                mma_bf16(d, qa[0], u.x, u.y);
-                mma_bf16(d, qa[1], u.z, u.w);
-                mma_bf16(d, qa[2], v.x, v.y);
-                mma_bf16(d, qa[3], v.z, v.w);
-            }
-            s[j][0] = d[0] + d[2];
-            s[j][1] = d[1] + d[3];
-        }
-        float mx = NEG_INF;
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                s[j][e] = 8 * j + 2 * qd + e < rows ? s[j][e] * scale : NEG_INF;
-                mx = fmaxf(mx, s[j][e]);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Finite (position 0 is valid); the factor is 0 on the warp's first block (m = -inf).
-        const float mn = fmaxf(m, mx), corr = __expf(m - mn);
-        float ps = 0.f;
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                s[j][e] = __expf(s[j][e] - mn);
-                ps += s[j][e];
-            }
-        l = l * corr + ps;
-        m = mn;
+        const float corr = mma_scores_softmax<64>(kp, rows, qa, scale, m, l, s);
         u32 pa[4];
         split_bf16x2(s[0][0], s[0][1], pa[0], pa[1]);
         split_bf16x2(s[1][0], s[1][1], pa[2], pa[3]);
@@ -527,7 +571,6 @@ struct AttnMma {
             mma_bf16(o[t], pa, __byte_perm(w0[t >> 1], w1[t >> 1], sel), __byte_perm(w8[t >> 1], w9[t >> 1], sel));
         }
     }
-
     // The warp's results as attn_by_warps' CUDA-core blocks leave them: head r's output, max
     // and sum in the warp's slots.
     __device__ __forceinline__ void finish(float* partial, float* wstat, int cw) {
@@ -549,6 +592,119 @@ struct AttnMma {
                 wstat[cw * 2 * ATT_G + r] = m;
                 wstat[cw * 2 * ATT_G + ATT_G + r] = l;
             }
+        }
+    }
+};
+
+// MK_ATT_MMA=2 (for measuring; not yet run on a GPU): the values as O^T = V^T P^T, for groups of
+// up to 4 heads at head_dim 64 or 128. An mma's B columns 0-3 are the heads' probabilities'
+// high parts and 4-7 their low parts (the scores' accumulators, as AttnMma has them, hand over
+// the high parts where they are and the low parts from the lane 16 away), and its A is 16 dims
+// of V^T (m-tile t's row m is dim 8 (m % 8) + t + (m / 8) (4 at head_dim 64, 64 at 128), so a
+// lane reads 16 bytes of each of its four rows per 64 dims, conflict-free, and pairs their
+// halves with byte permutes). Against AttnMma: half the values' mmas (head_dim / 16, not / 8)
+// and half the output's registers (head_dim / 4 a lane), which lets head_dim 128 keep its
+// accumulators in registers (AttnMma's layout there needs 64 of them beside 32 of q's).
+struct AttnMmaT {
+    static constexpr int MT = ATT_HD / 16, PH = ATT_HD / 64;  // m-tiles; 16-byte pieces of a V row a lane reads
+    u32 qa[ATT_HD / 16][4];  // q's A fragments per k-chunk (mma_q_frags)
+    float o[MT][4];          // O^T's accumulators per m-tile: rows r, r + 8; columns 2 qd + e
+    float m, l;              // head r's running max (the same over the quad), this lane's share of the sum
+
+    __device__ __forceinline__ void init(const float* qs) {
+        mma_q_frags<ATT_HD>(qs, qa);
+#pragma unroll
+        for (int t = 0; t < MT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[t][e] = 0.f;
+        m = NEG_INF;
+        l = 0.f;
+    }
+
+    // Positions [0, rows) of a block (1 <= rows <= 16): K rows at kp, V rows at vp.
+    __device__ __forceinline__ void block(const bf16_t* kp, const bf16_t* vp, int rows, float scale) {
+        const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+        float s[2][2];
+        const float corr = mma_scores_softmax<ATT_HD>(kp, rows, qa, scale, m, l, s);
+        // B = P^T: column r is head r's high parts (r < 4) or head r - 4's low parts.
+        u32 hi0, lo0, hi1, lo1;
+        split_bf16x2(s[0][0], s[0][1], hi0, lo0);
+        split_bf16x2(s[1][0], s[1][1], hi1, lo1);
+        lo0 = __shfl_xor_sync(0xffffffffu, lo0, 16);
+        lo1 = __shfl_xor_sync(0xffffffffu, lo1, 16);
+        const u32 b0 = r < 4 ? hi0 : lo0, b1 = r < 4 ? hi1 : lo1;
+        // Column 2 qd + e holds head (2 qd + e) % 4, whose factor its quad (lanes 4 h..) has.
+        const float c0 = __shfl_sync(0xffffffffu, corr, 4 * ((2 * qd) & 3));
+        const float c1 = __shfl_sync(0xffffffffu, corr, 4 * ((2 * qd + 1) & 3));
+        // A = V^T: positions 2 qd, 2 qd + 1 (k) and 8 more; rows past the block's end weigh 0
+        // and are read on its last row (finite values).
+        const int last = rows - 1;
+        u32 w[4][4 * PH];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const bf16_t* vr = vp + min(2 * qd + (k & 1) + 8 * (k >> 1), last) * ATT_HD + 8 * r;
+#pragma unroll
+            for (int h = 0; h < PH; h++) {
+                const uint4 v = *(const uint4*)(vr + 64 * h);
+                w[k][4 * h] = v.x;
+                w[k][4 * h + 1] = v.y;
+                w[k][4 * h + 2] = v.z;
+                w[k][4 * h + 3] = v.w;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            // Row r's element in the lane's words, and row r + 8's.
+            constexpr int HALF = ATT_HD == 64 ? 4 : 8;
+            const int e0 = t, e1 = HALF + t;
+            const u32 s0 = e0 & 1 ? 0x7632u : 0x5410u, s1 = e1 & 1 ? 0x7632u : 0x5410u;
+            const u32 a[4] = {__byte_perm(w[0][e0 >> 1], w[1][e0 >> 1], s0), __byte_perm(w[0][e1 >> 1], w[1][e1 >> 1], s1),
+                              __byte_perm(w[2][e0 >> 1], w[3][e0 >> 1], s0), __byte_perm(w[2][e1 >> 1], w[3][e1 >> 1], s1)};
+            o[t][0] *= c0;
+            o[t][1] *= c1;
+            o[t][2] *= c0;
+            o[t][3] *= c1;
+            mma_bf16(o[t], a, b0, b1);
+        }
+    }
+
+    // The warp's results as attn_by_warps' CUDA-core blocks leave them: each head's output
+    // (columns h and h + 4 added: lanes qd and qd ^ 2), max and sum in the warp's slots.
+    __device__ __forceinline__ void finish(float* partial, float* wstat, int cw) {
+        const int lane = threadIdx.x & 31, r = lane >> 2, qd = lane & 3;
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+        for (int t = 0; t < MT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[t][e] += __shfl_xor_sync(0xffffffffu, o[t][e], 2);
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int h = 2 * qd + e;
+            if (qd < 2 && h < ATT_G) {
+                float* dst = partial + (cw * ATT_G + h) * ATT_HD + 8 * r;
+                float lo[8], hi[8];
+#pragma unroll
+                for (int t = 0; t < 8; t++) {
+                    lo[t] = t < MT ? o[t][e] : 0.f;
+                    hi[t] = t < MT ? o[t][2 + e] : 0.f;
+                }
+                if constexpr (ATT_HD == 64) {
+                    // dims 8 r + t (row r, t < 4) and 8 r + 4 + t (row r + 8)
+                    *(float4*)dst = make_float4(lo[0], lo[1], lo[2], lo[3]);
+                    *(float4*)(dst + 4) = make_float4(hi[0], hi[1], hi[2], hi[3]);
+                } else {
+                    // dims 8 r + t and 64 + 8 r + t
+                    *(float4*)dst = make_float4(lo[0], lo[1], lo[2], lo[3]);
+                    *(float4*)(dst + 4) = make_float4(lo[4], lo[5], lo[6], lo[7]);
+                    *(float4*)(dst + 64) = make_float4(hi[0], hi[1], hi[2], hi[3]);
+                    *(float4*)(dst + 68) = make_float4(hi[4], hi[5], hi[6], hi[7]);
+                }
+            }
+        }
+        if (r < ATT_G && qd == 0) {
+            wstat[cw * 2 * ATT_G + r] = m;
+            wstat[cw * 2 * ATT_G + ATT_G + r] = l;
         }
     }
 };
@@ -575,7 +731,11 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     float* wstat = scratch;  // [CW][max[G], sum[G]], then this token's score per head
     const float scale = rsqrtf((float)HD);
     float q[WG][LD], m[WG], l[WG], acc[WG][LD];
+#if MK_ATT_MMA == 2
+    AttnMmaT mm;
+#else
     AttnMma mm;
+#endif
     if constexpr (att_mma()) mm.init(qs);
     else
 #pragma unroll
