@@ -426,15 +426,16 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // with the measurements): the by-warps blocks on the tensor cores (mma.sync m16n8k16, bf16 in,
 // f32 out) where head_dim is 64 and one head group covers the KV head's query heads (SmolLM2,
 // Llama-3.2-1B). A warp's block of 16 positions is then 8 mmas of scores and 8 of values
-// instead of ~490 CUDA-core instructions: the CUDA-core block is bound by its instruction
-// chain (SmolLM2 at 8K: a part's 341 positions took 3.5 us on the H200, the same with more
-// K/V tiles in flight), not by shared memory.
+// instead of ~490 CUDA-core instructions: Llama-1B's long contexts 5-14% faster on the H200;
+// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us, waiting on their K/V tiles
+// rather than computing: BENCHMARKS.md).
 // Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
 // 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
 // same lane adds (c0 + c2, c1 + c3). Scores: A = q, B = K (n = position r of an 8-position
-// n-tile), k-chunk c's index k = 2 qd + e is dim 16 qd + 4c + e and k = 2 qd + 8 + e is dim
-// 16 qd + 4c + 2 + e, so a lane reads its K row's dims 16 qd..16 qd + 15 as two 16-byte
-// words (odd rows the second word first: no bank conflict) and uses them as they are.
+// n-tile); at head_dim 64 k-chunk c's index k = 2 qd + e is dim 16 qd + 4c + e and k = 2 qd +
+// 8 + e is dim 16 qd + 4c + 2 + e, so a lane reads its K row's dims 16 qd..16 qd + 15 as two
+// 16-byte words (odd rows the second word first: no bank conflict) and uses them as they are
+// (mma_piece and mma_chunk_base: the general form).
 // Values: A = the probabilities (the scores' accumulators are laid out as the A fragment of
 // the next mma: positions 2 qd + e and 8 + 2 qd + e), B = V with n-tile t's column r being dim
 // 8 r + t, so a lane reads 16 bytes of each of its four rows (conflict-free) and pairs their
@@ -606,7 +607,9 @@ struct AttnMma {
 // and half the output's registers (head_dim / 4 a lane), which lets head_dim 128 keep its
 // accumulators in registers (AttnMma's layout there needs 64 of them beside 32 of q's).
 struct AttnMmaT {
-    static constexpr int MT = ATT_HD / 16, PH = ATT_HD / 64;  // m-tiles; 16-byte pieces of a V row a lane reads
+    // m-tiles; 16-byte pieces of a V row a lane reads (an enum: NVRTC gives static constexpr
+    // members storage, which moves every kernel's globals).
+    enum : int { MT = ATT_HD / 16, PH = ATT_HD / 64 };
     u32 qa[ATT_HD / 16][4];  // q's A fragments per k-chunk (mma_q_frags)
     float o[MT][4];          // O^T's accumulators per m-tile: rows r, r + 8; columns 2 qd + e
     float m, l;              // head r's running max (the same over the quad), this lane's share of the sum

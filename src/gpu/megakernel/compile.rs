@@ -122,9 +122,10 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     }
     // The split-KV kernels (no short parts spread) compute attention's blocks on the tensor
     // cores at head_dim 64 (megakernel/ops/attention.cuh, `AttnMma`). Measured on the H200
-    // (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 7.3% faster at 8K and 7.9% at 32K, SmolLM2 1.9%
-    // at 8K; in the short contexts' kernel, whose short parts are spread over every warp, it
-    // made SmolLM2 4.1% and Llama-1B 1.9% slower, so that kernel keeps the CUDA cores.
+    // against the CUDA-core blocks in one call (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 5.4%
+    // faster at 1,900 positions, 6.6% at 8K, 8.5% at 32K, 14.3% at 128K, SmolLM2 2.0% at 8K; in
+    // the short contexts' kernel, whose short parts are spread over every warp, it made SmolLM2
+    // 4.1% and Llama-1B 1.9% slower, so that kernel keeps the CUDA cores.
     if spec.attn_by_warps
         && !spec.attn_spread
         && config.head_dim == 64
