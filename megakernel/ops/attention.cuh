@@ -471,6 +471,17 @@ __device__ __forceinline__ void mma_q_frags(const float* qs, u32 (&qa)[HD / 16][
     }
 }
 
+// An output's accumulators zeroed, its running max -inf and sum 0 (a warp's first block).
+template <int N>
+__device__ __forceinline__ void mma_state_zero(float (&o)[N][4], float& m, float& l) {
+#pragma unroll
+    for (int t = 0; t < N; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[t][e] = 0.f;
+    m = NEG_INF;
+    l = 0.f;
+}
+
 // A block's scores for head r at positions 8 j + 2 qd + e (-inf from rows on), then the online
 // softmax step on them: m and l move on, s becomes the probabilities (relative to the new max),
 // and the factor that rescales the output so far is returned.
@@ -540,12 +551,7 @@ struct AttnMma {
 
     __device__ __forceinline__ void init(const float* qs) {
         mma_q_frags<64>(qs, qa);
-#pragma unroll
-        for (int t = 0; t < 8; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) o[t][e] = 0.f;
-        m = NEG_INF;
-        l = 0.f;
+        mma_state_zero(o, m, l);
     }
 
     // Positions [0, rows) of a block (1 <= rows <= 16): K rows at kp, V rows at vp.
@@ -616,12 +622,7 @@ struct AttnMmaT {
 
     __device__ __forceinline__ void init(const float* qs) {
         mma_q_frags<ATT_HD>(qs, qa);
-#pragma unroll
-        for (int t = 0; t < MT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) o[t][e] = 0.f;
-        m = NEG_INF;
-        l = 0.f;
+        mma_state_zero(o, m, l);
     }
 
     // Positions [0, rows) of a block (1 <= rows <= 16): K rows at kp, V rows at vp.

@@ -237,6 +237,11 @@ mod tests {
         }
     }
 
+    /// The options of `d` that start with `name`.
+    fn options_named(d: &[String], name: &str) -> Vec<String> {
+        d.iter().filter(|x| x.starts_with(name)).cloned().collect()
+    }
+
     fn spec(sampled: bool) -> KernelSpec {
         KernelSpec {
             formats: Default::default(),
@@ -328,12 +333,7 @@ mod tests {
     /// replaces it.
     #[test]
     fn the_l2_prefetch_of_first_tiles_on_small_bf16_models_with_the_whole_ring() {
-        let pf = |d: &[String]| {
-            d.iter()
-                .filter(|x| x.starts_with("-DMK_L2_PF_NEXT"))
-                .cloned()
-                .collect::<Vec<_>>()
-        };
+        let pf = |d: &[String]| options_named(d, "-DMK_L2_PF_NEXT");
         let fast = KernelSpec {
             whole_ring: true,
             ..spec(false)
@@ -377,12 +377,7 @@ mod tests {
     /// replaces the choice.
     #[test]
     fn split_kv_kernels_at_head_dim_64_take_the_tensor_cores() {
-        let mma = |d: &[String]| {
-            d.iter()
-                .filter(|x| x.starts_with("-DMK_ATT_MMA"))
-                .cloned()
-                .collect::<Vec<_>>()
-        };
+        let mma = |d: &[String]| options_named(d, "-DMK_ATT_MMA");
         let split = KernelSpec {
             attn_spread: false,
             ..spec(false)
@@ -416,12 +411,7 @@ mod tests {
     #[test]
     fn split_kv_kernels_stream_their_kv_with_two_in_flight() {
         let cfg = crate::model::presets::by_name("llama-3.2-1b").unwrap();
-        let att = |d: &[String]| {
-            d.iter()
-                .filter(|x| x.starts_with("-DMK_INFLIGHT_ATT_STREAM"))
-                .cloned()
-                .collect::<Vec<_>>()
-        };
+        let att = |d: &[String]| options_named(d, "-DMK_INFLIGHT_ATT_STREAM");
         assert!(att(&defines(&cfg, &spec(false), "")).is_empty());
         let split = KernelSpec {
             kv_two_in_flight: true,
