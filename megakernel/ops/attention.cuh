@@ -427,8 +427,8 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // f32 out) where head_dim is 64 and one head group covers the KV head's query heads (SmolLM2,
 // Llama-3.2-1B). A warp's block of 16 positions is then 8 mmas of scores and 8 of values
 // instead of ~490 CUDA-core instructions: Llama-1B's long contexts 5-14% faster on the H200;
-// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us, waiting on their K/V tiles
-// rather than computing: BENCHMARKS.md).
+// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us: by inference waiting for
+// their K/V tiles' copies rather than computing, BENCHMARKS.md).
 // Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
 // 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
 // same lane adds (c0 + c2, c1 + c3). Scores: A = q, B = K (n = position r of an 8-position
