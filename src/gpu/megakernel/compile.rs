@@ -121,7 +121,9 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
         defines.push("-DMK_ATT_SPREAD_MAX=0".to_string());
     }
     // The split-KV kernels (no short parts spread) compute attention's blocks on the tensor
-    // cores at head_dim 64 (megakernel/ops/attention.cuh, `AttnMma`). Measured on the H200
+    // cores at head_dim 64 (megakernel/ops/attention.cuh, `AttnMma`; the kernel takes it where
+    // one head group covers an instruction's query heads, `att_mma`, so Qwen2.5-0.5B's groups
+    // of 7, computed by rounds, compile as before). Measured on the H200
     // against the CUDA-core blocks in one call (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 5.4%
     // faster at 1,900 positions, 6.6% at 8K, 8.5% at 32K, 14.3% at 128K, SmolLM2 2.0% at 8K; in
     // the short contexts' kernel, whose short parts are spread over every warp, it made SmolLM2
