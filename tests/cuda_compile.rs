@@ -195,8 +195,8 @@ fn megakernel_attention_mma_variant_compiles() {
 /// by rounds and by warps;
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts and the loader's own limit while the consumers
-/// are in attention; the loader's L2 prefetch of an instruction's first tiles; the bf16 dot
-/// products in two chains; attention's page stamps.
+/// are in attention; the loader's L2 prefetch of an instruction's first tiles; attention's
+/// page stamps.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -244,8 +244,6 @@ fn megakernel_measuring_variants_compile() {
         let what = format!(" ({what}, MK_L2_PF_NEXT=8)");
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
-    // The bf16 dot products in two chains of four.
-    assert_preset_variants_compile(&["llama-3.2-1b"], &["-DMK_DOT8_CHAINS=2"]);
     // Attention's page stamps, in the kernel the split-KV buckets get.
     assert_preset_variants_compile(
         &["smollm2-135m"],
