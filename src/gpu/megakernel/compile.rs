@@ -121,19 +121,33 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
         defines.push("-DMK_ATT_SPREAD_MAX=0".to_string());
     }
     // The split-KV kernels (no short parts spread) compute attention's blocks on the tensor
-    // cores at head_dim 64 (megakernel/ops/attention.cuh, `AttnMma`; the kernel takes it where
-    // one head group covers an instruction's query heads, `att_mma`, so Qwen2.5-0.5B's groups
-    // of 7, computed by rounds, compile as before). Measured on the H200
-    // against the CUDA-core blocks in one call (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 5.4%
-    // faster at 1,900 positions, 6.6% at 8K, 8.5% at 32K, 14.3% at 128K, SmolLM2 2.0% at 8K; in
-    // the short contexts' kernel, whose short parts are spread over every warp, it made SmolLM2
-    // 4.1% and Llama-1B 1.9% slower, so that kernel keeps the CUDA cores.
-    if spec.attn_by_warps
-        && !spec.attn_spread
-        && config.head_dim == 64
-        && !extra.contains("MK_ATT_MMA")
+    // cores (megakernel/ops/attention.cuh): at head_dim 64 `AttnMma` (=1), where one head group
+    // covers an instruction's query heads (`att_mma`, so Qwen2.5-0.5B's groups of 7, computed by
+    // rounds, compile as before); at head_dim 128 `AttnMmaT` (=2, the values transposed), for
+    // groups of 3 or 4 heads. Measured on the H200 against the CUDA-core blocks (BENCHMARKS.md,
+    // 2026-11-28): =1 Llama-3.2-1B 5.4% faster at 1,900 positions, 6.6% at 8K, 8.5% at 32K,
+    // 14.3% at 128K, SmolLM2 2.0% at 8K; =2 Llama-3.2-3B (groups of 3) 2.6% faster at 8K and
+    // 2.2% at 32K, Qwen3-4B (4) 0.8% and Qwen3-8B (4) 1.0% at 8K, but Qwen3-0.6B (2) 6.8%
+    // slower at 8K: an mma's work is the same for 2 heads as for 4, the CUDA cores' halves, so
+    // groups of 2 keep the CUDA cores, as do Qwen2.5-7B's 7. At head_dim 64 =2 was within 0.8%
+    // of =1 either way (0.7% faster at 8K and 128K on Llama-1B, 0.6% slower at 32K, SmolLM2 0.8%
+    // slower), so =1 stays there. In the short contexts' kernel, whose short parts are spread
+    // over every warp, =1 made SmolLM2 4.1% and Llama-1B 1.9% slower, so that kernel keeps the
+    // CUDA cores.
+    let group = if spec.attn_heads == 0 {
+        config.num_heads / config.num_kv_heads.max(1)
+    } else {
+        spec.attn_heads
+    };
+    let mma = match config.head_dim {
+        64 => Some(1),
+        128 if (3..=4).contains(&group) => Some(2),
+        _ => None,
+    };
+    if let Some(mma) =
+        mma.filter(|_| spec.attn_by_warps && !spec.attn_spread && !extra.contains("MK_ATT_MMA"))
     {
-        defines.push("-DMK_ATT_MMA=1".to_string());
+        defines.push(format!("-DMK_ATT_MMA={mma}"));
     }
     if !extra.contains("MK_INFLIGHT_STREAM") {
         defines.extend(sources::stream_bound(config, &spec.formats));
@@ -374,23 +388,27 @@ mod tests {
         }
     }
 
-    /// Attention's blocks go to the tensor cores in the split-KV kernels of head_dim-64 models
-    /// computed by warps, not in the short contexts' kernel nor at head_dim 128; an extra
-    /// replaces the choice.
+    /// Attention's blocks go to the tensor cores in the split-KV kernels computed by warps: at
+    /// head_dim 64 as `AttnMma` (=1), at head_dim 128 with groups of 3 or 4 heads as `AttnMmaT`
+    /// (=2); not in the short contexts' kernel, nor for Qwen3-0.6B's groups of 2 or Qwen2.5-7B's
+    /// of 7; an extra replaces the choice.
     #[test]
-    fn split_kv_kernels_at_head_dim_64_take_the_tensor_cores() {
+    fn split_kv_kernels_take_the_tensor_cores() {
         let mma = |d: &[String]| options_named(d, "-DMK_ATT_MMA");
         let split = KernelSpec {
             attn_spread: false,
             ..spec(false)
         };
-        for name in ["llama-3.2-1b", "smollm2-135m"] {
+        for (name, chosen) in [
+            ("llama-3.2-1b", "-DMK_ATT_MMA=1"),
+            ("smollm2-135m", "-DMK_ATT_MMA=1"),
+            ("llama-3.2-3b", "-DMK_ATT_MMA=2"),
+            ("qwen3-4b", "-DMK_ATT_MMA=2"),
+            ("qwen3-8b", "-DMK_ATT_MMA=2"),
+            ("llama-3.1-8b", "-DMK_ATT_MMA=2"),
+        ] {
             let cfg = crate::model::presets::by_name(name).unwrap();
-            assert_eq!(
-                mma(&defines(&cfg, &split, "")),
-                ["-DMK_ATT_MMA=1"],
-                "{name}"
-            );
+            assert_eq!(mma(&defines(&cfg, &split, "")), [chosen], "{name}");
             assert!(mma(&defines(&cfg, &spec(false), "")).is_empty(), "{name}");
             assert_eq!(
                 mma(&defines(&cfg, &split, "-DMK_ATT_MMA=0")),
@@ -402,10 +420,14 @@ mod tests {
             attn_by_warps: false,
             ..split
         };
-        let cfg = crate::model::presets::by_name("qwen2.5-0.5b").unwrap();
-        assert!(mma(&defines(&cfg, &by_rounds, "")).is_empty());
-        let cfg = crate::model::presets::by_name("llama-3.2-3b").unwrap();
-        assert!(mma(&defines(&cfg, &split, "")).is_empty());
+        for name in ["qwen2.5-0.5b", "llama-3.2-3b"] {
+            let cfg = crate::model::presets::by_name(name).unwrap();
+            assert!(mma(&defines(&cfg, &by_rounds, "")).is_empty(), "{name}");
+        }
+        for name in ["qwen3-0.6b", "qwen3-1.7b", "qwen2.5-7b"] {
+            let cfg = crate::model::presets::by_name(name).unwrap();
+            assert!(mma(&defines(&cfg, &split, "")).is_empty(), "{name}");
+        }
     }
 
     /// The split-KV kernels of buckets up to 64K get attention's own in-flight limit; the others
