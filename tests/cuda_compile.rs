@@ -161,9 +161,9 @@ fn megakernel_mma_variant_compiles() {
 }
 
 /// Attention's by-warps blocks on the tensor cores (`MK_ATT_MMA=1`): SmolLM2's and Llama-1B's
-/// kernels as the split-KV buckets get them (by warps, no short parts spread); and the
-/// measuring variant with the values transposed (`MK_ATT_MMA=2`), which takes head_dim 128 too
-/// (groups of 3, 4 and 2 heads).
+/// kernels as the split-KV buckets get them (by warps, no short parts spread); and the values
+/// transposed (`MK_ATT_MMA=2`), which the head_dim-128 split-KV kernels with groups of 3 or 4
+/// heads get (the 3B, the 8B), at head_dim 64 and with groups of 2 (Qwen3-0.6B) for measuring.
 #[test]
 fn megakernel_attention_mma_variant_compiles() {
     require_nvrtc();
@@ -196,7 +196,7 @@ fn megakernel_attention_mma_variant_compiles() {
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts and the loader's own limit while the consumers
 /// are in attention; the loader's L2 prefetch of an instruction's first tiles; attention's
-/// page stamps.
+/// page stamps with the blocks after each warp's first tile left out.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -244,7 +244,8 @@ fn megakernel_measuring_variants_compile() {
         let what = format!(" ({what}, MK_L2_PF_NEXT=8)");
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
-    // Attention's page stamps, in the kernel the split-KV buckets get.
+    // Attention's page stamps, in the kernel the split-KV buckets get, with the blocks after
+    // each warp's first tile left out.
     assert_preset_variants_compile(
         &["smollm2-135m"],
         &[
@@ -252,6 +253,7 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_ATT_SPREAD_MAX=0",
             "-DMK_ATT_MMA=1",
             "-DMK_ATT_PAGE_STAMPS=1",
+            "-DMK_ATT_SKIP_BLOCKS=1",
         ],
     );
 }

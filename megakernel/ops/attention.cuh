@@ -76,6 +76,13 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
 #define MK_ATT_PAGE_STAMPS 0
 #endif
 static_assert(!(MK_ATT_LOADER_STAMPS && MK_ATT_PAGE_STAMPS), "words 4 and 5 take one kind of stamp");
+// MK_ATT_SKIP_BLOCKS=1 (for measuring only: the output is wrong): a warp computes the blocks of
+// its first tile only, the later tiles' page waits and releases kept, so a profile shows how
+// much of a part's time is its arithmetic and how much its pages (the first tile's blocks keep
+// every part's sums finite).
+#ifndef MK_ATT_SKIP_BLOCKS
+#define MK_ATT_SKIP_BLOCKS 0
+#endif
 
 // Bytes in flight: an SM's share of the read bandwidth is ~3.1 TB/s / 132 = 23.5 GB/s, and a
 // copy takes ~1 µs from issue to landing under load, so by Little's law each SM needs about
@@ -783,7 +790,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + half * ATT_WROWS * HD;
 #pragma unroll
         for (int b = 0; b < ATT_WROWS / ATT_BROWS; b++)
-            if (rows > b * ATT_BROWS) {
+            if ((!MK_ATT_SKIP_BLOCKS || t == pair) && rows > b * ATT_BROWS) {
                 if constexpr (att_mma())
                     mm.block(kp + b * ATT_BROWS * HD, kp + (ATT_TR + b * ATT_BROWS) * HD,
                              min(rows - b * ATT_BROWS, ATT_BROWS), scale);
