@@ -128,6 +128,58 @@ fn assert_preset_variants_compile(names: &[&str], extra: &[&str]) {
     }
 }
 
+/// Every preset's kernels as `run` and `bench` compile them (`kernel_variants`, the host's own
+/// choice per context bucket: attention by rounds or warps, the short parts spread, the
+/// split-KV kernels with their tensor-core blocks and K/V limits) for sequences up to the
+/// model's context or 128K, on an H200's shape (132 SMs, 227 KiB a block, fast memory: the
+/// weights' whole ring). The other tests take variants by hand; this one compiles what the
+/// GPU would run.
+#[test]
+fn every_presets_kernels_compile_as_the_host_chooses_them() {
+    use megainfer::gpu::megakernel::{
+        kernel_defines, kernel_variants, megakernel_gpu_shape, split_at_kv_bound,
+    };
+    require_nvrtc();
+    let mut options = Vec::new();
+    let mut what = Vec::new();
+    for name in presets::NAMES {
+        let cfg = presets::by_name(name).unwrap();
+        let max_seq = cfg.max_position_embeddings.min(131_072);
+        let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
+        let model = megainfer::reference::sliced::shape_of(&cfg);
+        let cost = scheduler::CostModel::megakernel(max_seq);
+        let buckets =
+            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq).unwrap();
+        let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
+        let plan = kernel_variants(&cfg, Default::default(), &list, 232_448, true, true).unwrap();
+        assert_eq!(plan.bucket_kernel.len(), list.len(), "{name}");
+        // Every preset's context reaches split-KV buckets, which run a kernel by warps without
+        // the short parts' spread.
+        assert!(
+            plan.specs.iter().any(|s| s.attn_by_warps && !s.attn_spread),
+            "{name}: no split-KV kernel by warps among {:?}",
+            plan.specs
+        );
+        for (i, spec) in plan.specs.iter().enumerate() {
+            options.push(kernel_defines(&cfg, spec, ""));
+            what.push(format!("{name} variant {i}: {spec:?}"));
+        }
+    }
+    // Two at a time: NVRTC takes 10-20 s and several hundred MB a kernel, CI has 2 cores.
+    let src = sources::megakernel();
+    for (options, what) in options.chunks(2).zip(what.chunks(2)) {
+        let cubins = compile::compile_cubins("megakernel", &src, "sm_90a", options);
+        for (cubin, what) in cubins.unwrap().iter().zip(what) {
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "NVRTC output is not a CUBIN ({what})"
+            );
+        }
+    }
+    println!("{} kernels compiled", what.len());
+}
+
 /// The kernels fast memory (an H200) runs, the weights' whole ring in flight
 /// (`MK_WEIGHTS_WHOLE_RING=1`, `KernelSpec::whole_ring`), which only such a GPU would compile
 /// otherwise: a model with a streaming bound and one without (Llama-3.2-3B); Llama-1B's with

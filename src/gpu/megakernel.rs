@@ -259,8 +259,15 @@ impl<'g> MegakernelPath<'g> {
                 c.head_dim
             );
         }
-        let mut max_cols = c.hidden_size.max(c.q_dim());
-        let down_cols = down_chunk_cols(first);
+        let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
+        let plan = kernel_variants(
+            c,
+            formats,
+            buckets,
+            gpu.max_smem_per_block,
+            gpu.fast_memory(),
+            by_warps_allowed,
+        )?;
         let mut encoded = Vec::new();
         let tile_formats = tiles::TileFormats {
             layers: model
@@ -272,7 +279,6 @@ impl<'g> MegakernelPath<'g> {
         };
         let balance = super::switches::switch("MEGAINFER_MK_TILE_BALANCE", true)?;
         for &(upto, schedule) in buckets {
-            max_cols = max_cols.max(check_limits(schedule, &formats)?);
             let mut enc = schedule.encode();
             tiles::write_tile_words(&mut enc.words, schedule, c, &tile_formats, balance)?;
             let mut descs = Vec::new();
@@ -283,89 +289,19 @@ impl<'g> MegakernelPath<'g> {
             }
             encoded.push((upto, schedule, enc, descs, kinds));
         }
-        if max_cols * 2 > PAGE_BYTES {
-            bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
-        }
         let (n_lm, chunks) = (
             encoded[0].2.lm_blocks as usize,
             encoded[0].2.down_chunks as usize,
         );
-        let xs_floats = xs_floats(max_cols, attention_scratch);
-        // Attention by warps (where a lane's queries and output fit its registers for a KV
-        // group's query heads or half of them, megakernel/ops/attention.cuh) streams long
-        // parts faster than by rounds (4% a token at 8K on Llama-1B), and with its short parts
-        // spread over every warp it is level with rounds at a 160-token context on SmolLM2 and
-        // Llama-1B and faster on the head_dim-128 shapes (measured on the H100, BENCHMARKS.md).
-        // So on those shapes the buckets of one part run a kernel by warps with the spread
-        // (MEGAINFER_MK_ATT_BY_WARPS=0: by rounds, for measuring), and the buckets with
-        // split-KV parts one by warps without it: compiled in, its code made the long parts
-        // stream 1-4% slower at 8K. The other shapes compute by rounds either way, and compile
-        // the split-KV buckets' merge (attn_reduce.cuh's by-warps form) only into the kernel
-        // of the buckets that have parts.
-        // As ATT_BY_WARPS in attention.cuh: a lane's queries and output for the heads an
-        // instruction computes (the group, or the schedule's share of it), or at head_dim 128
-        // for half of them, in 32 registers.
-        let warps_fit = |heads: usize| {
-            let lane_dims = c.head_dim / 8;
-            let heads_a_warp = if heads * lane_dims <= 32 {
-                heads
-            } else {
-                32 / lane_dims
-            };
-            let head_groups = heads.div_ceil(heads_a_warp.max(1));
-            head_groups == 1 || (head_groups == 2 && c.head_dim == 128)
-        };
-        let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
-        let two_in_flight =
-            kv_two_in_flight(&encoded.iter().map(|e| (e.0, e.1)).collect::<Vec<_>>());
-        let ways: Vec<AttnWay> = encoded
-            .iter()
-            .zip(two_in_flight)
-            .map(|((_, schedule, ..), kv_two_in_flight)| {
-                let split = schedule.options.attn_parts > 1;
-                let heads = schedule.options.attn_heads;
-                let short_by_warps =
-                    by_warps_allowed && warps_fit(schedule.options.attn_heads_of(&schedule.model));
-                AttnWay {
-                    by_warps: short_by_warps || split,
-                    spread: short_by_warps && !split,
-                    kv_two_in_flight,
-                    heads,
-                }
-            })
-            .collect();
+        let xs_floats = plan.xs_floats;
+        let spec = plan.spec;
         let mut kernels: Vec<(AttnWay, Arc<CudaModule>, Kernel)> = Vec::new();
-        let freq_in_smem = compile::freq_table_fits(c, gpu.max_smem_per_block, xs_floats);
-        let spec = KernelSpec {
-            formats,
-            down_cols,
-            down_chunks: chunks,
-            attn_by_warps: false,
-            attn_spread: false,
-            kv_two_in_flight: false,
-            attn_heads: 0,
-            sampled: false,
-            freq_in_smem,
-            pages: compile::ring_pages(c, gpu.max_smem_per_block, xs_floats, freq_in_smem)?,
-            whole_ring: gpu.fast_memory(),
-        };
-        let mut distinct: Vec<AttnWay> = Vec::new();
-        for &w in &ways {
-            if !distinct.contains(&w) {
-                distinct.push(w);
-            }
-        }
-        let specs: Vec<KernelSpec> = distinct
-            .iter()
-            .map(|w| KernelSpec {
-                attn_by_warps: w.by_warps,
-                attn_spread: w.spread,
-                kv_two_in_flight: w.kv_two_in_flight,
-                attn_heads: w.heads,
-                ..spec
-            })
-            .collect();
-        for (w, (module, kernel)) in distinct.into_iter().zip(compile::load_all(gpu, c, &specs)?) {
+        for (w, (module, kernel)) in
+            plan.ways
+                .iter()
+                .copied()
+                .zip(compile::load_all(gpu, c, &plan.specs)?)
+        {
             kernels.push((w, module, kernel));
         }
         // The kernel's static shared memory (its two flags) sits beside the pages.
@@ -440,15 +376,14 @@ impl<'g> MegakernelPath<'g> {
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
-        for ((upto, schedule, enc, descs, kinds), w) in encoded.into_iter().zip(ways) {
+        for ((upto, schedule, enc, descs, kinds), kernel) in
+            encoded.into_iter().zip(plan.bucket_kernel)
+        {
             let kv_last = last_kv_writers(&enc.words, &enc.sm_offsets, c.qk_norm);
             streams.push(Streams {
                 upto,
                 attn_parts: schedule.options.attn_parts,
-                kernel: kernels
-                    .iter()
-                    .position(|k| k.0 == w)
-                    .expect("compiled above"),
+                kernel,
                 instructions: enc.words.len() / WORDS,
                 words: gpu.upload(&enc.words, "instruction streams")?,
                 offsets: gpu.upload(&enc.sm_offsets, "stream offsets")?,
@@ -1108,6 +1043,132 @@ impl<'g> MegakernelPath<'g> {
     }
 }
 
+/// The interpreter variants a path over `buckets` compiles (greedy; the sampled ones are the
+/// same with `sampled` set) and which one each bucket runs, from the model, its matrix formats,
+/// the buckets' schedules and the GPU's shared memory and memory speed alone: no GPU is needed
+/// to know them (tests/cuda_compile.rs compiles every preset's). `by_warps_allowed`:
+/// `MEGAINFER_MK_ATT_BY_WARPS` (false computes attention by rounds everywhere, for measuring).
+pub struct KernelVariants {
+    /// The distinct variants, in the order they are compiled.
+    pub specs: Vec<KernelSpec>,
+    /// Per variant: how it computes attention.
+    ways: Vec<AttnWay>,
+    /// Per bucket: its variant's index in `specs`.
+    pub bucket_kernel: Vec<usize>,
+    /// The greedy kernels' specialisation before attention's choices.
+    pub spec: KernelSpec,
+    /// The input vector's floats (`xs_floats` in layout.rs) the variants are planned with.
+    pub xs_floats: usize,
+}
+
+pub fn kernel_variants(
+    c: &crate::model::Config,
+    formats: super::sources::MatrixFormats,
+    buckets: &[(usize, &Schedule)],
+    max_smem_per_block: usize,
+    fast_memory: bool,
+    by_warps_allowed: bool,
+) -> Result<KernelVariants> {
+    let Some(&(_, first)) = buckets.first() else {
+        bail!("megakernel: no schedule given");
+    };
+    let mut max_cols = c.hidden_size.max(c.q_dim());
+    for &(_, schedule) in buckets {
+        max_cols = max_cols.max(check_limits(schedule, &formats)?);
+    }
+    if max_cols * 2 > PAGE_BYTES {
+        bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
+    }
+    let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
+    let xs_floats = xs_floats(max_cols, attention_scratch);
+    // Attention by warps (where a lane's queries and output fit its registers for a KV
+    // group's query heads or half of them, megakernel/ops/attention.cuh) streams long
+    // parts faster than by rounds (4% a token at 8K on Llama-1B), and with its short parts
+    // spread over every warp it is level with rounds at a 160-token context on SmolLM2 and
+    // Llama-1B and faster on the head_dim-128 shapes (measured on the H100, BENCHMARKS.md).
+    // So on those shapes the buckets of one part run a kernel by warps with the spread
+    // (MEGAINFER_MK_ATT_BY_WARPS=0: by rounds, for measuring), and the buckets with
+    // split-KV parts one by warps without it: compiled in, its code made the long parts
+    // stream 1-4% slower at 8K. The other shapes compute by rounds either way, and compile
+    // the split-KV buckets' merge (attn_reduce.cuh's by-warps form) only into the kernel
+    // of the buckets that have parts.
+    // As ATT_BY_WARPS in attention.cuh: a lane's queries and output for the heads an
+    // instruction computes (the group, or the schedule's share of it), or at head_dim 128
+    // for half of them, in 32 registers.
+    let warps_fit = |heads: usize| {
+        let lane_dims = c.head_dim / 8;
+        let heads_a_warp = if heads * lane_dims <= 32 {
+            heads
+        } else {
+            32 / lane_dims
+        };
+        let head_groups = heads.div_ceil(heads_a_warp.max(1));
+        head_groups == 1 || (head_groups == 2 && c.head_dim == 128)
+    };
+    let ways: Vec<AttnWay> = buckets
+        .iter()
+        .zip(kv_two_in_flight(buckets))
+        .map(|(&(_, schedule), kv_two_in_flight)| {
+            let split = schedule.options.attn_parts > 1;
+            let heads = schedule.options.attn_heads;
+            let short_by_warps =
+                by_warps_allowed && warps_fit(schedule.options.attn_heads_of(&schedule.model));
+            AttnWay {
+                by_warps: short_by_warps || split,
+                spread: short_by_warps && !split,
+                kv_two_in_flight,
+                heads,
+            }
+        })
+        .collect();
+    let freq_in_smem = compile::freq_table_fits(c, max_smem_per_block, xs_floats);
+    let spec = KernelSpec {
+        formats,
+        down_cols: down_chunk_cols(first),
+        down_chunks: first.options.down_chunks,
+        attn_by_warps: false,
+        attn_spread: false,
+        kv_two_in_flight: false,
+        attn_heads: 0,
+        sampled: false,
+        freq_in_smem,
+        pages: compile::ring_pages(c, max_smem_per_block, xs_floats, freq_in_smem)?,
+        whole_ring: fast_memory,
+    };
+    let mut distinct: Vec<AttnWay> = Vec::new();
+    for &w in &ways {
+        if !distinct.contains(&w) {
+            distinct.push(w);
+        }
+    }
+    let specs = distinct
+        .iter()
+        .map(|w| KernelSpec {
+            attn_by_warps: w.by_warps,
+            attn_spread: w.spread,
+            kv_two_in_flight: w.kv_two_in_flight,
+            attn_heads: w.heads,
+            ..spec
+        })
+        .collect();
+    let bucket_kernel = ways
+        .iter()
+        .map(|w| {
+            distinct
+                .iter()
+                .position(|d| d == w)
+                .expect("every way is listed")
+        })
+        .collect();
+    Ok(KernelVariants {
+        specs,
+        ways: distinct,
+        bucket_kernel,
+        spec,
+        xs_floats,
+    })
+}
+
 /// For each bucket `(upto, schedule)` (in order, each starting where the one before ends):
 /// whether it runs the split-KV kernel that streams its K/V with 2 tiles in flight (the others
 /// take the weights' limit, `MK_INFLIGHT_STREAM`).
@@ -1204,6 +1265,44 @@ mod tests {
                 "{bad}: {err}"
             );
         }
+    }
+
+    /// The variants a Llama-1B path up to 128K compiles on an H200's shape, and which bucket
+    /// runs which: the short parts spread by warps, then the split-KV kernel, with 2 K/V tiles
+    /// in flight from 4K to 64K only; the host's choices reach the specs.
+    #[test]
+    fn kernel_variants_follow_the_buckets() {
+        use super::{kernel_variants, megakernel_gpu_shape, split_at_kv_bound};
+        let c = crate::model::presets::by_name("llama-3.2-1b").unwrap();
+        let shape = megakernel_gpu_shape(&c, 132, 232_448);
+        let model = crate::reference::sliced::shape_of(&c);
+        let cost = scheduler::CostModel::megakernel(131_072);
+        let buckets =
+            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), 131_072).unwrap();
+        let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
+        let plan = kernel_variants(&c, Default::default(), &list, 232_448, true, true).unwrap();
+        let uptos: Vec<usize> = list.iter().map(|b| b.0).collect();
+        assert_eq!(uptos, [512, 1024, 4096, 65_536, 131_072]);
+        assert_eq!(plan.bucket_kernel, [0, 1, 1, 2, 1]);
+        let ways: Vec<(bool, bool, bool)> = plan
+            .specs
+            .iter()
+            .map(|s| (s.attn_by_warps, s.attn_spread, s.kv_two_in_flight))
+            .collect();
+        assert_eq!(
+            ways,
+            [
+                (true, true, false),
+                (true, false, false),
+                (true, false, true)
+            ]
+        );
+        assert!(plan.specs.iter().all(|s| s.whole_ring && !s.sampled));
+        // Attention by rounds everywhere where by warps is switched off (the split-KV buckets
+        // stay by warps: their merge takes the by-warps form).
+        let rounds = kernel_variants(&c, Default::default(), &list, 232_448, false, false).unwrap();
+        assert!(!rounds.specs[0].attn_by_warps && !rounds.specs[0].attn_spread);
+        assert!(rounds.specs.iter().all(|s| !s.whole_ring));
     }
 
     /// Llama-1B's buckets at 128K (4K to 128K one bucket of 16 parts) get a cut at 64K with the
