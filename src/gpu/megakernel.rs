@@ -1043,11 +1043,8 @@ impl<'g> MegakernelPath<'g> {
     }
 }
 
-/// The interpreter variants a path over `buckets` compiles (greedy; the sampled ones are the
-/// same with `sampled` set) and which one each bucket runs, from the model, its matrix formats,
-/// the buckets' schedules and the GPU's shared memory and memory speed alone: no GPU is needed
-/// to know them (tests/cuda_compile.rs compiles every preset's). `by_warps_allowed`:
-/// `MEGAINFER_MK_ATT_BY_WARPS` (false computes attention by rounds everywhere, for measuring).
+/// The interpreter variants a path over its context buckets compiles (greedy; the sampled ones
+/// are the same with `sampled` set) and which one each bucket runs.
 pub struct KernelVariants {
     /// The distinct variants, in the order they are compiled.
     pub specs: Vec<KernelSpec>,
@@ -1061,6 +1058,11 @@ pub struct KernelVariants {
     pub xs_floats: usize,
 }
 
+/// [`KernelVariants`] for `buckets` (as [`MegakernelPath::with_buckets`] takes them), from the
+/// model, its matrix formats, the schedules and the GPU's shared memory and memory speed alone:
+/// no GPU is needed to know them (tests/cuda_compile.rs compiles every preset's).
+/// `by_warps_allowed`: `MEGAINFER_MK_ATT_BY_WARPS` (false: attention by rounds wherever the
+/// choice is open, for measuring).
 pub fn kernel_variants(
     c: &crate::model::Config,
     formats: super::sources::MatrixFormats,

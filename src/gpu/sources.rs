@@ -70,6 +70,16 @@ pub fn prefill() -> String {
     [ROPE, QKV_EXTRAS, CP_ASYNC, PREFILL, PREFILL_WGMMA, &quant()].join("\n")
 }
 
+/// The query heads an Attention instruction computes (`MK_GROUP`): `attn_heads`, or a KV head's
+/// whole group where it is 0.
+pub fn instruction_heads(config: &crate::model::Config, attn_heads: usize) -> usize {
+    if attn_heads == 0 {
+        config.num_heads / config.num_kv_heads
+    } else {
+        attn_heads
+    }
+}
+
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
 /// shape and the lengths of its mat-vec rows, so that loops have constant trip counts, and the
 /// attention scratch the host plans for it (checked by the kernel). `attn_heads`: the query
@@ -77,11 +87,7 @@ pub fn prefill() -> String {
 /// `MK_KV_GROUP`).
 pub fn megakernel_defines(config: &crate::model::Config, attn_heads: usize) -> Vec<String> {
     let kv_group = config.num_heads / config.num_kv_heads;
-    let group = if attn_heads == 0 {
-        kv_group
-    } else {
-        attn_heads
-    };
+    let group = instruction_heads(config, attn_heads);
     vec![
         format!(
             "-DMK_ATT_SCRATCH_FLOATS={}",

@@ -134,11 +134,7 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     // slower), so =1 stays there. In the short contexts' kernel, whose short parts are spread
     // over every warp, =1 made SmolLM2 4.1% and Llama-1B 1.9% slower, so that kernel keeps the
     // CUDA cores.
-    let group = if spec.attn_heads == 0 {
-        config.num_heads / config.num_kv_heads.max(1)
-    } else {
-        spec.attn_heads
-    };
+    let group = sources::instruction_heads(config, spec.attn_heads);
     let mma = match config.head_dim {
         64 => Some(1),
         128 if (3..=4).contains(&group) => Some(2),
