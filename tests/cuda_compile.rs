@@ -335,33 +335,30 @@ fn quantised_kernel_defines(preset: &str, formats: sources::MatrixFormats) -> Ve
 
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
 /// H100's schedule (a 64-position context: one query head an attention instruction), attention
-/// by rounds, and the schedule's k-chunk count.
+/// by rounds (`kernel_variants` with by-warps switched off, as `MEGAINFER_MK_ATT_BY_WARPS=0`
+/// has it), and the schedule's k-chunk count.
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
     use megainfer::gpu::megakernel::{
-        down_chunk_cols, freq_table_fits, kernel_defines, megakernel_gpu_shape,
-        megakernel_schedule, ring_pages, widest_xs_floats, KernelSpec,
+        kernel_defines, kernel_variants, megakernel_gpu_shape, megakernel_schedule, KernelSpec,
     };
     let cfg = presets::by_name(name).unwrap();
     let shape = megakernel_gpu_shape(&cfg, 132, 232_448);
     let cost = scheduler::CostModel::megakernel(64);
     let sched = megakernel_schedule(&cfg, &shape, &cost, &Default::default()).unwrap();
-    let chunks = sched.options.down_chunks;
-    let freq_in_smem = freq_table_fits(&cfg, 232_448, widest_xs_floats(&cfg));
+    let plan = kernel_variants(
+        &cfg,
+        Default::default(),
+        &[(usize::MAX, &sched)],
+        232_448,
+        false,
+        false,
+    )
+    .unwrap();
     let spec = KernelSpec {
-        formats: sources::MatrixFormats::default(),
-        down_cols: down_chunk_cols(&sched),
-        down_chunks: chunks,
-        attn_by_warps: false,
-        attn_spread: false,
-        kv_two_in_flight: false,
-        attn_heads: sched.options.attn_heads,
         sampled,
-        // As the path decides it (Qwen3-4B: off, its frequencies read from L2).
-        freq_in_smem,
-        pages: ring_pages(&cfg, 232_448, widest_xs_floats(&cfg), freq_in_smem).unwrap(),
-        whole_ring: false,
+        ..plan.specs[0]
     };
-    (kernel_defines(&cfg, &spec, ""), chunks)
+    (kernel_defines(&cfg, &spec, ""), sched.options.down_chunks)
 }
 
 /// The megakernel as compute-sanitizer's racecheck runs it (scripts/gpu-check.sh, SANITIZE=1):
