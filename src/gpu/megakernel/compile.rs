@@ -122,19 +122,18 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     }
     // The split-KV kernels (no short parts spread) compute attention's blocks on the tensor
     // cores (megakernel/ops/attention.cuh): at head_dim 64 `AttnMma` (=1), where one head group
-    // covers an instruction's query heads (`att_mma`, so Qwen2.5-0.5B's groups of 7, computed by
-    // rounds, compile as before); at head_dim 128 `AttnMmaT` (=2, the values transposed), for
-    // groups of 3 or 4 heads. Measured on the H200 against the CUDA-core blocks (BENCHMARKS.md,
-    // 2026-11-28): =1 Llama-3.2-1B 5.4% faster at 1,900 positions, 6.6% at 8K, 8.5% at 32K,
-    // 14.3% at 128K, SmolLM2 2.0% at 8K; =2 Llama-3.2-3B (groups of 3) 2.6% faster at 8K and
-    // 2.2% at 32K, Qwen3-4B (4) 0.8% and Qwen3-8B (4) 1.0% at 8K, but Qwen3-0.6B (2) 6.8% and
-    // Qwen3-1.7B (2) 1.6% slower at 8K (likely because an mma does the same work for 2 heads as
-    // for 4 while the CUDA cores' work halves; not profiled), so groups of 2 keep the CUDA
-    // cores, as do Qwen2.5-7B's 7. At head_dim 64 =2 was within 0.8%
-    // of =1 either way (0.7% faster at 8K and 128K on Llama-1B, 0.6% slower at 32K, SmolLM2 0.8%
-    // slower), so =1 stays there. In the short contexts' kernel, whose short parts are spread
-    // over every warp, =1 made SmolLM2 4.1% and Llama-1B 1.9% slower, so that kernel keeps the
-    // CUDA cores.
+    // covers an instruction's query heads (`att_mma`, so Qwen2.5-0.5B's groups of 7, computed
+    // by rounds, compile as before); at head_dim 128 `AttnMmaT` (=2, the values transposed),
+    // for groups of 3 or 4 heads. Measured on the H200 against the CUDA-core blocks
+    // (BENCHMARKS.md, 2026-11-28): =1 Llama-3.2-1B 5.4% faster at 1,900 positions, 6.6% at 8K,
+    // 8.5% at 32K, 14.3% at 128K, SmolLM2 2.0% at 8K; =2 Llama-3.2-3B (groups of 3) 2.6% faster
+    // at 8K and 2.2% at 32K, Qwen3-4B (4) 0.8% and Qwen3-8B (4) 1.0% at 8K, but Qwen3-0.6B (2)
+    // 6.8% and Qwen3-1.7B (2) 1.6% slower at 8K (likely because an mma does the same work for 2
+    // heads as for 4 while the CUDA cores' work halves; not profiled), so groups of 2 keep the
+    // CUDA cores, as do Qwen2.5-7B's 7. At head_dim 64 =2 was within 0.8% of =1 either way
+    // (0.7% faster at 8K and 128K on Llama-1B, 0.6% slower at 32K, SmolLM2 0.8% slower), so =1
+    // stays there. In the short contexts' kernel, whose short parts are spread over every warp,
+    // =1 made SmolLM2 4.1% and Llama-1B 1.9% slower, so that kernel keeps the CUDA cores.
     let group = sources::instruction_heads(config, spec.attn_heads);
     let mma = match config.head_dim {
         64 => Some(1),
