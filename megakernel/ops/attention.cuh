@@ -434,8 +434,9 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // f32 out) where head_dim is 64 and one head group covers the KV head's query heads (SmolLM2,
 // Llama-3.2-1B). A warp's block of 16 positions is then 8 mmas of scores and 8 of values
 // instead of ~490 CUDA-core instructions: Llama-1B's long contexts 5-14% faster on the H200;
-// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us: waiting for their K/V pages
-// rather than computing, MK_ATT_PAGE_STAMPS's profile in BENCHMARKS.md).
+// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us, steady from part to part;
+// whether page waits or a fixed chain of work is not yet established: MK_ATT_PAGE_STAMPS's
+// profile in BENCHMARKS.md, MK_ATT_SKIP_BLOCKS to settle it).
 // Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
 // 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
 // same lane adds (c0 + c2, c1 + c3). Scores: A = q, B = K (n = position r of an 8-position
@@ -610,8 +611,8 @@ struct AttnMma {
     }
 };
 
-// MK_ATT_MMA=2 (the host compiles it into the split-KV kernels at head_dim 128 with groups of up
-// to 4 heads: compile::defines, with the measurements): the values as O^T = V^T P^T, for groups of
+// MK_ATT_MMA=2 (the host compiles it into the split-KV kernels at head_dim 128 with groups of 3
+// or 4 heads: compile::defines, with the measurements): the values as O^T = V^T P^T, for groups of
 // up to 4 heads at head_dim 64 or 128. An mma's B columns 0-3 are the heads' probabilities'
 // high parts and 4-7 their low parts (the scores' accumulators, as AttnMma has them, hand over
 // the high parts where they are and the low parts from the lane 16 away), and its A is 16 dims

@@ -294,7 +294,8 @@ impl<'g> MegakernelPath<'g> {
             encoded[0].2.down_chunks as usize,
         );
         let xs_floats = plan.xs_floats;
-        let spec = plan.spec;
+        // The variants differ only in attention's fields; the ring and the rest are shared.
+        let spec = plan.specs[0];
         let mut kernels: Vec<(AttnWay, Arc<CudaModule>, Kernel)> = Vec::new();
         for (w, (module, kernel)) in
             plan.ways
@@ -1052,8 +1053,6 @@ pub struct KernelVariants {
     ways: Vec<AttnWay>,
     /// Per bucket: its variant's index in `specs`.
     pub bucket_kernel: Vec<usize>,
-    /// The greedy kernels' specialisation before attention's choices.
-    pub spec: KernelSpec,
     /// The input vector's floats (`xs_floats` in layout.rs) the variants are planned with.
     pub xs_floats: usize,
 }
@@ -1166,7 +1165,6 @@ pub fn kernel_variants(
         specs,
         ways: distinct,
         bucket_kernel,
-        spec,
         xs_floats,
     })
 }
