@@ -27,7 +27,11 @@ Attention's steps read its words 4 and 5 as the consumers write them; a run buil
 -DMK_ATT_LOADER_STAMPS=1 has the loader's there instead (scripts/loader-rate.py reads those).
 With --att-pages, for a run with -DMK_ATT_PAGE_STAMPS=1 (word 5 of a part computed by warps is
 when consumer warp 0's last page wait returned), attention's steps are its inputs, the time to
-that last page, the rest of the part's tiles, and the merge with the store.
+that last page, the rest of the part's tiles, and the merge with the store. With --att-issue,
+for a run with -DMK_ATT_PAGE_STAMPS=2 (word 4 is when the loader issued that page's tile), its
+steps are its inputs, that tile's issue after the inputs (negative: before), the issue to warp
+0's wait returned (deciles too), and the rest to the store; with =3 (word 4 is when warp 0
+began that wait) the same columns read "issued" as "warp 0 began its wait".
 """
 import csv
 import gzip
@@ -113,7 +117,7 @@ def merges(records):
           f"done {st.median(end):5.2f} (deciles {st.quantiles(end, n=10)[0]:.2f} .. {st.quantiles(end, n=10)[-1]:.2f})")
 
 
-def main(path, with_prep=False, with_tiles=False, att_pages=False):
+def main(path, with_prep=False, with_tiles=False, att_pages=False, att_issue=False):
     records = list(rows(path))
     by_layer = defaultdict(lambda: defaultdict(list))
     attention = []
@@ -146,8 +150,14 @@ def main(path, with_prep=False, with_tiles=False, att_pages=False):
         if att_pages:
             steps = [("inputs", 0, 1), ("to warp 0's last page", 1, 5), ("the rest of the tiles", 5, 4),
                      ("merge + store", 4, 3)]
+        if att_issue:
+            steps = [("inputs", 0, 1), ("last tile issued", 1, 4), ("issued to landed", 4, 5),
+                     ("then to the store", 5, 3)]
         for name, a, b in steps:
             print(f"  {name:22s} {st.median(x[b] - x[a] for x in attention):6.2f}")
+        if att_issue:
+            d = st.quantiles([x[5] - x[4] for x in attention], n=10)
+            print("  issued to landed, deciles: " + " ".join(f"{v:.2f}" for v in d))
     hops(by_layer)
     merges(records)
     if with_prep:
@@ -180,7 +190,8 @@ def hops(by_layer):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--prep", "--tiles", "--att-pages")]
+    args = [a for a in sys.argv[1:] if a not in ("--prep", "--tiles", "--att-pages", "--att-issue")]
     if len(args) != 1:
-        sys.exit("usage: timeline.py [--prep] [--tiles] [--att-pages] TIMELINE.csv[.gz]")
-    main(args[0], "--prep" in sys.argv[1:], "--tiles" in sys.argv[1:], "--att-pages" in sys.argv[1:])
+        sys.exit("usage: timeline.py [--prep] [--tiles] [--att-pages | --att-issue] TIMELINE.csv[.gz]")
+    flags = sys.argv[1:]
+    main(args[0], "--prep" in flags, "--tiles" in flags, "--att-pages" in flags, "--att-issue" in flags)

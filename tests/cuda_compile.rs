@@ -248,7 +248,9 @@ fn megakernel_attention_mma_variant_compiles() {
 /// and the prepare's stamps with only the O projection's dot products left out and the
 /// split-KV merge not waiting for its parts and the loader's own limit while the consumers
 /// are in attention; the loader's L2 prefetch of an instruction's first tiles; attention's
-/// page stamps with the blocks after each warp's first tile left out.
+/// page stamps with the blocks after each warp's first tile left out, and with the loader's
+/// issue of the last page, and with warp 0's start of that page's wait, its first tile computed
+/// twice and the V rows read at spread pieces.
 #[test]
 fn megakernel_measuring_variants_compile() {
     require_nvrtc();
@@ -297,7 +299,7 @@ fn megakernel_measuring_variants_compile() {
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
     // Attention's page stamps, in the kernel the split-KV buckets get, with the blocks after
-    // each warp's first tile left out.
+    // each warp's first tile left out; and with the loader's issue of the last page waited for.
     assert_preset_variants_compile(
         &["smollm2-135m"],
         &[
@@ -306,6 +308,26 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_ATT_MMA=1",
             "-DMK_ATT_PAGE_STAMPS=1",
             "-DMK_ATT_SKIP_BLOCKS=1",
+        ],
+    );
+    assert_preset_variants_compile(
+        &["smollm2-135m"],
+        &[
+            "-DMK_ATT_BY_WARPS=1",
+            "-DMK_ATT_SPREAD_MAX=0",
+            "-DMK_ATT_MMA=1",
+            "-DMK_ATT_PAGE_STAMPS=2",
+        ],
+    );
+    assert_preset_variants_compile(
+        &["smollm2-135m"],
+        &[
+            "-DMK_ATT_BY_WARPS=1",
+            "-DMK_ATT_SPREAD_MAX=0",
+            "-DMK_ATT_MMA=1",
+            "-DMK_ATT_PAGE_STAMPS=3",
+            "-DMK_ATT_TWICE=1",
+            "-DMK_ATT_V_SPREAD=1",
         ],
     );
 }

@@ -72,6 +72,10 @@ __device__ __forceinline__ AttnRange attn_range(const u32* w, u32 pos) {
 // MK_ATT_PAGE_STAMPS=1 (for measuring): word 5 of a part computed by warps is when consumer warp
 // 0's last page wait returned (scripts/timeline.py --att-pages), instead of the merge's end: how
 // much of the part's time goes to waiting for its K/V tiles rather than computing on them.
+// =2: word 4 is then when the loader issued that tile (warp pair 0's last), instead of the
+// tiles done (scripts/timeline.py --att-issue): whether a late page was issued late (the ring,
+// the loader's limits) or took long to land. =3: word 4 is when warp 0 began that wait (with
+// =2, whether the page was late or warp 0 came to it late).
 #ifndef MK_ATT_PAGE_STAMPS
 #define MK_ATT_PAGE_STAMPS 0
 #endif
@@ -82,6 +86,19 @@ static_assert(!(MK_ATT_LOADER_STAMPS && MK_ATT_PAGE_STAMPS), "words 4 and 5 take
 // every part's sums finite).
 #ifndef MK_ATT_SKIP_BLOCKS
 #define MK_ATT_SKIP_BLOCKS 0
+#endif
+// MK_ATT_TWICE=1 (for measuring only: the output is wrong): a warp computes its first tile's
+// blocks twice, the second time on code and data just used, so a profile shows what the first
+// pass costs beyond the arithmetic (instruction fetch of code last run a layer ago).
+#ifndef MK_ATT_TWICE
+#define MK_ATT_TWICE 0
+#endif
+// MK_ATT_V_SPREAD=1 (for measuring only: the output is wrong): AttnMma's lanes read their V rows
+// at 16-byte pieces (r + 2 qd) % 8 instead of r, so a quarter warp's loads fall in distinct
+// banks (the four rows a quarter warp reads at piece r lie 128 bytes apart: the same banks,
+// a 4-way conflict), to show what the conflicts cost.
+#ifndef MK_ATT_V_SPREAD
+#define MK_ATT_V_SPREAD 0
 #endif
 
 // Bytes in flight: an SM's share of the read bandwidth is ~3.1 TB/s / 132 = 23.5 GB/s, and a
@@ -101,6 +118,8 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos
     const AttnRange a = attn_range(w, pos);
     u64* prof = MK_ATT_LOADER_STAMPS && p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
     if (prof && lane == 0) prof[PROF_EXTRA1] = global_ns();
+    // MK_ATT_PAGE_STAMPS=2: the tile consumer warp 0 waits for last (pair 0's last).
+    const int last_of_pair0 = ((a.cached_end - a.p0 + ATT_TR - 1) / ATT_TR - 1) / TILE_GROUPS * TILE_GROUPS;
     for (int r0 = a.p0; r0 < a.cached_end; r0 += ATT_TR, seq++) {
         const u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
         if (MK_TILE_NOTES && lane == 0) note(p, 3, seq);
@@ -116,6 +135,8 @@ __device__ bool load_attention(const MkParams& p, const u32* w, u32 pos, u32 pos
         if (lane == 0) mbar_expect_tx(&full[slot], 2 * bytes);
         __syncwarp();
         bf16_t* page = pages + (size_t)slot * (PAGE_BYTES / 2);
+        if (MK_ATT_PAGE_STAMPS == 2 && p.profile && lane == 0 && (r0 - a.p0) / ATT_TR == last_of_pair0)
+            p.profile[(size_t)instr * PROF_WORDS + PROF_EXTRA1] = global_ns();
         if (lane < 2)
             bulk_load(page + lane * ATT_TR * ATT_HD, kv_row(p, lane ? p.v_cache : p.k_cache, layer, kvh, r0), bytes,
                       &full[slot], policy);
@@ -434,9 +455,12 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // f32 out) where head_dim is 64 and one head group covers the KV head's query heads (SmolLM2,
 // Llama-3.2-1B). A warp's block of 16 positions is then 8 mmas of scores and 8 of values
 // instead of ~490 CUDA-core instructions: Llama-1B's long contexts 5-14% faster on the H200;
-// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us, steady from part to part;
-// whether page waits or a fixed chain of work is not yet established: MK_ATT_PAGE_STAMPS's
-// profile in BENCHMARKS.md, MK_ATT_SKIP_BLOCKS to settle it).
+// SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us, steady from part to part).
+// That time is the warps' own work, not their pages (MK_ATT_PAGE_STAMPS=3: warp 0's wait for
+// its last page returns within 0.06 us, the page landed long before): a tile's two blocks take
+// a warp ~1 us when repeated (MK_ATT_TWICE) and the first tile ~0.9 us more than that
+// (BENCHMARKS.md, 2026-11-28). Taking 32 positions a step instead of 16 (four score chains side
+// by side, one softmax step) was not faster.
 // Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
 // 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
 // same lane adds (c0 + c2, c1 + c3). Scores: A = q, B = K (n = position r of an 8-position
@@ -446,8 +470,12 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // (mma_piece and mma_chunk_base: the general form).
 // Values: A = the probabilities (the scores' accumulators are laid out as the A fragment of
 // the next mma: positions 2 qd + e and 8 + 2 qd + e), B = V with n-tile t's column r being dim
-// 8 r + t, so a lane reads 16 bytes of each of its four rows (conflict-free) and pairs their
-// halves with byte permutes; O's column 2 qd + e of n-tile t is then dim 16 qd + 8 e + t.
+// 8 r + t, so a lane reads 16 bytes of each of its four rows and pairs their halves with byte
+// permutes; O's column 2 qd + e of n-tile t is then dim 16 qd + 8 e + t. Those V reads are a
+// 4-way bank conflict (a quarter warp's lanes of one r read piece r of rows 128 bytes apart),
+// inherent to a plain row-major page: every k-row mapping keeps a lane's piece tied to r. Read
+// without it (MK_ATT_V_SPREAD, wrong output) SmolLM2 at 8K was 2.2% faster, Llama-1B level;
+// removing it needs a swizzled page (a tensor copy's 128-byte swizzle) on every reader.
 // A function, not a constexpr variable: NVRTC gives such a variable a byte of global memory,
 // which moves the other globals' addresses in every kernel.
 __device__ __forceinline__ constexpr bool att_mma() {
@@ -571,11 +599,11 @@ struct AttnMma {
         split_bf16x2(s[0][0], s[0][1], pa[0], pa[1]);
         split_bf16x2(s[1][0], s[1][1], pa[2], pa[3]);
         // Rows past the block's end weigh 0 and are read on its last row (finite values).
-        const int last = rows - 1;
-        const uint4 v0 = *(const uint4*)(vp + min(2 * qd, last) * ATT_HD + 8 * r);
-        const uint4 v1 = *(const uint4*)(vp + min(2 * qd + 1, last) * ATT_HD + 8 * r);
-        const uint4 v8 = *(const uint4*)(vp + min(2 * qd + 8, last) * ATT_HD + 8 * r);
-        const uint4 v9 = *(const uint4*)(vp + min(2 * qd + 9, last) * ATT_HD + 8 * r);
+        const int last = rows - 1, vc = 8 * (MK_ATT_V_SPREAD ? (r + 2 * qd) & 7 : r);
+        const uint4 v0 = *(const uint4*)(vp + min(2 * qd, last) * ATT_HD + vc);
+        const uint4 v1 = *(const uint4*)(vp + min(2 * qd + 1, last) * ATT_HD + vc);
+        const uint4 v8 = *(const uint4*)(vp + min(2 * qd + 8, last) * ATT_HD + vc);
+        const uint4 v9 = *(const uint4*)(vp + min(2 * qd + 9, last) * ATT_HD + vc);
         const u32 w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
         const u32 w8[4] = {v8.x, v8.y, v8.z, v8.w}, w9[4] = {v9.x, v9.y, v9.z, v9.w};
 #pragma unroll
@@ -617,8 +645,8 @@ struct AttnMma {
 // high parts and 4-7 their low parts (the scores' accumulators, as AttnMma has them, hand over
 // the high parts where they are and the low parts from the lane 16 away), and its A is 16 dims
 // of V^T (m-tile t's row m is dim 8 (m % 8) + t + (m / 8) (4 at head_dim 64, 64 at 128), so a
-// lane reads 16 bytes of each of its four rows per 64 dims, conflict-free, and pairs their
-// halves with byte permutes). Against AttnMma: half the values' mmas (head_dim / 16, not / 8)
+// lane reads 16 bytes of each of its four rows per 64 dims, and pairs their halves with byte
+// permutes; the same 4-way bank conflict as AttnMma's V reads). Against AttnMma: half the values' mmas (head_dim / 16, not / 8)
 // and half the output's registers (head_dim / 4 a lane), which lets head_dim 128 keep its
 // accumulators in registers (AttnMma's layout there needs 64 of them beside 32 of q's).
 struct AttnMmaT {
@@ -780,6 +808,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     }
     for (int t = spread ? ntiles : pair; t < ntiles; t += TILE_GROUPS) {
         const u32 sq = seq + t, slot = sq % MK_RING(p);
+        if (MK_ATT_PAGE_STAMPS == 3 && ct == 0 && prof && t + TILE_GROUPS >= ntiles) prof[PROF_EXTRA1] = global_ns();
         const bool landed = page_wait(p, &full[slot], (sq / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, sq);
         if (MK_ATT_PAGE_STAMPS && ct == 0 && prof) prof[PROF_EXTRA2] = global_ns();
         // The whole warp goes on or stops together (the tile's shuffles need every lane).
@@ -789,6 +818,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
         }
         const int rows = min(ATT_TR, n - t * ATT_TR) - half * ATT_WROWS;
         const bf16_t* kp = pages + (size_t)slot * (PAGE_BYTES / 2) + half * ATT_WROWS * HD;
+        for (int rep = 0; rep < (MK_ATT_TWICE && t == pair ? 2 : 1); rep++)
 #pragma unroll
         for (int b = 0; b < ATT_WROWS / ATT_BROWS; b++)
             if ((!MK_ATT_SKIP_BLOCKS || t == pair) && rows > b * ATT_BROWS) {
@@ -840,7 +870,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     if (consumers_failed()) return ntiles;
     if (spread) attn_release_pages(p, empty, seq, 0, ntiles);
     // Profile words 4 and 5 (the loader's for a mat-vec): the tiles streamed, and the merge.
-    if (!MK_ATT_LOADER_STAMPS && ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
+    if (!MK_ATT_LOADER_STAMPS && MK_ATT_PAGE_STAMPS < 2 && ct == 0 && prof) prof[PROF_EXTRA1] = global_ns();
     for (int i = ct; i < G * HD; i += CONSUMERS) {
         // The warps k0, k0 + HG, ... took head g (every warp with one head group: the loops'
         // bounds stay constants there, as the merge sits on the critical path of every part).
