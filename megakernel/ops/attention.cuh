@@ -89,7 +89,7 @@ static_assert(!(MK_ATT_LOADER_STAMPS && MK_ATT_PAGE_STAMPS), "words 4 and 5 take
 #endif
 // MK_ATT_TWICE=1 (for measuring only: the output is wrong): a warp computes its first tile's
 // blocks twice, the second time on code and data just used, so a profile shows what the first
-// pass costs beyond the arithmetic (instruction fetch of code last run a layer ago).
+// pass costs beyond the arithmetic.
 #ifndef MK_ATT_TWICE
 #define MK_ATT_TWICE 0
 #endif
@@ -458,8 +458,8 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // SmolLM2's 8K parts took as long as with the CUDA cores (3.4 us, steady from part to part).
 // That time is the warps' own work, not their pages (MK_ATT_PAGE_STAMPS=3: warp 0's wait for
 // its last page returns within 0.06 us, the page landed long before): a tile's two blocks take
-// a warp ~1 us when repeated (MK_ATT_TWICE) and the first tile ~0.9 us more than that
-// (BENCHMARKS.md, 2026-11-28). Taking 32 positions a step instead of 16 (four score chains side
+// a warp ~1 us when repeated (MK_ATT_TWICE) and the first tile ~0.9 us more than that, which
+// is not instruction fetch (BENCHMARKS.md, 2026-11-28). Taking 32 positions a step instead of 16 (four score chains side
 // by side, one softmax step) was not faster.
 // Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
 // 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
