@@ -28,10 +28,10 @@ Attention's steps read its words 4 and 5 as the consumers write them; a run buil
 With --att-pages, for a run with -DMK_ATT_PAGE_STAMPS=1 (word 5 of a part computed by warps is
 when consumer warp 0's last page wait returned), attention's steps are its inputs, the time to
 that last page, the rest of the part's tiles, and the merge with the store. With --att-issue,
-for a run with -DMK_ATT_PAGE_STAMPS=2 (word 4 is when the loader issued that page's tile), its
-steps are its inputs, that tile's issue after the inputs (negative: before), the issue to warp
-0's wait returned (deciles too), and the rest to the store; with =3 (word 4 is when warp 0
-began that wait) the same columns read "issued" as "warp 0 began its wait".
+for a run with -DMK_ATT_PAGE_STAMPS=2 or 3, word 4 is when the loader issued that page's tile
+(=2) or when warp 0 began waiting for it (=3), and attention's steps are its inputs, word 4
+after the inputs (negative: before), word 4 to the wait's return (deciles too: with =3 the
+wait itself), and the rest to the store.
 """
 import csv
 import gzip
@@ -151,13 +151,13 @@ def main(path, with_prep=False, with_tiles=False, att_pages=False, att_issue=Fal
             steps = [("inputs", 0, 1), ("to warp 0's last page", 1, 5), ("the rest of the tiles", 5, 4),
                      ("merge + store", 4, 3)]
         if att_issue:
-            steps = [("inputs", 0, 1), ("last tile issued", 1, 4), ("issued to landed", 4, 5),
+            steps = [("inputs", 0, 1), ("to word 4", 1, 4), ("word 4 to wait return", 4, 5),
                      ("then to the store", 5, 3)]
         for name, a, b in steps:
             print(f"  {name:22s} {st.median(x[b] - x[a] for x in attention):6.2f}")
         if att_issue:
             d = st.quantiles([x[5] - x[4] for x in attention], n=10)
-            print("  issued to landed, deciles: " + " ".join(f"{v:.2f}" for v in d))
+            print("  word 4 to wait return, deciles: " + " ".join(f"{v:.2f}" for v in d))
     hops(by_layer)
     merges(records)
     if with_prep:

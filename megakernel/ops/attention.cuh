@@ -459,8 +459,8 @@ __device__ __forceinline__ void attn_warp_block(const bf16_t* kp, const bf16_t* 
 // That time is the warps' own work, not their pages (MK_ATT_PAGE_STAMPS=3: warp 0's wait for
 // its last page returns within 0.06 us, the page landed long before): a tile's two blocks take
 // a warp ~1 us when repeated (MK_ATT_TWICE) and the first tile ~0.9 us more than that, which
-// is not instruction fetch (BENCHMARKS.md, 2026-11-28). Taking 32 positions a step instead of 16 (four score chains side
-// by side, one softmax step) was not faster.
+// is not instruction fetch (BENCHMARKS.md, 2026-11-28). Taking 32 positions a step instead of
+// 16 (four score chains side by side, one softmax step) was not faster.
 // Layout (r = lane / 4, qd = lane % 4): an mma's A rows 0-7 are the heads' bf16 high parts, rows
 // 8-15 their low parts (x = hi + lo to 2^-17), so each sum comes out in two halves that the
 // same lane adds (c0 + c2, c1 + c3). Scores: A = q, B = K (n = position r of an 8-position
@@ -646,9 +646,10 @@ struct AttnMma {
 // the high parts where they are and the low parts from the lane 16 away), and its A is 16 dims
 // of V^T (m-tile t's row m is dim 8 (m % 8) + t + (m / 8) (4 at head_dim 64, 64 at 128), so a
 // lane reads 16 bytes of each of its four rows per 64 dims, and pairs their halves with byte
-// permutes; the same 4-way bank conflict as AttnMma's V reads). Against AttnMma: half the values' mmas (head_dim / 16, not / 8)
-// and half the output's registers (head_dim / 4 a lane), which lets head_dim 128 keep its
-// accumulators in registers (AttnMma's layout there needs 64 of them beside 32 of q's).
+// permutes; the same 4-way bank conflict as AttnMma's V reads). Against AttnMma: half the
+// values' mmas (head_dim / 16, not / 8) and half the output's registers (head_dim / 4 a lane),
+// which lets head_dim 128 keep its accumulators in registers (AttnMma's layout there needs 64
+// of them beside 32 of q's).
 struct AttnMmaT {
     // m-tiles; 16-byte pieces of a V row a lane reads (an enum: NVRTC gives static constexpr
     // members storage, which moves every kernel's globals).
