@@ -54,17 +54,7 @@ pub fn compile_cubin(
         options.push(format!("--include-path={}", inc.display()));
     }
     options.extend_from_slice(extra_options);
-    let version = nvrtc_version()?;
-
-    let mut h = Sha256::new();
-    h.update(source.as_bytes());
-    h.update(format!("{arch}|{options:?}|{version:?}").as_bytes());
-    let key: String = h
-        .finalize()
-        .iter()
-        .take(16)
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let key = cache_key(source, arch, &options, nvrtc_version()?);
     let cache_path = crate::fetch::cache_dir()
         .ok()
         .map(|d| d.join("kernels").join(format!("{name}-{arch}-{key}.cubin")));
@@ -92,6 +82,26 @@ pub fn compile_cubin(
         }
     }
     Ok(cubin)
+}
+
+/// The disk cache's name for a compile: a hash of the source, architecture, options and NVRTC
+/// (major, minor) version, less the `--include-path` option. That path names a folder of the
+/// machine that compiles, and changes no CUBIN: no CUDA source includes a header (sources.rs
+/// assembles each one whole). So a cache filled on one machine is found on another with the
+/// same NVRTC version, e.g. kernels compiled ahead for a GPU machine (docs/gpu-machine.md).
+fn cache_key(source: &str, arch: &str, options: &[String], version: (i32, i32)) -> String {
+    let options: Vec<&String> = options
+        .iter()
+        .filter(|o| !o.starts_with("--include-path="))
+        .collect();
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    h.update(format!("{arch}|{options:?}|{version:?}").as_bytes());
+    h.finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// [`compile_cubin`] for each set of `option_sets`, on a thread each (NVRTC compiles one
@@ -152,4 +162,39 @@ fn compile_uncached(name: &str, source: &str, options: &[String]) -> Result<Vec<
     // SAFETY: created above, destroyed once.
     let _ = unsafe { nvrtc::destroy_program(prog) };
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_key;
+
+    #[test]
+    fn cache_key_ignores_the_include_path_and_nothing_else() {
+        let opts = |inc: Option<&str>, define: &str| -> Vec<String> {
+            let mut o = vec![
+                "--gpu-architecture=sm_90a".to_string(),
+                "--std=c++17".to_string(),
+            ];
+            if let Some(i) = inc {
+                o.push(format!("--include-path={i}"));
+            }
+            o.push(define.to_string());
+            o
+        };
+        let key = |inc, define, version| cache_key("src", "sm_90a", &opts(inc, define), version);
+        let base = key(Some("/a/include"), "-DX=1", (13, 0));
+        assert_eq!(base.len(), 32);
+        assert_eq!(base, key(Some("/b/include"), "-DX=1", (13, 0)));
+        assert_eq!(base, key(None, "-DX=1", (13, 0)));
+        assert_ne!(base, key(None, "-DX=2", (13, 0)));
+        assert_ne!(base, key(None, "-DX=1", (13, 5)));
+        assert_ne!(
+            base,
+            cache_key("src2", "sm_90a", &opts(None, "-DX=1"), (13, 0))
+        );
+        assert_ne!(
+            base,
+            cache_key("src", "sm_100a", &opts(None, "-DX=1"), (13, 0))
+        );
+    }
 }
