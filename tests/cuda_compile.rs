@@ -572,3 +572,42 @@ fn prefill_kernels_compile_for_sm90a() {
     require_nvrtc();
     assert_compiles("prefill", &megainfer::gpu::sources::prefill(), &[], "");
 }
+
+/// `megainfer schedule --compile-kernels h200` compiles, without a GPU, the megakernel
+/// variants `run` and `bench` would load into the cache MEGAINFER_CACHE names: for SmolLM2 at
+/// 8,192 positions three (the short buckets' kernel, the 4K bucket's split-KV kernel and the
+/// 4K-64K one with two K/V tiles in flight).
+#[test]
+fn schedule_compiles_the_kernels_ahead() {
+    require_nvrtc();
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_megainfer"))
+        .args(["schedule", "--preset", "smollm2-135m", "--context", "8192"])
+        .args(["--compile-kernels", "h200"])
+        .env("MEGAINFER_CACHE", dir.path())
+        .env_remove("MEGAINFER_MK_DEFINES")
+        .env_remove("MEGAINFER_MK_ATT_BY_WARPS")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("3 megakernel variants for an H200 compiled (sm_90a)"),
+        "{stdout}"
+    );
+    let cubins = std::fs::read_dir(dir.path().join("kernels"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "cubin")
+        })
+        .count();
+    assert_eq!(cubins, 3);
+}

@@ -72,6 +72,12 @@ pub struct ScheduleArgs {
     pub attn_heads: Option<usize>,
     #[arg(long)]
     pub lmhead_rows: Option<usize>,
+    /// Also compile, without a GPU, the megakernel variants `run` and `bench` would load for
+    /// these buckets (bf16 weights) on that GPU into the kernel cache (MEGAINFER_CACHE),
+    /// e.g. to carry to a GPU machine whose NVRTC has this one's version (docs/gpu-machine.md).
+    /// Give --context as `bench`'s prompt length + new tokens + 1.
+    #[arg(long, value_parser = ["h100", "h200"])]
+    pub compile_kernels: Option<String>,
 }
 
 fn config(args: &ScheduleArgs) -> Result<Config> {
@@ -271,6 +277,15 @@ context buckets for sequences up to {} positions{}:",
             schedule.options.attn_parts,
             upto,
             kv_max as f64 / 1024.0
+        )?;
+    }
+    if let Some(gpu_name) = &args.compile_kernels {
+        let n = crate::gpu::megakernel::compile_kernels_ahead(&cfg, &runs, gpu_name == "h200")
+            .context("compiling the megakernel variants")?;
+        writeln!(
+            out,
+            "\n{n} megakernel variants for an {} compiled (sm_90a) into the kernel cache",
+            gpu_name.to_uppercase()
         )?;
     }
     if let Some(path) = &args.json {

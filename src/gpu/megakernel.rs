@@ -1057,6 +1057,29 @@ pub struct KernelVariants {
     pub xs_floats: usize,
 }
 
+/// Compiles, without a GPU, the megakernel variants `run` and `bench` would load for
+/// `buckets` (bf16 weights, a Hopper block's shared memory; `fast_memory`: a GPU such as the
+/// H200's, the weights' whole ring in flight) into the kernel cache, for `sm_90a`, with
+/// `MEGAINFER_MK_DEFINES` and `MEGAINFER_MK_ATT_BY_WARPS` as those read them; returns how
+/// many. A cache filled so is found on a GPU machine whose NVRTC has this one's version
+/// (`megainfer schedule --compile-kernels`, docs/gpu-machine.md).
+pub fn compile_kernels_ahead(
+    c: &crate::model::Config,
+    buckets: &[(usize, &Schedule)],
+    fast_memory: bool,
+) -> Result<usize> {
+    let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
+    let plan = kernel_variants(
+        c,
+        Default::default(),
+        buckets,
+        H100_SMEM_PER_BLOCK,
+        fast_memory,
+        by_warps_allowed,
+    )?;
+    Ok(compile::compile_all(c, &plan.specs, "sm_90a")?.len())
+}
+
 /// [`KernelVariants`] for `buckets` (as [`MegakernelPath::with_buckets`] takes them), from the
 /// model, its matrix formats, the schedules and the GPU's shared memory and memory speed alone:
 /// no GPU is needed to know them (tests/cuda_compile.rs compiles every preset's).

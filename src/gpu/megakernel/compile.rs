@@ -186,15 +186,15 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
     defines
 }
 
-/// The megakernel for each of `specs`, compiled (or taken from the disk cache) for
-/// [`defines`] with `MEGAINFER_MK_DEFINES` as the extra options, then loaded on `gpu` in
-/// order. The compiles run in parallel: NVRTC takes 10-20 s for each variant on one core, and
-/// a path with split-KV buckets needs two or three.
-pub(super) fn load_all(
-    gpu: &Gpu,
+/// The megakernel for each of `specs`, compiled (or taken from the disk cache) for `arch`
+/// with [`defines`] and `MEGAINFER_MK_DEFINES` as the extra options, in order. The compiles
+/// run in parallel: NVRTC takes 10-20 s for each variant on one core, and a path with split-KV
+/// buckets needs two or three.
+pub(super) fn compile_all(
     config: &crate::model::Config,
     specs: &[KernelSpec],
-) -> Result<Vec<(Arc<CudaModule>, Kernel)>> {
+    arch: &str,
+) -> Result<Vec<Vec<u8>>> {
     let extra = std::env::var("MEGAINFER_MK_DEFINES").unwrap_or_default();
     if extra.contains("-DMK_PAGES") {
         bail!(
@@ -203,7 +203,16 @@ pub(super) fn load_all(
         );
     }
     let options: Vec<Vec<String>> = specs.iter().map(|s| defines(config, s, &extra)).collect();
-    compile_cubins("megakernel", &sources::megakernel(), &gpu.arch(), &options)?
+    compile_cubins("megakernel", &sources::megakernel(), arch, &options)
+}
+
+/// [`compile_all`] for `gpu`'s architecture, each CUBIN then loaded on it.
+pub(super) fn load_all(
+    gpu: &Gpu,
+    config: &crate::model::Config,
+    specs: &[KernelSpec],
+) -> Result<Vec<(Arc<CudaModule>, Kernel)>> {
+    compile_all(config, specs, &gpu.arch())?
         .into_iter()
         .map(|cubin| {
             let module = gpu
