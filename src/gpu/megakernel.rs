@@ -259,14 +259,12 @@ impl<'g> MegakernelPath<'g> {
                 c.head_dim
             );
         }
-        let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
-        let plan = kernel_variants(
+        let plan = host_kernel_variants(
             c,
             formats,
             buckets,
             gpu.max_smem_per_block,
             gpu.fast_memory(),
-            by_warps_allowed,
         )?;
         let mut encoded = Vec::new();
         let tile_formats = tiles::TileFormats {
@@ -1068,16 +1066,34 @@ pub fn compile_kernels_ahead(
     buckets: &[(usize, &Schedule)],
     fast_memory: bool,
 ) -> Result<usize> {
-    let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
-    let plan = kernel_variants(
+    let plan = host_kernel_variants(
         c,
         Default::default(),
         buckets,
         H100_SMEM_PER_BLOCK,
         fast_memory,
-        by_warps_allowed,
     )?;
     Ok(compile::compile_all(c, &plan.specs, "sm_90a")?.len())
+}
+
+/// [`kernel_variants`] as the host takes them: attention by warps unless
+/// `MEGAINFER_MK_ATT_BY_WARPS=0` (for measuring).
+fn host_kernel_variants(
+    c: &crate::model::Config,
+    formats: super::sources::MatrixFormats,
+    buckets: &[(usize, &Schedule)],
+    max_smem_per_block: usize,
+    fast_memory: bool,
+) -> Result<KernelVariants> {
+    let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
+    kernel_variants(
+        c,
+        formats,
+        buckets,
+        max_smem_per_block,
+        fast_memory,
+        by_warps_allowed,
+    )
 }
 
 /// [`KernelVariants`] for `buckets` (as [`MegakernelPath::with_buckets`] takes them), from the
