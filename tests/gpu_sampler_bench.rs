@@ -239,8 +239,10 @@ fn sampler_bench() {
             for (chunk, sampler) in &mut fused {
                 sampler.set_params(&g.stream, &p).unwrap();
                 let fell_back = sampler.fallbacks(&g).unwrap();
+                let long = sampler.long_merges(&g).unwrap();
                 let new = draws(&g, &mut b, sampler);
                 let fell_back = sampler.fallbacks(&g).unwrap() - fell_back;
+                let long = sampler.long_merges(&g).unwrap() - long;
                 let differ = (0..DRAWS).filter(|&i| old[i] != new[i]).count();
                 // The searches after a failed first attempt draw the same tokens too.
                 sampler.force_searches(true);
@@ -271,7 +273,7 @@ fn sampler_bench() {
                 let t = time_draws(&g, &mut b, sampler, false);
                 let t_pdl = time_draws(&g, &mut b, sampler, true);
                 let fast = if sampler.fast() {
-                    format!(", {fell_back} first attempts failed")
+                    format!(", {fell_back} first attempts failed, {long} merged the long way")
                 } else {
                     String::new()
                 };

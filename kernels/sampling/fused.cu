@@ -17,13 +17,17 @@
 // logit distance the previous draw left) of the global maximum; the last CTA merges and draws
 // as above and checks that those keys decided the cuts (smp1_complete). If they did, the token is the
 // one the searches would have given; if not (or a CTA had more than SMP1_CAP such keys), it
-// tells the waiting CTAs so, and all of them search and merge as above. Either way the last
-// merge leaves `hint` for the next draw.
+// tells the waiting CTAs so, and all of them search and merge as above. The attempt's merge
+// takes a short way where it can (smp1_merge_binned: the union sorted by counting, in about five
+// barriers). Either way the last merge leaves `hint` for the next draw.
 
 #define SMP1_THREADS 512
 #define SMP1_PER (SMP_CHUNK / SMP1_THREADS)  // rows a thread holds
 #define SMP1_CAP 160                          // key slots per block (>= SMP_KMAX)
 #define SMP1_FINAL_PER 24                     // slots a thread of the last CTA holds: nb * SMP1_CAP <= 12288
+#define SMP1_FIRST_PER 3                      // slots a thread of the last CTA loads with the summaries
+#define SMP1_BINNED_MAX SMP1_THREADS          // keys the binned merge places (one a thread)
+#define SMP1_BINS 256
 
 // SMP_PROF=1 (for measuring, through MEGAINFER_SAMPLER_DEFINES): the CTA that draws prints
 // where one draw in 40 spent its time (globaltimer, ns from the earliest CTA's start after
@@ -54,7 +58,15 @@ struct Smp1Shared {
     SmpSel sel;
     smp_u32 last;
     smp_u32 verdict;  // the fast attempt's, for the whole CTA
-    smp_u32 used;     // the most key slots a block filled in the fast attempt
+    smp_u32 fcount;   // this CTA's keys within the hint
+    // The last CTA's summaries, a warp each: maximum, keys, most keys in a block, overflow.
+    float wmax[SMP1_THREADS / 32];
+    smp_u32 wkeys[SMP1_THREADS / 32], wused[SMP1_THREADS / 32], wover[SMP1_THREADS / 32];
+    // The binned merge: the first bin holding the k-th key, the keys placed, each bin's first
+    // place, the keys by bin.
+    smp_u32 bsel, nsel;
+    smp_u32 binbase[SMP1_BINS];
+    smp_u64 ks[SMP1_BINNED_MAX];
 };
 
 __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
@@ -71,13 +83,15 @@ __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
 // The gate's words (zero at first; the host allocates SMP1_GATE_MAXIMA + 2 * nb): the fast
 // attempt's arrival counter for its keys (0 between launches), the attempts made so far (an
 // attempt's tag is that count + 1: its words below carry it, so no reader takes an older
-// attempt's), draws that fell back (a statistic), the attempt's verdict (a 64-bit word: the
-// tag above the verdict), and from SMP1_GATE_MAXIMA each CTA's maximum (a 64-bit word: the tag
-// above the float's bits). A word that carries its tag needs no fence and no counter: one
-// relaxed 64-bit store, single-copy atomic, hands over the value and its readiness together.
+// attempt's), draws that fell back and merges that took the long way (statistics), the
+// attempt's verdict (a 64-bit word: the tag above the verdict), and from SMP1_GATE_MAXIMA each
+// CTA's maximum (a 64-bit word: the tag above the float's bits). A word that carries its tag
+// needs no fence and no counter: one relaxed 64-bit store, single-copy atomic, hands over the
+// value and its readiness together.
 #define SMP1_GATE_ARRIVE 0
 #define SMP1_GATE_ATTEMPTS 1
 #define SMP1_GATE_FALLBACKS 2
+#define SMP1_GATE_LONG_MERGES 3  // merges the binned way did not take (a statistic)
 #define SMP1_GATE_VERDICT 4  // words 4 and 5
 #define SMP1_GATE_MAXIMA 8   // words 8 .. 8 + 2 * nb
 
@@ -96,6 +110,31 @@ __device__ __forceinline__ smp_u32 smp1_wait_tagged(const smp_u32* word, smp_u32
         if (spins > (1ull << 26)) __trap();
     }
 }
+// The arrival of this CTA at a counter, by thread 0 between two barriers: an acquire-release
+// add, so that every write the CTA made before the first barrier is visible to the CTA that
+// arrives last, and that CTA, after the second barrier, sees every other CTA's (as a grid
+// barrier's arrival and wait are built: a barrier, then one thread's release or acquire).
+__device__ __forceinline__ smp_u32 smp1_arrive(smp_u32* counter) {
+    smp_u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    return old;
+}
+
+// Two block-wide maxima with one barrier (the block reductions take two), for a caller that
+// writes neither sm.redf nor sm1.wmax again before its next barrier.
+__device__ __forceinline__ void smp1_max2(float& a, float& b, SmpShared& sm, float* wmax, int tid) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, o));
+    }
+    if ((tid & 31) == 0) { sm.redf[tid >> 5] = a; wmax[tid >> 5] = b; }
+    __syncthreads();
+    a = sm.redf[0];
+    b = wmax[0];
+    for (int w = 1; w < SMP1_THREADS / 32; w++) { a = fmaxf(a, sm.redf[w]); b = fmaxf(b, wmax[w]); }
+}
+
 #define SMP1_VERDICT_DRAWN 1u
 #define SMP1_VERDICT_SEARCH 2u
 #define SMP1_OVER 0xffffffffu  // a block's fast count when it had more than SMP1_CAP keys
@@ -154,6 +193,102 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
     return tok;
 }
 
+// The fast attempt's merge the short way, from the keys the last CTA loaded with the summaries
+// (c: every nonzero key of the union, n of them, all within [tau, gmax]): a counting sort
+// instead of smp1_merge_and_draw's threshold search, ranking and scoring, which take a barrier
+// each. Each key falls in one of SMP1_BINS bins by its distance below gmax (bin 0 nearest);
+// the bin is a non-decreasing function of that distance, so a key in a lower bin is larger
+// than every key in a higher one, and a key's rank is the keys of the bins before its own plus
+// the larger keys of its own bin (a few). Keys down to the bin holding the k-th go to their
+// bin's places; the thread of each place ranks its key, and the top kk (min(n, k)) write their
+// candidate, score and top-p weight where smp_cut_and_draw's sort and scoring would (the same
+// values: smp_draw_score's and smp_topp_weight's expressions, gmax being sv[0]), so the cuts
+// and the draw (smp_cut_warp) are the same. zt: this thread's term of z_all, added in
+// smp_block_sum's order. Returns false, before anything the long way uses is touched, where it
+// does not apply (no room between tau and gmax, or more than SMP1_BINNED_MAX keys to place);
+// else the token in thread 0 and z_all.
+template <int R>
+__device__ bool smp1_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n, float gmax,
+                                  float tau, double zt, Smp1Shared& sm1, int tid, smp_u32& token, double& z_all) {
+    SmpShared& sm = sm1.base;
+    const float width = gmax - tau;
+    if (!(width > 0.f && width < 1e30f && gmax < 1e30f)) return false;
+    const float scale = (float)SMP1_BINS / width;
+    const auto bin_of = [&](smp_u64 key) {
+        const float d = (gmax - smp_unkey((smp_u32)(key >> 32))) * scale;
+        return d < (float)(SMP1_BINS - 1) ? max((int)d, 0) : SMP1_BINS - 1;
+    };
+    smp_u32* count = sm1.sel.hist[0];
+    smp_u32* cursor = sm1.sel.hist[1];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        if (c[r] != 0) atomicAdd(&count[bin_of(c[r])], 1u);
+    const bool need_z = s.top_p < 1.f && s.top_k == 0;
+    if (need_z) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zt += __shfl_xor_sync(0xffffffffu, zt, o);
+        if ((tid & 31) == 0) sm.redd[tid >> 5] = zt;
+    }
+    __syncthreads();
+    z_all = 0.0;
+    if (need_z)
+        for (int w = 0; w < SMP1_THREADS / 32; w++) z_all += sm.redd[w];
+    const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX, kk = min(n, k);
+    if (tid < 32) {
+        // Lane l owns bins 8l .. 8l + 7, nearest the maximum first: lanes in order walk the keys
+        // downwards.
+        constexpr int PER = SMP1_BINS / 32;
+        smp_u32 cnt[PER], sum = 0;
+#pragma unroll
+        for (int j = 0; j < PER; j++) { cnt[j] = count[PER * tid + j]; sum += cnt[j]; }
+        smp_u32 incl = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (tid >= o) incl += y;
+        }
+        smp_u32 at = incl - sum;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            sm1.binbase[PER * tid + j] = at;
+            if (at < kk && kk <= at + cnt[j]) { sm1.bsel = PER * tid + j; sm1.nsel = at + cnt[j]; }
+            at += cnt[j];
+        }
+    }
+    __syncthreads();
+    SMP_MSTAMP(2);
+    const int bsel = (int)sm1.bsel;
+    const smp_u32 nsel = sm1.nsel;  // ~0 where no bin held the kk-th key (kk = 0)
+    if (nsel > SMP1_BINNED_MAX) return false;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (c[r] == 0) continue;
+        const int b = bin_of(c[r]);
+        if (b <= bsel) sm1.ks[sm1.binbase[b] + atomicAdd(&cursor[b], 1u)] = c[r];
+    }
+    __syncthreads();
+    if (tid < (int)nsel) {
+        const smp_u64 key = sm1.ks[tid];
+        const int b = bin_of(key);
+        const int lo = (int)sm1.binbase[b], hi = lo + (int)count[b];
+        smp_u32 rank = (smp_u32)lo;
+        for (int q = lo; q < hi; q++) rank += sm1.ks[q] > key;
+        if (rank < kk) {
+            const float v = smp_unkey((smp_u32)(key >> 32));
+            const smp_u32 i = ~(smp_u32)key;
+            sm.sv[rank] = v;
+            sm.si[rank] = i;
+            sm.ss[rank] = (double)v / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
+            if (s.top_p < 1.f) sm.sw[rank] = exp((double)v - (double)gmax);
+        }
+    }
+    if (tid == 0) sm.count = kk;
+    __syncthreads();
+    SMP_MSTAMP(3);
+    token = smp_cut_warp(s, z_all, sm, tid);
+    return true;
+}
+
 // Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
 // every key at or above tau (the logit every CTA cut at) was among them, so they are
 // the exact list down to tau. The draw is exact if that part holds all k candidates the rule
@@ -191,7 +326,8 @@ __device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, bo
 }
 
 #if SMP_PROF
-__device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u32 pos, int attempt, smp_u32 verdict) {
+__device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u32 pos, int attempt, smp_u32 verdict,
+                                            bool binned) {
     const unsigned long long f = smp_prof_first;
     smp_prof_first = ~0ull;
     // After a failed attempt the searches' draw finds the start already taken by its print.
@@ -199,8 +335,8 @@ __device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u3
     long long d[7], e[5];
     for (int i = 0; i < 7; i++) d[i] = pt[i] ? (long long)(pt[i] - f) : -1;
     for (int i = 0; i < 5; i++) e[i] = smp_prof_merge[i] > f ? (long long)(smp_prof_merge[i] - f) : -1;
-    printf("smp-prof nb %d pos %u attempt %d verdict %u: start %lld loaded+max %lld exchanged %lld emitted %lld last %lld drawn %lld stored %lld merge %lld %lld %lld %lld %lld\n",
-           (int)gridDim.x, pos, attempt, verdict, d[0], d[1], d[2], d[3], d[4], d[5], d[6], e[0], e[1], e[2], e[3], e[4]);
+    printf("smp-prof nb %d pos %u attempt %d verdict %u merge %s: start %lld loaded+max %lld exchanged %lld emitted %lld last %lld drawn %lld stored %lld merge %lld %lld %lld %lld %lld\n",
+           (int)gridDim.x, pos, attempt, verdict, binned ? "binned" : "long", d[0], d[1], d[2], d[3], d[4], d[5], d[6], e[0], e[1], e[2], e[3], e[4]);
 }
 #endif
 
@@ -241,11 +377,16 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     // The LM head's maxima are read with the logits, in the same round trip (only the first
     // attempt uses them).
     const smp_u64 lm_word = fast != 0 && lm_max != nullptr && tid < n_lm_max ? __ldcg(lm_max + 2 * tid) : 0ull;
+    // So are the fast attempt's hint and tag (the attempts made before it, plus one): the draw
+    // before this one, which wrote them, has completed (this grid waited for it), and this
+    // draw's last CTA writes them only once every CTA has arrived.
+    const float h = fast ? *hint : 0.f;
+    const smp_u32 tag = fast ? *(volatile smp_u32*)(gate + SMP1_GATE_ATTEMPTS) + 1 : 0u;
     const SmpParams s = *sp;
     const SmpMeta m = *meta;
     const float ninf = __int_as_float(0xff800000u);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
-    if (tid == 0) { sm1.sel.fill = 0; sm1.used = 0; }
+    if (tid == 0) { sm1.sel.fill = 0; sm1.fcount = 0; }
 
     // ---- this CTA's rows: as smp_block_part, from registers ----
     const bool pen = smp_penalises(s);
@@ -271,7 +412,17 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             mx = fmaxf(mx, x[r]);
         }
     }
-    mx = smp_block_max(mx, sm, tid, nthreads, sync);
+    // The fast attempt (below) is decided here, so that where it cuts below the LM head's
+    // maximum, that maximum and this CTA's are found together.
+    const bool attempt = !draw_all && (fast == 2 || (fast == 1 && h > 0.f && s.top_k == 0));
+    const bool lm_cut = attempt && n_lm_max > 0 && !pen;
+    float gm = ninf;
+    if (lm_cut) {
+        gm = tid < n_lm_max ? smp_clean(__uint_as_float((smp_u32)lm_word)) : ninf;
+        smp1_max2(mx, gm, sm, sm1.wmax, tid);
+    } else {
+        mx = smp_block_max(mx, sm, tid, nthreads, sync);
+    }
     SMP_STAMP(1);
     double best = -__longlong_as_double(0x7ff0000000000000ll);
     smp_u32 best_idx = SMP_NONE;
@@ -312,22 +463,14 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     // Not with top-k: its searches stop early (k keys, not 128), so the grid-wide wait costs
     // more than they do (on the H100, SmolLM2's vocabulary with top-k 40 drew 3 µs slower
     // alone with the attempt, and decoding the default model was level).
-    const float h = fast ? *hint : 0.f;
-    const bool attempt = !draw_all && (fast == 2 || (fast == 1 && h > 0.f && s.top_k == 0));
     if (attempt) {
         const float delta = fast == 2 ? 0.f : h;
         // Every CTA cuts at the same logit, below the vocabulary's maximum, so that their keys
         // together are exactly those at or above it. That maximum is the LM head's (lm_max)
         // where it is given and no penalty lowers a logit; else every CTA's own maximum is
         // shared first (a grid-wide wait): each CTA writes its own, tagged with this attempt's
-        // tag, and thread b waits for CTA b's. (The draw before this one, which advanced the
-        // count, has completed: this grid waited for it.)
-        const smp_u32 tag = *(volatile smp_u32*)(gate + SMP1_GATE_ATTEMPTS) + 1;
-        float gm;
-        if (n_lm_max > 0 && !pen) {
-            gm = smp_block_max(tid < n_lm_max ? smp_clean(__uint_as_float((smp_u32)lm_word)) : ninf, sm, tid, nthreads,
-                               sync);
-        } else {
+        // tag, and thread b waits for CTA b's.
+        if (!lm_cut) {
             smp_u32* maxima = gate + SMP1_GATE_MAXIMA;
             if (tid == 0) smp1_st_tagged(maxima + 2 * blockIdx.x, tag, __float_as_uint(mx));
             gm = smp_block_max(tid < nb ? __uint_as_float(smp1_wait_tagged(maxima + 2 * tid, tag)) : ninf, sm, tid,
@@ -338,37 +481,85 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         smp_u32 mine = 0;
 #pragma unroll
         for (int r = 0; r < SMP1_PER; r++) mine += c[r] >= tk;
-        const smp_u32 fcount = (smp_u32)smp_block_sum((double)mine, sm, tid, nthreads, sync);
-        if (fcount <= SMP1_CAP) {
-            smp_emit(c, [&](smp_u64 key) { return key >= tk; }, [&](smp_u32 slot, smp_u64 key) { out[slot] = key; },
-                     sm1.sel, tid);
-            for (int i = fcount + tid; i < SMP1_CAP; i += nthreads) out[i] = 0;
-        }
-        __threadfence();
+        mine = __reduce_add_sync(0xffffffffu, mine);
+        if ((tid & 31) == 0 && mine != 0) atomicAdd(&sm1.fcount, mine);
         __syncthreads();
-        SMP_STAMP(3);
+        const smp_u32 fcount = sm1.fcount;
+        // The summary and the keys, then the arrival (smp1_arrive).
         if (tid == 0) {
             SmpBlock b;
             b.sumexp = z; b.best = best; b.max = mx; b.best_idx = best_idx;
             b.pad[0] = fcount <= SMP1_CAP ? fcount : 0; b.pad[1] = fcount <= SMP1_CAP ? 0 : SMP1_OVER;
             blocks[blockIdx.x] = b;
-            __threadfence();
-            sm1.last = atomicAdd(gate + SMP1_GATE_ARRIVE, 1u) == (smp_u32)nb - 1;
         }
+        if (fcount <= SMP1_CAP) {
+            smp_emit(c, [&](smp_u64 key) { return key >= tk; }, [&](smp_u32 slot, smp_u64 key) { out[slot] = key; },
+                     sm1.sel, tid);
+            for (int i = fcount + tid; i < SMP1_CAP; i += nthreads) out[i] = 0;
+        }
+        __syncthreads();
+        SMP_STAMP(3);
+        if (tid == 0) sm1.last = smp1_arrive(gate + SMP1_GATE_ARRIVE) == (smp_u32)nb - 1;
         __syncthreads();
         smp_u32 verdict;
         SMP_STAMP(4);
         if (sm1.last) {
-            __threadfence();
             if (tid == 0) { gate[SMP1_GATE_ARRIVE] = 0; sm1.sel.fill = 0; }
-            // The blocks' overflow flags, and their key counts: the merge loads only the slots
-            // some block used (sm1.used, 0 since the start).
-            if (tid < nb) atomicMax(&sm1.used, __ldcg(&blocks[tid].pad[0]));
-            const smp_u32 over = tid < nb ? __ldcg(&blocks[tid].pad[1]) : 0u;
-            const bool any_over = __syncthreads_or(over != 0);
+            // One round trip: every block's summary, and the first u key slots of every block
+            // (slots past a block's count hold 0), which hold every key unless a block has more.
+            const int u = min(SMP1_CAP, SMP1_FIRST_PER * SMP1_THREADS / nb);
+            SmpBlock blk;
+            blk.max = ninf;
+            blk.sumexp = 0.0;
+            blk.pad[0] = 0;
+            smp_u32 over = 0;
+            if (tid < nb) {
+                blk = smp1_load_block(blocks + tid);
+                over = __ldcg(&blocks[tid].pad[1]);
+            }
+            smp_u64 cf[SMP1_FIRST_PER];
+#pragma unroll
+            for (int r = 0; r < SMP1_FIRST_PER; r++) {
+                const int i = tid + r * SMP1_THREADS, b = i / u;
+                cf[r] = b < nb ? __ldcg(keys + (size_t)b * SMP1_CAP + i % u) : 0ull;
+            }
+            for (int i = tid; i < SMP1_BINS; i += SMP1_THREADS) { sm1.sel.hist[0][i] = 0; sm1.sel.hist[1][i] = 0; }
+            if (tid == 0) sm1.nsel = ~0u;
+            SMP_MSTAMP(0);
+            // The summaries' maximum, number of keys, most keys in a block and overflow flags:
+            // one barrier.
+            {
+                float wm = blk.max;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
+                const smp_u32 wk = __reduce_add_sync(0xffffffffu, blk.pad[0]);
+                const smp_u32 wu = __reduce_max_sync(0xffffffffu, blk.pad[0]);
+                const smp_u32 wo = __reduce_or_sync(0xffffffffu, over);
+                if ((tid & 31) == 0) { sm1.wmax[tid >> 5] = wm; sm1.wkeys[tid >> 5] = wk; sm1.wused[tid >> 5] = wu; sm1.wover[tid >> 5] = wo; }
+            }
+            __syncthreads();
             float gmax = ninf;
+            smp_u32 nkeys = 0, used = 0, any_over = 0;
+            for (int w = 0; w < SMP1_THREADS / 32; w++) {
+                gmax = fmaxf(gmax, sm1.wmax[w]);
+                nkeys += sm1.wkeys[w];
+                used = max(used, sm1.wused[w]);
+                any_over |= sm1.wover[w];
+            }
+            SMP_MSTAMP(1);
             smp_u32 token = SMP_NONE;
-            if (!any_over) token = smp1_merge_and_draw(s, m, blocks, keys, nb, (int)sm1.used, sm1, tid, gmax);
+            bool merged = any_over != 0, binned = false;
+            if (!merged && used <= (smp_u32)u) {
+                const double zt = tid < nb && blk.max != ninf ? blk.sumexp * exp((double)blk.max - (double)gmax) : 0.0;
+                double z_all;
+                merged = binned = smp1_merge_binned(s, m.pos, cf, nkeys, gmax, gm - delta, zt, sm1, tid, token, z_all);
+            }
+            (void)binned;
+            if (!merged) {
+                token = smp1_merge_and_draw(s, m, blocks, keys, nb, (int)used, sm1, tid, gmax);
+                if (tid == 0) gate[SMP1_GATE_LONG_MERGES] += 1;
+            }
+            SMP_MSTAMP(4);
             SMP_STAMP(5);
             if (tid == 0) {
                 const bool drawn = !any_over && smp1_complete(s, sm, gm - delta);
@@ -384,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             }
             SMP_STAMP(6);
 #if SMP_PROF
-            if (tid == 0) smp_prof_print(pt, m.pos, 1, sm1.verdict);
+            if (tid == 0) smp_prof_print(pt, m.pos, 1, sm1.verdict, binned);
 #endif
             __syncthreads();
             verdict = sm1.verdict;
@@ -440,6 +631,6 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     if (tid == 0) smp_store_token(m, token, history, meta_out);
 #if SMP_PROF
     SMP_STAMP(6);
-    if (tid == 0) smp_prof_print(pt, m.pos, 0, 0);
+    if (tid == 0) smp_prof_print(pt, m.pos, 0, 0, false);
 #endif
 }

@@ -445,6 +445,92 @@ __device__ __forceinline__ double smp_topp_weight(const SmpShared& sm, int j, do
 __device__ __forceinline__ double smp_draw_score(const SmpParams& s, smp_u32 pos, const SmpShared& sm, int j, smp_u32 i) {
     return (double)sm.sv[j] / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
 }
+// The warp part of smp_cut_and_draw: the cuts and the Gumbel-max over the sorted candidates
+// (sm.sv / sm.si, sm.count of them), whose scores (sm.ss, a candidate's smp_draw_score) and,
+// with top-p, weights (sm.sw, smp_topp_weight against sm.sv[0]) are in place for every
+// candidate top-k keeps. By warp 0 (other threads return SMP_NONE); the token in its lanes.
+__device__ smp_u32 smp_cut_warp(const SmpParams& s, double z_all, SmpShared& sm, int tid) {
+    if (tid >= 32) return SMP_NONE;
+    const int count = sm.count;
+    int keep = count;
+    if (s.top_k > 0) keep = min(keep, (int)s.top_k);
+    const double top = count > 0 ? (double)sm.sv[0] : 0.0;
+    // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3, whose
+    // scores it reads before the cuts, so that the draw after them waits for no read.
+    const int lane = tid;
+    double sc[SMP_KMAX / 32];
+    smp_u32 ix[SMP_KMAX / 32];
+#pragma unroll
+    for (int q = 0; q < SMP_KMAX / 32; q++) {
+        const int j = lane * (SMP_KMAX / 32) + q;
+        sc[q] = j < keep ? sm.ss[j] : 0.0;
+        ix[q] = j < keep ? sm.si[j] : SMP_NONE;
+    }
+    if (s.top_p < 1.f && count > 0) {
+        double w[SMP_KMAX / 32], local = 0.0;
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            const int j = lane * (SMP_KMAX / 32) + q;
+            w[q] = j < keep ? sm.sw[j] : 0.0;
+            local += w[q];
+        }
+        double incl = local;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        const double z = s.top_k > 0 ? __shfl_sync(0xffffffffu, incl, 31) : z_all;
+        // The cumulative masses' quotients, each computed (they do not depend on each other),
+        // then the first that reaches top-p.
+        double acc = incl - local;
+        bool reached[SMP_KMAX / 32];
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            acc += w[q];
+            reached[q] = acc / z >= (double)s.top_p;
+        }
+        int cut = SMP_KMAX + 1;
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            const int j = lane * (SMP_KMAX / 32) + q;
+            if (j < keep && cut > SMP_KMAX && reached[q]) cut = j + 1;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) cut = min(cut, __shfl_xor_sync(0xffffffffu, cut, o));
+        keep = min(keep, cut);
+        if (lane == 0) sm.sh[2] = cut <= SMP_KMAX;
+    } else if (lane == 0) {
+        sm.sh[2] = 0;
+    }
+    if (lane == 0) sm.sh[1] = keep;
+    if (s.min_p > 0.f && count > 0) {
+        const double floor = top + log((double)s.min_p);
+        int below = SMP_KMAX + 1;
+#pragma unroll
+        for (int q = 0; q < SMP_KMAX / 32; q++) {
+            const int j = lane * (SMP_KMAX / 32) + q;
+            if (j < keep && (double)sm.sv[j] < floor) below = min(below, j);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) below = min(below, __shfl_xor_sync(0xffffffffu, below, o));
+        keep = max(1, min(keep, below));
+    }
+    if (lane == 0) sm.sh[3] = keep;
+    double best = -__longlong_as_double(0x7ff0000000000000ll);
+    smp_u32 idx = SMP_NONE;
+#pragma unroll
+    for (int q = 0; q < SMP_KMAX / 32; q++)
+        if (lane * (SMP_KMAX / 32) + q < keep) smp_best_merge(best, idx, sc[q], ix[q]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const double v2 = __shfl_xor_sync(0xffffffffu, best, o);
+        const smp_u32 i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        smp_best_merge(best, idx, v2, i2);
+    }
+    return idx;
+}
+
 // Over the sorted candidates sm.sv / sm.si (sm.count of them, largest first, equal values
 // lowest index first), at T != 0: top-k, top-p (against z_all, the softmax denominator over
 // the whole vocabulary relative to sm.sv[0], when top-k is off) and min-p, each a prefix of
@@ -475,65 +561,7 @@ __device__ smp_u32 smp_cut_and_draw(const SmpParams& s, smp_u32 pos, double z_al
         else sm.sw[j] = smp_topp_weight(sm, j, top);
     }
     sync();
-    if (tid >= 32) return SMP_NONE;
-    // The cuts, each a prefix of the sorted list; lane l holds entries 4l .. 4l + 3.
-    const int lane = tid;
-    if (s.top_p < 1.f && count > 0) {
-        double w[SMP_KMAX / 32], local = 0.0;
-#pragma unroll
-        for (int q = 0; q < SMP_KMAX / 32; q++) {
-            const int j = lane * (SMP_KMAX / 32) + q;
-            w[q] = j < keep ? sm.sw[j] : 0.0;
-            local += w[q];
-        }
-        double incl = local;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const double y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        const double z = s.top_k > 0 ? __shfl_sync(0xffffffffu, incl, 31) : z_all;
-        double acc = incl - local;
-        int cut = SMP_KMAX + 1;
-#pragma unroll
-        for (int q = 0; q < SMP_KMAX / 32; q++) {
-            const int j = lane * (SMP_KMAX / 32) + q;
-            acc += w[q];
-            if (j < keep && cut > SMP_KMAX && acc / z >= (double)s.top_p) cut = j + 1;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) cut = min(cut, __shfl_xor_sync(0xffffffffu, cut, o));
-        keep = min(keep, cut);
-        if (lane == 0) sm.sh[2] = cut <= SMP_KMAX;
-    } else if (lane == 0) {
-        sm.sh[2] = 0;
-    }
-    if (lane == 0) sm.sh[1] = keep;
-    if (s.min_p > 0.f && count > 0) {
-        const double floor = top + log((double)s.min_p);
-        int below = SMP_KMAX + 1;
-#pragma unroll
-        for (int q = 0; q < SMP_KMAX / 32; q++) {
-            const int j = lane * (SMP_KMAX / 32) + q;
-            if (j < keep && (double)sm.sv[j] < floor) below = min(below, j);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) below = min(below, __shfl_xor_sync(0xffffffffu, below, o));
-        keep = max(1, min(keep, below));
-    }
-    if (lane == 0) sm.sh[3] = keep;
-    double best = -__longlong_as_double(0x7ff0000000000000ll);
-    smp_u32 idx = SMP_NONE;
-    for (int j = lane; j < keep; j += 32) {
-        smp_best_merge(best, idx, sm.ss[j], sm.si[j]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const double v2 = __shfl_xor_sync(0xffffffffu, best, o);
-        const smp_u32 i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-        smp_best_merge(best, idx, v2, i2);
-    }
-    return idx;
+    return smp_cut_warp(s, z_all, sm, tid);
 }
 
 // ---- the final part ----

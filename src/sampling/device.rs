@@ -44,6 +44,8 @@ pub struct LmMaxima {
 
 /// `smp_sample`'s gate words before its CTAs' maxima (`SMP1_GATE_MAXIMA` in fused.cu).
 const GATE_WORDS: usize = 8;
+/// Its words per CTA after those: a tagged maximum.
+const GATE_WORDS_PER_BLOCK: usize = 2;
 
 /// Where the fast attempt first looks: keys within 4 of the vocabulary's maximum logit (each
 /// draw then leaves the distance it needed, with room, for the next).
@@ -57,17 +59,19 @@ fn last_cta_holds(vocab: usize, chunk: usize) -> bool {
     vocab.div_ceil(chunk) * SAMPLE_CAP <= SAMPLE_SLOTS
 }
 
-/// Logits per CTA of the fused sampler for `vocab`: 1024 where its last CTA can hold every
-/// block's keys (vocabularies up to 76 x 1024 = 77,824 tokens, e.g. SmolLM2's 49,152), else
-/// CHUNK. On the H100 after a decode step (BENCHMARKS.md, 2026-11-26), SmolLM2's vocabulary
-/// drew about 2 µs faster a sampled megakernel step at 1024 than at 4096 (3.4 µs on graph +
-/// PDL), while Llama 3's (128,256) was no faster at 2048, and 1024 does not fit it.
+/// Logits per CTA of the fused sampler for `vocab`: the smallest of 1024 and 2048 at which its
+/// last CTA can hold every block's keys (vocabularies up to 76 x 1024 = 77,824 tokens, e.g.
+/// SmolLM2's 49,152, at 1024; up to 155,648, e.g. Llama 3's 128,256 and Qwen's 151,936, at
+/// 2048), else CHUNK. Fewer logits a CTA shorten its part before the last CTA's merge, whose
+/// binned way costs about the same for more CTAs: on the H200 after a Llama-1B decode step
+/// (BENCHMARKS.md, 2026-11-28), 2048 drew a sampled megakernel step about 1 µs faster than
+/// 4096; on the H100 (2026-11-26) SmolLM2's vocabulary drew about 2 µs faster at 1024 than at
+/// 4096.
 pub fn chunk_for_vocab(vocab: usize) -> usize {
-    if last_cta_holds(vocab, 1024) {
-        1024
-    } else {
-        CHUNK
-    }
+    [1024, 2048]
+        .into_iter()
+        .find(|&c| last_cta_holds(vocab, c))
+        .unwrap_or(CHUNK)
 }
 
 /// The sampler's compilation unit.
@@ -132,9 +136,10 @@ pub struct DeviceSampler {
     keys: CudaSlice<u64>,
     done: CudaSlice<u32>,
     /// `smp_sample`'s fast attempt (fused.cu): the logit distance below the maximum it looks
-    /// within, left by the previous draw; its gate ([`GATE_WORDS`] words and two a block: the
-    /// attempts' count, arrival counter and verdict, how many draws fell back to the searches,
-    /// and each CTA's maximum); and whether it is made at all (0 no, 1 yes, 2 made to fail:
+    /// within, left by the previous draw; its gate ([`GATE_WORDS`] words and
+    /// [`GATE_WORDS_PER_BLOCK`] a block: the attempts' count, arrival counter and verdict, how
+    /// many draws fell back to the searches and merged the long way, and each CTA's maximum);
+    /// and whether it is made at all (0 no, 1 yes, 2 made to fail:
     /// [`Self::force_searches`]).
     hint: CudaSlice<f32>,
     gate: CudaSlice<u32>,
@@ -224,7 +229,10 @@ impl DeviceSampler {
             keys: gpu.alloc_zeros(key_len, "sampling candidate keys")?,
             done: gpu.alloc_zeros(1, "sampling arrival counter")?,
             hint: gpu.upload(&[INITIAL_HINT], "sampling hint")?,
-            gate: gpu.alloc_zeros(GATE_WORDS + 2 * n_blocks, "sampling gate")?,
+            gate: gpu.alloc_zeros(
+                GATE_WORDS + GATE_WORDS_PER_BLOCK * n_blocks,
+                "sampling gate",
+            )?,
             fast: fast as i32,
             vocab,
             n_blocks,
@@ -251,6 +259,12 @@ impl DeviceSampler {
     /// How many draws so far tried without the searches and then needed them.
     pub fn fallbacks(&self, gpu: &Gpu) -> Result<u32> {
         Ok(gpu.stream.clone_dtoh(&self.gate)?[2])
+    }
+
+    /// How many first attempts' merges so far took the long way (the threshold search over
+    /// the union) instead of the binned one (`smp1_merge_binned` in fused.cu).
+    pub fn long_merges(&self, gpu: &Gpu) -> Result<u32> {
+        Ok(gpu.stream.clone_dtoh(&self.gate)?[3])
     }
 
     /// Philox4x32-10 of each counter under `key`, computed on the device (for tests).
@@ -344,7 +358,7 @@ impl DeviceSampler {
             };
             // SAFETY: the arguments match smp_sample's parameters in fused.cu, in order; params,
             // blocks, keys (SMP1_CAP per block), done (zero between launches: the kernel's
-            // last CTA resets it), hint (one float) and gate (GATE_WORDS + 2 * n_blocks words,
+            // last CTA resets it), hint (one float) and gate (GATE_WORDS + GATE_WORDS_PER_BLOCK * n_blocks words,
             // its arrival counter zero between launches) are this sampler's buffers, sized for
             // `vocab` at construction, and logits, meta, meta_out and history are the caller's
             // live buffers of the same vocabulary; lm_max is null or the caller's 2 * n_lm_max
@@ -402,16 +416,20 @@ mod tests {
         assert_eq!(Kernels::for_vocab(311_297), Kernels::TwoPass);
     }
 
-    /// 1024 logits per CTA wherever the last CTA can hold the blocks' keys, else 4096.
+    /// 1024 logits per CTA wherever the last CTA can hold the blocks' keys, else 2048 where it
+    /// can, else 4096.
     #[test]
     fn small_vocabularies_take_the_small_chunk() {
         for (vocab, chunk) in [
             (1, 1024),
             (49_152, 1024),
             (77_824, 1024),
-            (77_825, 4096),
-            (128_256, 4096),
-            (151_936, 4096),
+            (77_825, 2048),
+            (128_256, 2048),
+            (151_936, 2048),
+            (155_648, 2048),
+            (155_649, 4096),
+            (262_144, 4096),
         ] {
             assert_eq!(chunk_for_vocab(vocab), chunk, "{vocab}");
             assert!(
