@@ -136,7 +136,8 @@ __device__ __forceinline__ void smp1_max2(float& a, float& b, SmpShared& sm, flo
 }
 
 #define SMP1_VERDICT_DRAWN 1u
-#define SMP1_VERDICT_SEARCH 2u
+#define SMP1_VERDICT_SEARCH 2u    // the attempt's keys fell short of the cuts
+#define SMP1_VERDICT_OVERFLOW 3u  // a CTA had more than SMP1_CAP keys within the hint
 #define SMP1_OVER 0xffffffffu  // a block's fast count when it had more than SMP1_CAP keys
 
 // The last CTA's merge (the union of the blocks' keys, nb * SMP1_CAP slots, zero past each
@@ -312,17 +313,16 @@ __device__ bool smp1_complete(const SmpParams& s, const SmpShared& sm, float tau
     return sm.sh[2] != 0 && keep <= lo;     // top-p cut at keep - 1
 }
 
-// The hint for the next draw, by thread 0 of the CTA that drew. After a first attempt that
-// failed, -16: the next 16 draws search without one (a negative hint counts them up). Else
-// 1.25 times the distance below the maximum of the candidate that decided the cuts (the first
-// one excluded, or the last kept), plus 1/16: what this draw needed, with room.
-__device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, bool failed, float h) {
-    if (failed) { *hint = -16.f; return; }
-    if (h < 0.f && h + 1.f < 0.f) { *hint = h + 1.f; return; }
+// The hint for the next draw, by thread 0 of the CTA that drew: 1.25 times the distance below
+// the maximum of the candidate that decided the cuts (the first one excluded, or the last
+// kept), plus 1/16: what this draw needed, with room, times `room` (2 after an attempt whose
+// keys fell short of the cuts: the logits' spread grew, and may grow again, as a model's do
+// from one token to the next). Every draw leaves one, so the next attempts follow the logits.
+__device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, float room) {
     const int kk = sm.count, j = min((int)sm.sh[3], kk - 1);
     if (j < 0) return;
     const float depth = gmax - sm.sv[j];
-    if (depth >= 0.f && depth < 1e30f) *hint = 1.25f * depth + 0.0625f;
+    if (depth >= 0.f && depth < 1e30f) *hint = room * (1.25f * depth + 0.0625f);
 }
 
 #if SMP_PROF
@@ -463,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     // Not with top-k: its searches stop early (k keys, not 128), so the grid-wide wait costs
     // more than they do (on the H100, SmolLM2's vocabulary with top-k 40 drew 3 µs slower
     // alone with the attempt, and decoding the default model was level).
+    smp_u32 verdict = 0;  // the attempt's (SMP1_VERDICT_*), where one is made
     if (attempt) {
         const float delta = fast == 2 ? 0.f : h;
         // Every CTA cuts at the same logit, below the vocabulary's maximum, so that their keys
@@ -501,7 +502,6 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         SMP_STAMP(3);
         if (tid == 0) sm1.last = smp1_arrive(gate + SMP1_GATE_ARRIVE) == (smp_u32)nb - 1;
         __syncthreads();
-        smp_u32 verdict;
         SMP_STAMP(4);
         if (sm1.last) {
             if (tid == 0) { gate[SMP1_GATE_ARRIVE] = 0; sm1.sel.fill = 0; }
@@ -565,11 +565,11 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
                 const bool drawn = !any_over && smp1_complete(s, sm, gm - delta);
                 if (drawn) {
                     smp_store_token(m, token, history, meta_out);
-                    smp1_leave_hint(sm, gmax, hint, false, h);
+                    smp1_leave_hint(sm, gmax, hint, 1.f);
                 } else {
                     gate[SMP1_GATE_FALLBACKS] += 1;  // the merge after the searches leaves the hint
                 }
-                sm1.verdict = drawn ? SMP1_VERDICT_DRAWN : SMP1_VERDICT_SEARCH;
+                sm1.verdict = drawn ? SMP1_VERDICT_DRAWN : any_over ? SMP1_VERDICT_OVERFLOW : SMP1_VERDICT_SEARCH;
                 smp1_st_tagged(gate + SMP1_GATE_VERDICT, tag, sm1.verdict);
                 *(volatile smp_u32*)(gate + SMP1_GATE_ATTEMPTS) = tag;
             }
@@ -625,7 +625,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     } else {
         float gmax;
         token = smp1_merge_and_draw(s, m, blocks, keys, nb, SMP1_CAP, sm1, tid, gmax);
-        if (tid == 0 && fast) smp1_leave_hint(sm, gmax, hint, attempt, h);
+        if (tid == 0 && fast) smp1_leave_hint(sm, gmax, hint, verdict == SMP1_VERDICT_SEARCH ? 2.f : 1.f);
     }
     SMP_STAMP(5);
     if (tid == 0) smp_store_token(m, token, history, meta_out);
