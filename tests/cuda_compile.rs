@@ -573,10 +573,11 @@ fn prefill_kernels_compile_for_sm90a() {
     assert_compiles("prefill", &megainfer::gpu::sources::prefill(), &[], "");
 }
 
-/// `megainfer schedule --compile-kernels h200` compiles, without a GPU, the megakernel
-/// variants `run` and `bench` would load into the cache MEGAINFER_CACHE names: for SmolLM2 at
-/// 8,192 positions three (the short buckets' kernel, the 4K bucket's split-KV kernel and the
-/// 4K-64K one with two K/V tiles in flight).
+/// `megainfer schedule --compile-kernels h200` compiles, without a GPU, the kernels `run` and
+/// `bench` would load into the cache MEGAINFER_CACHE names: for SmolLM2 at 8,192 positions
+/// three megakernel variants (the short buckets' kernel, the 4K bucket's split-KV kernel and
+/// the 4K-64K one with two K/V tiles in flight), and the prefill, graph-path and sampler
+/// modules.
 #[test]
 fn schedule_compiles_the_kernels_ahead() {
     require_nvrtc();
@@ -596,18 +597,28 @@ fn schedule_compiles_the_kernels_ahead() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("3 megakernel variants for an H200 compiled (sm_90a)"),
+        stdout.contains(
+            "3 megakernel variants and the prefill, graph-path and sampler modules for an H200 \
+             compiled (sm_90a)"
+        ),
         "{stdout}"
     );
-    let cubins = std::fs::read_dir(dir.path().join("kernels"))
+    let mut cubins: Vec<String> = std::fs::read_dir(dir.path().join("kernels"))
         .unwrap()
-        .filter(|e| {
-            e.as_ref()
-                .unwrap()
-                .path()
-                .extension()
-                .is_some_and(|x| x == "cubin")
-        })
-        .count();
-    assert_eq!(cubins, 3);
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".cubin"))
+        .map(|n| n.split('-').next().unwrap().to_string())
+        .collect();
+    cubins.sort();
+    assert_eq!(
+        cubins,
+        [
+            "baseline",
+            "megakernel",
+            "megakernel",
+            "megakernel",
+            "prefill",
+            "sampling"
+        ]
+    );
 }

@@ -72,10 +72,11 @@ pub struct ScheduleArgs {
     pub attn_heads: Option<usize>,
     #[arg(long)]
     pub lmhead_rows: Option<usize>,
-    /// Also compile, without a GPU, the megakernel variants `run` and `bench` would load for
-    /// these buckets (bf16 weights) on that GPU into the kernel cache (MEGAINFER_CACHE),
-    /// e.g. to carry to a GPU machine whose NVRTC has this one's version (docs/gpu-machine.md).
-    /// Give --context as `bench`'s prompt length + new tokens + 1.
+    /// Also compile, without a GPU, the kernels `run` and `bench` would load for these buckets
+    /// (bf16 weights) on that GPU into the kernel cache (MEGAINFER_CACHE): the megakernel
+    /// variants, the batched prefill's and the graph paths' modules, and the sampler's for the
+    /// model's vocabulary; e.g. to carry to a GPU machine whose NVRTC has this one's version
+    /// (docs/gpu-machine.md). Give --context as `bench`'s prompt length + new tokens + 1.
     #[arg(long, value_parser = ["h100", "h200"])]
     pub compile_kernels: Option<String>,
 }
@@ -280,11 +281,42 @@ context buckets for sequences up to {} positions{}:",
         )?;
     }
     if let Some(gpu_name) = &args.compile_kernels {
-        let n = crate::gpu::megakernel::compile_kernels_ahead(&cfg, &runs, gpu_name == "h200")
-            .context("compiling the megakernel variants")?;
+        // The modules every model shares compile on threads of their own beside the
+        // megakernel's variants (NVRTC compiles one program on one core).
+        let arch = "sm_90a";
+        let (variants, modules) = std::thread::scope(|scope| {
+            let modules = [
+                scope.spawn(|| {
+                    crate::gpu::prefill::compile_module(arch)
+                        .context("compiling the prefill module")
+                }),
+                scope.spawn(|| {
+                    crate::gpu::baseline::compile_module(arch)
+                        .context("compiling the graph paths' module")
+                }),
+                scope.spawn(|| {
+                    let (_, chunk) = crate::sampling::device::kernels_and_chunk(cfg.vocab_size)?;
+                    crate::sampling::device::compile_module(chunk, arch)
+                        .context("compiling the sampler's module")
+                }),
+            ];
+            let variants =
+                crate::gpu::megakernel::compile_kernels_ahead(&cfg, &runs, gpu_name == "h200")
+                    .context("compiling the megakernel variants");
+            let modules: Vec<Result<Vec<u8>>> = modules
+                .into_iter()
+                .map(|h| h.join().expect("a compile thread panicked"))
+                .collect();
+            (variants, modules)
+        });
+        let n = variants?;
+        for m in modules {
+            m?;
+        }
         writeln!(
             out,
-            "\n{n} megakernel variants for an {} compiled (sm_90a) into the kernel cache",
+            "\n{n} megakernel variants and the prefill, graph-path and sampler modules for an {} \
+             compiled ({arch}) into the kernel cache",
             gpu_name.to_uppercase()
         )?;
     }

@@ -1600,12 +1600,18 @@ impl MatVec {
     }
 }
 
-/// The baseline module for this GPU (the harness loads its kernels from it).
-pub fn load_module(gpu: &Gpu) -> Result<Arc<CudaModule>> {
-    // Extra NVRTC options (e.g. `-DQG_UNROLL=2`), for measuring variants.
+/// The baseline module's CUBIN for `arch` (from the kernel cache where it was compiled
+/// before): one module for every model, with `MEGAINFER_BASELINE_DEFINES`' extra NVRTC options
+/// (e.g. `-DQG_UNROLL=2`, for measuring variants).
+pub fn compile_module(arch: &str) -> Result<Vec<u8>> {
     let extra = std::env::var("MEGAINFER_BASELINE_DEFINES").unwrap_or_default();
     let defines: Vec<String> = extra.split_whitespace().map(String::from).collect();
-    let cubin = compile_cubin("baseline", &sources::baseline(), &gpu.arch(), &defines)?;
+    compile_cubin("baseline", &sources::baseline(), arch, &defines)
+}
+
+/// The baseline module for this GPU (the harness loads its kernels from it).
+pub fn load_module(gpu: &Gpu) -> Result<Arc<CudaModule>> {
+    let cubin = compile_module(&gpu.arch())?;
     gpu.ctx
         .load_module(Ptx::from_binary(cubin))
         .context("loading the baseline CUBIN")

@@ -274,6 +274,12 @@ pub fn cublas_present() -> bool {
     unsafe { cb::is_culib_present() }
 }
 
+/// The batched prefill's CUBIN for `arch` (from the kernel cache where it was compiled before):
+/// one module for every model.
+pub fn compile_module(arch: &str) -> Result<Vec<u8>> {
+    compile_cubin("prefill", &super::sources::prefill(), arch, &[])
+}
+
 impl Prefill {
     pub fn new(gpu: &Gpu, c: &Config) -> Result<Self> {
         if c.head_dim != 64 && c.head_dim != 128 {
@@ -294,7 +300,7 @@ impl Prefill {
             ),
             Ok(other) => bail!("MEGAINFER_PREFILL_GEMM must be lt or gemm-ex, not {other:?}"),
         };
-        let cubin = compile_cubin("prefill", &super::sources::prefill(), &gpu.arch(), &[])?;
+        let cubin = compile_module(&gpu.arch())?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))

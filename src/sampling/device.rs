@@ -79,6 +79,35 @@ pub fn source() -> String {
     [PHILOX, SELECT, SAMPLE, FUSED].join("\n")
 }
 
+/// The kernels and chunk [`DeviceSampler::new`] takes for `vocab`: the kernels
+/// [`Kernels::for_vocab`] picks, the fused one at [`chunk_for_vocab`]'s chunk or
+/// `MEGAINFER_SAMPLER_CHUNK`'s (1024, 2048 or 4096, for comparing chunks after a decode step).
+pub fn kernels_and_chunk(vocab: usize) -> Result<(Kernels, usize)> {
+    let kernels = Kernels::for_vocab(vocab);
+    if kernels != Kernels::Fused {
+        return Ok((kernels, CHUNK));
+    }
+    let chunk = crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")?;
+    Ok((kernels, chunk.unwrap_or_else(|| chunk_for_vocab(vocab))))
+}
+
+/// The sampler's CUBIN at `chunk` logits a CTA for `arch` (from the kernel cache where it was
+/// compiled before). MEGAINFER_SAMPLER_DEFINES: compile options added for measuring variants
+/// of the kernels, as MEGAINFER_MK_DEFINES for the megakernel; separated by spaces or commas
+/// (one word in gpu-check.sh's NAME=VALUE lists).
+pub fn compile_module(chunk: usize, arch: &str) -> Result<Vec<u8>> {
+    let mut defines = vec![format!("-DSMP_CHUNK={chunk}")];
+    if let Ok(extra) = std::env::var("MEGAINFER_SAMPLER_DEFINES") {
+        defines.extend(
+            extra
+                .split(|c: char| c.is_whitespace() || c == ',')
+                .filter(|w| !w.is_empty())
+                .map(String::from),
+        );
+    }
+    compile_cubin("sampling", &source(), arch, &defines)
+}
+
 /// Which kernels draw the token. Both apply the same rule to the same sums, so they draw the
 /// same token from the same inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,15 +182,13 @@ impl DeviceSampler {
     /// at [`chunk_for_vocab`]'s chunk; `MEGAINFER_SAMPLER_CHUNK` (1024, 2048 or 4096) sets the
     /// chunk instead, for comparing chunks after a decode step.
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
-        let kernels = Kernels::for_vocab(vocab);
-        if kernels != Kernels::Fused {
-            return Self::with_kernels(gpu, vocab, kernels);
-        }
-        match crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")? {
-            Some(chunk) => {
-                Self::with_chunk(gpu, vocab, kernels, chunk).context("MEGAINFER_SAMPLER_CHUNK")
-            }
-            None => Self::with_chunk(gpu, vocab, kernels, chunk_for_vocab(vocab)),
+        let (kernels, chunk) = kernels_and_chunk(vocab)?;
+        let sampler = Self::with_chunk(gpu, vocab, kernels, chunk);
+        // Another chunk than the vocabulary's comes from the environment.
+        if kernels == Kernels::Fused && chunk != chunk_for_vocab(vocab) {
+            sampler.context("MEGAINFER_SAMPLER_CHUNK")
+        } else {
+            sampler
         }
     }
 
@@ -185,19 +212,7 @@ impl DeviceSampler {
              chunks of {chunk} needs more"
         );
         let n_blocks = vocab.div_ceil(chunk);
-        // MEGAINFER_SAMPLER_DEFINES: compile options added for measuring variants of the
-        // kernels, as MEGAINFER_MK_DEFINES for the megakernel; separated by spaces or commas
-        // (one word in gpu-check.sh's NAME=VALUE lists).
-        let mut defines = vec![format!("-DSMP_CHUNK={chunk}")];
-        if let Ok(extra) = std::env::var("MEGAINFER_SAMPLER_DEFINES") {
-            defines.extend(
-                extra
-                    .split(|c: char| c.is_whitespace() || c == ',')
-                    .filter(|w| !w.is_empty())
-                    .map(String::from),
-            );
-        }
-        let cubin = compile_cubin("sampling", &source(), &gpu.arch(), &defines)?;
+        let cubin = compile_module(chunk, &gpu.arch())?;
         let module = gpu
             .ctx
             .load_module(Ptx::from_binary(cubin))
