@@ -242,13 +242,7 @@ __device__ bool smp1_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64
         smp_u32 cnt[PER], sum = 0;
 #pragma unroll
         for (int j = 0; j < PER; j++) { cnt[j] = count[PER * tid + j]; sum += cnt[j]; }
-        smp_u32 incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (tid >= o) incl += y;
-        }
-        smp_u32 at = incl - sum;
+        smp_u32 at = smp_warp_scan(sum, tid) - sum;
 #pragma unroll
         for (int j = 0; j < PER; j++) {
             sm1.binbase[PER * tid + j] = at;

@@ -90,6 +90,17 @@ __device__ __forceinline__ void smp_best_merge(double& v, smp_u32& i, double v2,
     if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
 }
 
+// Inclusive prefix sum of v over a warp's lanes in lane order (lane: this thread's).
+template <typename T>
+__device__ __forceinline__ T smp_warp_scan(T v, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
+
 // ---- block-wide reductions and scans (result in every thread) ----
 
 template <typename Sync>
@@ -135,12 +146,7 @@ __device__ void smp_block_best(double& v, smp_u32& idx, SmpShared& sm, int tid, 
 template <typename Sync>
 __device__ smp_u64 smp_block_scan(smp_u64 v, SmpShared& sm, int tid, int nthreads, Sync sync) {
     const int lane = tid & 31, w = tid >> 5;
-    smp_u64 x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const smp_u64 y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
+    const smp_u64 x = smp_warp_scan(v, lane);
     if (lane == 31) sm.wt[w] = x;
     sync();
     smp_u64 base = 0;
@@ -169,12 +175,7 @@ __device__ void smp_radix_select(KeyAt key_at, int n, smp_u32 k, SmpShared& sm, 
             smp_u32 c[8], s = 0;
 #pragma unroll
             for (int j = 0; j < 8; j++) { c[j] = sm.hist[255 - 8 * lane - j]; s += c[j]; }
-            smp_u32 incl = s;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
+            const smp_u32 incl = smp_warp_scan(s, lane);
             smp_u32 above = incl - s;
             if (above < k && k <= incl) {
                 for (int j = 0; j < 8; j++) {
@@ -279,12 +280,7 @@ __device__ smp_u64 smp_threshold_by(ForKeys for_keys, smp_u32 n, smp_u32 k, smp_
             smp_u32 cnt[8], sum = 0;
 #pragma unroll
             for (int j = 0; j < 8; j++) { cnt[j] = h[255 - 8 * lane - j]; sum += cnt[j]; }
-            smp_u32 incl = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
+            const smp_u32 incl = smp_warp_scan(sum, lane);
             smp_u32 ge = above + incl - sum;  // keys above this lane's digits
             if (ge < kk && kk <= above + incl) {
                 for (int j = 0; j < 8; j++) {
@@ -328,12 +324,7 @@ __device__ void smp_emit_by(ForKeys for_keys, Take take, Put put, SmpSel& sm, in
     const int lane = tid & 31;
     smp_u32 e = 0;
     for_keys([&](smp_u64 key) { e += key != 0 && take(key); });
-    smp_u32 incl = e;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const smp_u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
+    const smp_u32 incl = smp_warp_scan(e, lane);
     smp_u32 base = 0;
     if (lane == 31 && incl > 0) base = atomicAdd(&sm.fill, incl);
     smp_u32 slot = __shfl_sync(0xffffffffu, base, 31) + incl - e;
@@ -474,12 +465,7 @@ __device__ smp_u32 smp_cut_warp(const SmpParams& s, double z_all, SmpShared& sm,
             w[q] = j < keep ? sm.sw[j] : 0.0;
             local += w[q];
         }
-        double incl = local;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const double y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
+        const double incl = smp_warp_scan(local, lane);
         const double z = s.top_k > 0 ? __shfl_sync(0xffffffffu, incl, 31) : z_all;
         // The cumulative masses' quotients, each computed (they do not depend on each other),
         // then the first that reaches top-p.
