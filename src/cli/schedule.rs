@@ -300,9 +300,13 @@ context buckets for sequences up to {} positions{}:",
                         .context("compiling the sampler's module")
                 }),
             ];
-            let variants =
-                crate::gpu::megakernel::compile_kernels_ahead(&cfg, &runs, gpu_name == "h200")
-                    .context("compiling the megakernel variants");
+            let variants = crate::gpu::megakernel::compile_kernels_ahead(
+                &cfg,
+                &runs,
+                gpu_name == "h200",
+                arch,
+            )
+            .context("compiling the megakernel variants");
             let modules: Vec<Result<Vec<u8>>> = modules
                 .into_iter()
                 .map(|h| h.join().expect("a compile thread panicked"))

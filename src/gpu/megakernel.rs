@@ -1057,14 +1057,15 @@ pub struct KernelVariants {
 
 /// Compiles, without a GPU, the megakernel variants `run` and `bench` would load for
 /// `buckets` (bf16 weights, a Hopper block's shared memory; `fast_memory`: a GPU such as the
-/// H200's, the weights' whole ring in flight) into the kernel cache, for `sm_90a`, with
-/// `MEGAINFER_MK_DEFINES` and `MEGAINFER_MK_ATT_BY_WARPS` as those read them; returns how
+/// H200's, the weights' whole ring in flight) into the kernel cache, for `arch` (`sm_90a` on
+/// both), with `MEGAINFER_MK_DEFINES` and `MEGAINFER_MK_ATT_BY_WARPS` as those read them; returns how
 /// many. A cache filled so is found on a GPU machine whose NVRTC has this one's version
 /// (`megainfer schedule --compile-kernels`, docs/gpu-machine.md).
 pub fn compile_kernels_ahead(
     c: &crate::model::Config,
     buckets: &[(usize, &Schedule)],
     fast_memory: bool,
+    arch: &str,
 ) -> Result<usize> {
     let plan = host_kernel_variants(
         c,
@@ -1073,7 +1074,7 @@ pub fn compile_kernels_ahead(
         H100_SMEM_PER_BLOCK,
         fast_memory,
     )?;
-    Ok(compile::compile_all(c, &plan.specs, "sm_90a")?.len())
+    Ok(compile::compile_all(c, &plan.specs, arch)?.len())
 }
 
 /// [`kernel_variants`] as the host takes them: attention by warps unless

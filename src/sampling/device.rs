@@ -87,8 +87,27 @@ pub fn kernels_and_chunk(vocab: usize) -> Result<(Kernels, usize)> {
     if kernels != Kernels::Fused {
         return Ok((kernels, CHUNK));
     }
-    let chunk = crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")?;
-    Ok((kernels, chunk.unwrap_or_else(|| chunk_for_vocab(vocab))))
+    match crate::gpu::switches::count("MEGAINFER_SAMPLER_CHUNK")? {
+        Some(chunk) => {
+            check_chunk(vocab, kernels, chunk).context("MEGAINFER_SAMPLER_CHUNK")?;
+            Ok((kernels, chunk))
+        }
+        None => Ok((kernels, chunk_for_vocab(vocab))),
+    }
+}
+
+/// Whether `kernels` can draw from `vocab` logits in CTAs of `chunk`.
+fn check_chunk(vocab: usize, kernels: Kernels, chunk: usize) -> Result<()> {
+    anyhow::ensure!(
+        [1024, 2048, CHUNK].contains(&chunk),
+        "sampler chunk {chunk}: 1024, 2048 or 4096 logits per CTA"
+    );
+    anyhow::ensure!(
+        kernels == Kernels::TwoPass || last_cta_holds(vocab, chunk),
+        "the fused sampler holds at most {SAMPLE_SLOTS} keys: a vocabulary of {vocab} in \
+         chunks of {chunk} needs more"
+    );
+    Ok(())
 }
 
 /// The sampler's CUBIN at `chunk` logits a CTA for `arch` (from the kernel cache where it was
@@ -183,13 +202,7 @@ impl DeviceSampler {
     /// chunk instead, for comparing chunks after a decode step.
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
         let (kernels, chunk) = kernels_and_chunk(vocab)?;
-        let sampler = Self::with_chunk(gpu, vocab, kernels, chunk);
-        // Another chunk than the vocabulary's comes from the environment.
-        if kernels == Kernels::Fused && chunk != chunk_for_vocab(vocab) {
-            sampler.context("MEGAINFER_SAMPLER_CHUNK")
-        } else {
-            sampler
-        }
+        Self::with_chunk(gpu, vocab, kernels, chunk)
     }
 
     /// A sampler drawing with the given kernels (`Fused` only where [`Kernels::for_vocab`]
@@ -202,15 +215,7 @@ impl DeviceSampler {
     /// spread a vocabulary over more SMs but give the last CTA more keys to merge; which pays
     /// after a decode step depends on the vocabulary (`chunk_for_vocab`, BENCHMARKS.md).
     pub fn with_chunk(gpu: &Gpu, vocab: usize, kernels: Kernels, chunk: usize) -> Result<Self> {
-        anyhow::ensure!(
-            [1024, 2048, CHUNK].contains(&chunk),
-            "sampler chunk {chunk}: 1024, 2048 or 4096 logits per CTA"
-        );
-        anyhow::ensure!(
-            kernels == Kernels::TwoPass || last_cta_holds(vocab, chunk),
-            "the fused sampler holds at most {SAMPLE_SLOTS} keys: a vocabulary of {vocab} in \
-             chunks of {chunk} needs more"
-        );
+        check_chunk(vocab, kernels, chunk)?;
         let n_blocks = vocab.div_ceil(chunk);
         let cubin = compile_module(chunk, &gpu.arch())?;
         let module = gpu
