@@ -42,11 +42,10 @@ __device__ __forceinline__ bool next_step(const MkParams& p, const Smem& sm, u32
     return true;
 }
 
-// What a step's instruction loop leaves: the ring's page sequence, the instruction-word buffer,
-// the Argmax's profile words (or 1) on the SM that runs it in a sampled launch, and failure.
+// What a step's instruction loop leaves: the ring's page sequence, the instruction-word buffer
+// and failure.
 struct StepEnd {
     u32 seq, buf;
-    u64* draws;
     bool failed;
 };
 
@@ -76,7 +75,6 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
     constexpr bool share_normed = MK_HIDDEN > PREP_MAX * CONSUMERS;
 #endif
     u32 normed = ~0u;
-    u64* draws = nullptr;
     for (const u32* wg = p.instrs + (size_t)p.sm_offsets[blockIdx.x] * MK_WORDS; wg < end; wg += MK_WORDS, buf ^= 1) {
         // The instruction's words sit in shared memory, fetched during the one before (the
         // next step's first one between the steps).
@@ -84,7 +82,6 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         const u32 op = w[W_OP], instr = (u32)((wg - p.instrs) / MK_WORDS);
         const u32 next = ct < MK_WORDS && wg + MK_WORDS < end ? __ldg(wg + MK_WORDS + ct) : 0;
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
-        if (MK_SAMPLING && op == OP_ARGMAX) draws = prof ? prof : (u64*)1;
         const TileGeom g = tile_geom(w, p, sm.lw);
         const OpEarly early = op_early(op, p, w, m.pos);
         if (ct == 0) PREP_SET_PROF(prof);
@@ -103,14 +100,14 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         const bool fresh = !(share_normed && shares_input && key == normed);
         if (fresh) seq += op_prepare(op, p, w, m, instr, seq, sm, prof);
         if (share_normed) normed = shares_input ? key : ~0u;
-        if (consumers_failed()) return {seq, buf, draws, true};
+        if (consumers_failed()) return {seq, buf, true};
         if (ct == 0 && prof) prof[op_stamps_inputs(op) ? PROF_TILES : PROF_PREPARED] = global_ns();
         if (g.tiles > 0) {
             const float scale = op_scale(op, p, sm.ss);
             if (MK_STAGE_NOTES && ct == 0) note(p, 1, ST_TILES);
             if (!consume_tiles(p, g, instr, seq, sm.pages, sm.full, sm.empty, sm.xs, fresh, sm.res)) set_failed(1);
             seq += g.tiles;
-            if (consumers_failed()) return {seq, buf, draws, true};
+            if (consumers_failed()) return {seq, buf, true};
             if (ct == 0 && prof) prof[PROF_TILES] = global_ns();
             if (MK_STAGE_NOTES && ct == 0) note(p, 1, ST_POST);
             op_post(op, p, w, m, sm, scale, early);
@@ -124,7 +121,7 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
             note(p, 1, ST_DONE);
         }
     }
-    return {seq, buf, draws, false};
+    return {seq, buf, false};
 }
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __grid_constant__ MkParams p) {
@@ -163,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         mk_tag = p.epoch + 1;
         mk_stop = 0;
         mk_kv_last = p.kv_last[blockIdx.x];
+        mk_merges = 0;
     }
     for (int i = threadIdx.x; i < p.n_layers * (int)(sizeof(LayerW) / 8); i += MK_THREADS)
         ((u64*)sm.lw)[i] = ((const u64*)p.layers)[i];
@@ -195,8 +193,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         if (e.failed) return;
         seq = e.seq;
         buf = e.buf;
-        if (MK_SAMPLING && p.sampling && e.draws) {
-            op_draw(p, m, sm.xs, sm.res, e.draws != (u64*)1 ? e.draws : nullptr);
+        if (MK_SAMPLING && p.sampling && *(volatile u32*)&mk_merges) {
+            op_draw(p, m, sm.res);
             if (consumers_failed()) return;
         }
         if (last || !next_step(p, sm, buf, m)) return;

@@ -576,8 +576,8 @@ fn prefill_kernels_compile_for_sm90a() {
 /// `megainfer schedule --compile-kernels h200` compiles, without a GPU, the kernels `run` and
 /// `bench` would load into the cache MEGAINFER_CACHE names: for SmolLM2 at 8,192 positions
 /// three megakernel variants (the short buckets' kernel, the 4K bucket's split-KV kernel and
-/// the 4K-64K one with two K/V tiles in flight), and the prefill, graph-path and sampler
-/// modules.
+/// the 4K-64K one with two K/V tiles in flight), each greedy and sampled (the draw inside the
+/// launch), and the prefill, graph-path and sampler modules.
 #[test]
 fn schedule_compiles_the_kernels_ahead() {
     require_nvrtc();
@@ -598,8 +598,8 @@ fn schedule_compiles_the_kernels_ahead() {
     );
     assert!(
         stdout.contains(
-            "3 megakernel variants and the prefill, graph-path and sampler modules for an H200 \
-             compiled (sm_90a)"
+            "6 megakernel variants (greedy and sampled) and the prefill, graph-path and \
+             sampler modules for an H200 compiled (sm_90a)"
         ),
         "{stdout}"
     );
@@ -614,6 +614,9 @@ fn schedule_compiles_the_kernels_ahead() {
         cubins,
         [
             "baseline",
+            "megakernel",
+            "megakernel",
+            "megakernel",
             "megakernel",
             "megakernel",
             "megakernel",

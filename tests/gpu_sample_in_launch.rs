@@ -1,11 +1,10 @@
-//! The megakernel's draw inside the launch (megakernel/ops/sample.cuh; off by default, turned
-//! on here with `set_draw_in_launch`): every sampled token
-//! equals the host's draw (`sample_at`, the rule the χ² test in gpu_sampling.rs checks against
-//! the reference distribution) from the same logits, teacher-forced; a generation inside one
-//! launch draws the same tokens as one launch per token; and the draw's rare second round
-//! (a block holding more of the top k than its first keys) is exact too, forced here by a
-//! build whose blocks send only 4 keys first. Needs a GPU (scripts/gpu-check.sh runs it with
-//! --include-ignored).
+//! The megakernel's draw inside the launch (megakernel/ops/sample.cuh, turned on here with
+//! `set_draw_in_launch`): every sampled token equals the host's draw (`sample_at`, the rule the
+//! χ² test in gpu_sampling.rs checks against the reference distribution) from the same logits,
+//! teacher-forced; a generation inside one launch draws the same tokens as one launch per
+//! token; most truncating draws take the first attempt (the keys within the hint), and the
+//! search over the whole vocabulary, forced on every draw by a build without the attempt, is
+//! exact too. Needs a GPU (scripts/gpu-check.sh runs it with --include-ignored).
 
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
@@ -109,12 +108,19 @@ fn host_differences(
     differ
 }
 
-fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize) {
-    // SmolLM2's widths: the draw copies the blocks' first keys into the shared memory the
-    // mat-vec inputs take, which these leave room for.
+/// Checks the draws of `variants()` on a random model of SmolLM2's widths with `vocab` tokens.
+/// `attempts`: whether the build makes first attempts (then most truncating draws after the
+/// first take them) or searches on every draw.
+fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize, attempts: bool) {
     let mut cfg = tiny(576, 9, 3, 64, 1536);
     cfg.vocab_size = vocab;
-    let w = megainfer::model::random::random_weights(&cfg, seed);
+    let mut w = megainfer::model::random::random_weights(&cfg, seed);
+    // The final norm's weights scaled down, so that the logits spread as a trained model's do
+    // (at full scale the fed token's own row, tied to its embedding, outweighs every other by
+    // e^50 and every draw repeats it; scaled, the top token has p 0.15-0.5 at T 0.8).
+    for g in w.final_norm.iter_mut() {
+        *g = half::bf16::from_f32(g.to_f32() * 0.07);
+    }
     let dm = DeviceModel::upload(gpu, &cfg, &w).unwrap();
     let prompt = [5u32, 17, 400, 17, 800, 5];
     let mut one = GpuPath::new(PathKind::Megakernel, gpu, &dm, 128, 128).unwrap();
@@ -128,9 +134,14 @@ fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize) {
             "{label}: the megakernel would draw after its launches"
         );
     }
+    let (mut sampled, mut varied) = (0, 0);
+    let (mut trunc_draws, mut trunc_searches) = (0, 0);
     for p in variants() {
+        let before = many.as_megakernel().unwrap().in_launch_draws().unwrap();
         let a = sample_run(&mut one, p, &prompt, n);
         let b = sample_run(&mut many, p, &prompt, n);
+        let after = many.as_megakernel().unwrap().in_launch_draws().unwrap();
+        let (draws, searches) = (after.draws - before.draws, after.searches - before.searches);
         assert_eq!(
             a, b,
             "{label} {p:?}: one launch per token and one generation drew differently"
@@ -140,10 +151,28 @@ fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize) {
         let differ = host_differences(&mut one, p, &prompt, &a);
         let distinct: std::collections::HashSet<_> = a.iter().collect();
         println!(
-            "{label} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws",
+            "{label} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws; \
+             {searches} of {draws} draws searched",
             a.len(),
             distinct.len()
         );
+        // The generation drew its n tokens after the host's first on the device.
+        assert_eq!(draws, n as u64, "{label} {p:?}: draws counted");
+        let truncates = p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0.0;
+        if !truncates || p.temperature == 0.0 {
+            assert_eq!(searches, 0, "{label} {p:?}: a draw without cuts searched");
+        } else if attempts {
+            // How often the attempt holds is the logits' affair (from every draw but the
+            // first to a few, on these flat ones); it is asserted over all variants below.
+            trunc_draws += draws;
+            trunc_searches += searches;
+        } else {
+            assert_eq!(searches, draws, "{label} {p:?}: a draw took an attempt");
+        }
+        if p.temperature > 0.0 {
+            sampled += 1;
+            varied += usize::from(distinct.len() > 1);
+        }
         // Host and device differ only where two perturbed scores or a cumulative mass and P
         // lie within rounding (about 1e-15) of each other: none expected.
         assert!(
@@ -152,6 +181,17 @@ fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize) {
             a.len()
         );
     }
+    if attempts {
+        assert!(
+            trunc_searches < trunc_draws,
+            "{label}: every truncating draw searched ({trunc_searches} of {trunc_draws})"
+        );
+    }
+    // Draws that differ from one step to the next, not the same token every time.
+    assert!(
+        varied * 2 >= sampled,
+        "{label}: only {varied} of {sampled} sampled variants drew more than one token"
+    );
 }
 
 #[test]
@@ -160,15 +200,14 @@ fn in_launch_draws_match_the_host_and_one_launch_per_token() {
     let gpu = gpu();
     // 9,000 tokens: LM-head blocks of a few dozen rows; 49,152 (SmolLM2's vocabulary):
     // blocks of a few hundred, as on the real model.
-    check_model(&gpu, "vocab 9000", 9000, 21, 40);
-    check_model(&gpu, "vocab 49152", 49152, 22, 40);
-    // The draw's second round, forced: blocks send 4 keys first, so a block holding more
-    // than 4 of the top k is common. Compiled in through the variable the kernels read when
-    // a path is made; no other test in this binary runs beside it.
-    std::env::set_var(
-        "MEGAINFER_MK_DEFINES",
-        "-DMK_SMP_PFX=4 -DMK_SMP_PFX_LIMIT=4",
-    );
-    check_model(&gpu, "vocab 49152, 4 keys first", 49152, 23, 40);
+    check_model(&gpu, "vocab 9000", 9000, 21, 40, true);
+    check_model(&gpu, "vocab 49152", 49152, 22, 40, true);
+    // Through the variable the kernels read when a path is made (no other test in this binary
+    // runs beside it): the draw's first load takes 3 slots of each block instead of 15, so
+    // that its second load (a block's other keys) is common; then the search on every draw.
+    std::env::set_var("MEGAINFER_MK_DEFINES", "-DMK_SMP_FIRST_PER=2");
+    check_model(&gpu, "vocab 49152, 3 slots first", 49152, 24, 40, true);
+    std::env::set_var("MEGAINFER_MK_DEFINES", "-DMK_SMP_NO_ATTEMPT=1");
+    check_model(&gpu, "vocab 49152, no attempt", 49152, 23, 40, false);
     std::env::remove_var("MEGAINFER_MK_DEFINES");
 }

@@ -15,10 +15,10 @@
 // SMs), a truncating draw without top-k first tries without the blocks' threshold searches:
 // the CTAs share their maxima (a grid-wide wait), then each writes its keys within `hint` (a
 // logit distance the previous draw left) of the global maximum; the last CTA merges and draws
-// as above and checks that those keys decided the cuts (smp1_complete). If they did, the token is the
+// as above and checks that those keys decided the cuts (smp_attempt_complete). If they did, the token is the
 // one the searches would have given; if not (or a CTA had more than SMP1_CAP such keys), it
 // tells the waiting CTAs so, and all of them search and merge as above. The attempt's merge
-// takes a short way where it can (smp1_merge_binned: the union sorted by counting, in about five
+// takes a short way where it can (smp_merge_binned, select.cuh: the union sorted by counting, in about five
 // barriers). Either way the last merge leaves `hint` for the next draw.
 
 #define SMP1_THREADS 512
@@ -26,8 +26,6 @@
 #define SMP1_CAP 160                          // key slots per block (>= SMP_KMAX)
 #define SMP1_FINAL_PER 24                     // slots a thread of the last CTA holds: nb * SMP1_CAP <= 12288
 #define SMP1_FIRST_PER 3                      // slots a thread of the last CTA loads with the summaries
-#define SMP1_BINNED_MAX SMP1_THREADS          // keys the binned merge places (one a thread)
-#define SMP1_BINS 256
 
 // SMP_PROF=1 (for measuring, through MEGAINFER_SAMPLER_DEFINES): the CTA that draws prints
 // where one draw in 40 spent its time (globaltimer, ns from the earliest CTA's start after
@@ -62,11 +60,7 @@ struct Smp1Shared {
     // The last CTA's summaries, a warp each: maximum, keys, most keys in a block, overflow.
     float wmax[SMP1_THREADS / 32];
     smp_u32 wkeys[SMP1_THREADS / 32], wused[SMP1_THREADS / 32], wover[SMP1_THREADS / 32];
-    // The binned merge: the first bin holding the k-th key, the keys placed, each bin's first
-    // place, the keys by bin.
-    smp_u32 bsel, nsel;
-    smp_u32 binbase[SMP1_BINS];
-    smp_u64 ks[SMP1_BINNED_MAX];
+    SmpBinned<SMP1_THREADS> bn;  // the binned merge's (smp_merge_binned)
 };
 
 __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
@@ -194,131 +188,6 @@ __device__ smp_u32 smp1_merge_and_draw(const SmpParams& s, const SmpMeta& m, con
     return tok;
 }
 
-// The fast attempt's merge the short way, from the keys the last CTA loaded with the summaries
-// (c: every nonzero key of the union, n of them, all within [tau, gmax]): a counting sort
-// instead of smp1_merge_and_draw's threshold search, ranking and scoring, which take a barrier
-// each. Each key falls in one of SMP1_BINS bins by its distance below gmax (bin 0 nearest);
-// the bin is a non-decreasing function of that distance, so a key in a lower bin is larger
-// than every key in a higher one, and a key's rank is the keys of the bins before its own plus
-// the larger keys of its own bin (a few). Keys down to the bin holding the k-th go to their
-// bin's places; the thread of each place ranks its key, and the top kk (min(n, k)) write their
-// candidate, score and top-p weight where smp_cut_and_draw's sort and scoring would (the same
-// values: smp_draw_score's and smp_topp_weight's expressions, gmax being sv[0]), so the cuts
-// and the draw (smp_cut_warp) are the same. zt: this thread's term of z_all, added in
-// smp_block_sum's order. Returns false, before anything the long way uses is touched, where it
-// does not apply (no room between tau and gmax, or more than SMP1_BINNED_MAX keys to place);
-// else the token in thread 0 and z_all.
-template <int R>
-__device__ bool smp1_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n, float gmax,
-                                  float tau, double zt, Smp1Shared& sm1, int tid, smp_u32& token, double& z_all) {
-    SmpShared& sm = sm1.base;
-    const float width = gmax - tau;
-    if (!(width > 0.f && width < 1e30f && gmax < 1e30f)) return false;
-    const float scale = (float)SMP1_BINS / width;
-    const auto bin_of = [&](smp_u64 key) {
-        const float d = (gmax - smp_unkey((smp_u32)(key >> 32))) * scale;
-        return d < (float)(SMP1_BINS - 1) ? max((int)d, 0) : SMP1_BINS - 1;
-    };
-    smp_u32* count = sm1.sel.hist[0];
-    smp_u32* cursor = sm1.sel.hist[1];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-        if (c[r] != 0) atomicAdd(&count[bin_of(c[r])], 1u);
-    const bool need_z = s.top_p < 1.f && s.top_k == 0;
-    if (need_z) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) zt += __shfl_xor_sync(0xffffffffu, zt, o);
-        if ((tid & 31) == 0) sm.redd[tid >> 5] = zt;
-    }
-    __syncthreads();
-    z_all = 0.0;
-    if (need_z)
-        for (int w = 0; w < SMP1_THREADS / 32; w++) z_all += sm.redd[w];
-    const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX, kk = min(n, k);
-    if (tid < 32) {
-        // Lane l owns bins 8l .. 8l + 7, nearest the maximum first: lanes in order walk the keys
-        // downwards.
-        constexpr int PER = SMP1_BINS / 32;
-        smp_u32 cnt[PER], sum = 0;
-#pragma unroll
-        for (int j = 0; j < PER; j++) { cnt[j] = count[PER * tid + j]; sum += cnt[j]; }
-        smp_u32 at = smp_warp_scan(sum, tid) - sum;
-#pragma unroll
-        for (int j = 0; j < PER; j++) {
-            sm1.binbase[PER * tid + j] = at;
-            if (at < kk && kk <= at + cnt[j]) { sm1.bsel = PER * tid + j; sm1.nsel = at + cnt[j]; }
-            at += cnt[j];
-        }
-    }
-    __syncthreads();
-    SMP_MSTAMP(2);
-    const int bsel = (int)sm1.bsel;
-    const smp_u32 nsel = sm1.nsel;  // ~0 where no bin held the kk-th key (kk = 0)
-    if (nsel > SMP1_BINNED_MAX) return false;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (c[r] == 0) continue;
-        const int b = bin_of(c[r]);
-        if (b <= bsel) sm1.ks[sm1.binbase[b] + atomicAdd(&cursor[b], 1u)] = c[r];
-    }
-    __syncthreads();
-    if (tid < (int)nsel) {
-        const smp_u64 key = sm1.ks[tid];
-        const int b = bin_of(key);
-        const int lo = (int)sm1.binbase[b], hi = lo + (int)count[b];
-        smp_u32 rank = (smp_u32)lo;
-        for (int q = lo; q < hi; q++) rank += sm1.ks[q] > key;
-        if (rank < kk) {
-            const float v = smp_unkey((smp_u32)(key >> 32));
-            const smp_u32 i = ~(smp_u32)key;
-            sm.sv[rank] = v;
-            sm.si[rank] = i;
-            sm.ss[rank] = (double)v / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
-            if (s.top_p < 1.f) sm.sw[rank] = exp((double)v - (double)gmax);
-        }
-    }
-    if (tid == 0) sm.count = kk;
-    __syncthreads();
-    SMP_MSTAMP(3);
-    token = smp_cut_warp(s, z_all, sm, tid);
-    return true;
-}
-
-// Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
-// every key at or above tau (the logit every CTA cut at) was among them, so they are
-// the exact list down to tau. The draw is exact if that part holds all k candidates the rule
-// can take; else (top-p over top-k needs the whole top-k list for its denominator) if top-p's
-// cut fell inside it, or min-p's first excluded candidate is in it. By thread 0, after
-// smp1_merge_and_draw (smp_cut_and_draw's sm.sh words).
-__device__ bool smp1_complete(const SmpParams& s, const SmpShared& sm, float tau) {
-    const int kk = sm.count;
-    const int k = s.top_k > 0 ? (int)s.top_k : SMP_KMAX;
-    // Candidates at or above tau: a prefix of the sorted list, found by bisection.
-    int lo = 0, hi = kk;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (smp_key(sm.sv[mid]) >= smp_key(tau)) lo = mid + 1;
-        else hi = mid;
-    }
-    if (kk == k && lo == k) return true;
-    if (s.top_k > 0 && s.top_p < 1.f) return false;
-    const int keep_p = sm.sh[1], keep = sm.sh[3];
-    if (keep < keep_p) return keep < lo;  // min-p cut: the first excluded candidate decided it
-    return sm.sh[2] != 0 && keep <= lo;     // top-p cut at keep - 1
-}
-
-// The hint for the next draw, by thread 0 of the CTA that drew: 1.25 times the distance below
-// the maximum of the candidate that decided the cuts (the first one excluded, or the last
-// kept), plus 1/16: what this draw needed, with room, times `room` (2 after an attempt whose
-// keys fell short of the cuts: the logits' spread grew, and may grow again, as a model's do
-// from one token to the next). Every draw leaves one, so the next attempts follow the logits.
-__device__ void smp1_leave_hint(const SmpShared& sm, float gmax, float* hint, float room) {
-    const int kk = sm.count, j = min((int)sm.sh[3], kk - 1);
-    if (j < 0) return;
-    const float depth = gmax - sm.sv[j];
-    if (depth >= 0.f && depth < 1e30f) *hint = room * (1.25f * depth + 0.0625f);
-}
-
 #if SMP_PROF
 __device__ __noinline__ void smp_prof_print(const unsigned long long* pt, smp_u32 pos, int attempt, smp_u32 verdict,
                                             bool binned) {
@@ -381,6 +250,11 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     const float ninf = __int_as_float(0xff800000u);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
     if (tid == 0) { sm1.sel.fill = 0; sm1.fcount = 0; }
+    // The next draw's hint (every draw leaves one, held attempt or search alike).
+    const auto leave_hint = [&](float gmax) {
+        const float v = smp_next_hint(s, sm, gmax);
+        if (v >= 0.f) *hint = v;
+    };
 
     // ---- this CTA's rows: as smp_block_part, from registers ----
     const bool pen = smp_penalises(s);
@@ -517,8 +391,8 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
                 const int i = tid + r * SMP1_THREADS, b = i / u;
                 cf[r] = b < nb ? __ldcg(keys + (size_t)b * SMP1_CAP + i % u) : 0ull;
             }
-            for (int i = tid; i < SMP1_BINS; i += SMP1_THREADS) { sm1.sel.hist[0][i] = 0; sm1.sel.hist[1][i] = 0; }
-            if (tid == 0) sm1.nsel = ~0u;
+            for (int i = tid; i < SMP_BINS; i += SMP1_THREADS) { sm1.sel.hist[0][i] = 0; sm1.sel.hist[1][i] = 0; }
+            if (tid == 0) sm1.bn.nsel = ~0u;
             SMP_MSTAMP(0);
             // The summaries' maximum, number of keys, most keys in a block and overflow flags:
             // one barrier.
@@ -546,7 +420,8 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             if (!merged && used <= (smp_u32)u) {
                 const double zt = tid < nb && blk.max != ninf ? blk.sumexp * exp((double)blk.max - (double)gmax) : 0.0;
                 double z_all;
-                merged = binned = smp1_merge_binned(s, m.pos, cf, nkeys, gmax, gm - delta, zt, sm1, tid, token, z_all);
+                merged = binned = smp_merge_binned<SMP1_THREADS>(s, m.pos, cf, nkeys, gmax, gm - delta, zt, sm, sm1.sel,
+                                                                  sm1.bn, tid, sync, token, z_all);
             }
             (void)binned;
             if (!merged) {
@@ -556,10 +431,10 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             SMP_MSTAMP(4);
             SMP_STAMP(5);
             if (tid == 0) {
-                const bool drawn = !any_over && smp1_complete(s, sm, gm - delta);
+                const bool drawn = !any_over && smp_attempt_complete(s, sm, gm - delta);
                 if (drawn) {
                     smp_store_token(m, token, history, meta_out);
-                    smp1_leave_hint(sm, gmax, hint, 1.f);
+                    leave_hint(gmax);
                 } else {
                     gate[SMP1_GATE_FALLBACKS] += 1;  // the merge after the searches leaves the hint
                 }
@@ -619,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     } else {
         float gmax;
         token = smp1_merge_and_draw(s, m, blocks, keys, nb, SMP1_CAP, sm1, tid, gmax);
-        if (tid == 0 && fast) smp1_leave_hint(sm, gmax, hint, verdict == SMP1_VERDICT_SEARCH ? 2.f : 1.f);
+        if (tid == 0 && fast) leave_hint(gmax);
     }
     SMP_STAMP(5);
     if (tid == 0) smp_store_token(m, token, history, meta_out);

@@ -607,3 +607,142 @@ __device__ smp_u32 smp_final_part(GetBlock get_block, int nb, CandVal cand_val, 
     sync();
     return token;
 }
+
+// ---- the fast attempt's merge (fused.cu, and the megakernel's draw inside its launch) ----
+// A draw that first tries with the keys within a hint of the maximum (the attempt: every
+// block sends its keys at or above tau = maximum - hint) merges them the short way below, checks
+// that they decided the cuts (smp_attempt_complete) and leaves the next draw's hint
+// (smp_next_hint).
+#define SMP_BINS 256
+
+// The binned merge's scratch, for NT threads: the first bin holding the k-th key, the keys
+// placed, each bin's first place, the keys by bin (one a thread at most).
+template <int NT>
+struct SmpBinned {
+    smp_u32 bsel, nsel;
+    smp_u32 binbase[SMP_BINS];
+    smp_u64 ks[NT];
+};
+
+// The fast attempt's merge the short way, from the keys the last CTA loaded with the summaries
+// (c: every nonzero key of the union, n of them, all within [tau, gmax]): a counting sort
+// instead of the merge's threshold search, ranking and scoring, which take a barrier
+// each. Each key falls in one of SMP_BINS bins by its distance below gmax (bin 0 nearest);
+// the bin is a non-decreasing function of that distance, so a key in a lower bin is larger
+// than every key in a higher one, and a key's rank is the keys of the bins before its own plus
+// the larger keys of its own bin (a few). Keys down to the bin holding the k-th go to their
+// bin's places; the thread of each place ranks its key, and the top kk (min(n, k)) write their
+// candidate, score and top-p weight where smp_cut_and_draw's sort and scoring would (the same
+// values: smp_draw_score's and smp_topp_weight's expressions, gmax being sv[0]), so the cuts
+// and the draw (smp_cut_warp) are the same. zt: this thread's term of z_all, added in
+// smp_block_sum's order. Returns false, before anything the long way uses is touched, where it
+// does not apply (no room between tau and gmax, or more than NT keys to place);
+// else the token in thread 0 and z_all.
+template <int NT, int R, typename Sync>
+__device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n, float gmax,
+                                 float tau, double zt, SmpShared& sm, SmpSel& sel, SmpBinned<NT>& bn, int tid,
+                                 Sync sync, smp_u32& token, double& z_all) {
+    const float width = gmax - tau;
+    if (!(width > 0.f && width < 1e30f && gmax < 1e30f)) return false;
+    const float scale = (float)SMP_BINS / width;
+    const auto bin_of = [&](smp_u64 key) {
+        const float d = (gmax - smp_unkey((smp_u32)(key >> 32))) * scale;
+        return d < (float)(SMP_BINS - 1) ? max((int)d, 0) : SMP_BINS - 1;
+    };
+    smp_u32* count = sel.hist[0];
+    smp_u32* cursor = sel.hist[1];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        if (c[r] != 0) atomicAdd(&count[bin_of(c[r])], 1u);
+    const bool need_z = s.top_p < 1.f && s.top_k == 0;
+    if (need_z) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zt += __shfl_xor_sync(0xffffffffu, zt, o);
+        if ((tid & 31) == 0) sm.redd[tid >> 5] = zt;
+    }
+    sync();
+    z_all = 0.0;
+    if (need_z)
+        for (int w = 0; w < NT / 32; w++) z_all += sm.redd[w];
+    const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX, kk = min(n, k);
+    if (tid < 32) {
+        // Lane l owns bins 8l .. 8l + 7, nearest the maximum first: lanes in order walk the keys
+        // downwards.
+        constexpr int PER = SMP_BINS / 32;
+        smp_u32 cnt[PER], sum = 0;
+#pragma unroll
+        for (int j = 0; j < PER; j++) { cnt[j] = count[PER * tid + j]; sum += cnt[j]; }
+        smp_u32 at = smp_warp_scan(sum, tid) - sum;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            bn.binbase[PER * tid + j] = at;
+            if (at < kk && kk <= at + cnt[j]) { bn.bsel = PER * tid + j; bn.nsel = at + cnt[j]; }
+            at += cnt[j];
+        }
+    }
+    sync();
+    const int bsel = (int)bn.bsel;
+    const smp_u32 nsel = bn.nsel;  // ~0 where no bin held the kk-th key (kk = 0)
+    if (nsel > NT) return false;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (c[r] == 0) continue;
+        const int b = bin_of(c[r]);
+        if (b <= bsel) bn.ks[bn.binbase[b] + atomicAdd(&cursor[b], 1u)] = c[r];
+    }
+    sync();
+    if (tid < (int)nsel) {
+        const smp_u64 key = bn.ks[tid];
+        const int b = bin_of(key);
+        const int lo = (int)bn.binbase[b], hi = lo + (int)count[b];
+        smp_u32 rank = (smp_u32)lo;
+        for (int q = lo; q < hi; q++) rank += bn.ks[q] > key;
+        if (rank < kk) {
+            const float v = smp_unkey((smp_u32)(key >> 32));
+            const smp_u32 i = ~(smp_u32)key;
+            sm.sv[rank] = v;
+            sm.si[rank] = i;
+            sm.ss[rank] = (double)v / (double)s.temperature + smp_gumbel(s.seed_lo, s.seed_hi, pos, i);
+            if (s.top_p < 1.f) sm.sw[rank] = exp((double)v - (double)gmax);
+        }
+    }
+    if (tid == 0) sm.count = kk;
+    sync();
+    token = smp_cut_warp(s, z_all, sm, tid);
+    return true;
+}
+
+// Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
+// every key at or above tau (the logit every CTA cut at) was among them, so they are
+// the exact list down to tau. The draw is exact if that part holds all k candidates the rule
+// can take; else (top-p over top-k needs the whole top-k list for its denominator) if top-p's
+// cut fell inside it, or min-p's first excluded candidate is in it. By thread 0, after
+// the merge (smp_cut_and_draw's sm.sh words).
+__device__ bool smp_attempt_complete(const SmpParams& s, const SmpShared& sm, float tau) {
+    const int kk = sm.count;
+    const int k = s.top_k > 0 ? (int)s.top_k : SMP_KMAX;
+    // Candidates at or above tau: a prefix of the sorted list, found by bisection.
+    int lo = 0, hi = kk;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (smp_key(sm.sv[mid]) >= smp_key(tau)) lo = mid + 1;
+        else hi = mid;
+    }
+    if (kk == k && lo == k) return true;
+    if (s.top_k > 0 && s.top_p < 1.f) return false;
+    const int keep_p = sm.sh[1], keep = sm.sh[3];
+    if (keep < keep_p) return keep < lo;  // min-p cut: the first excluded candidate decided it
+    return sm.sh[2] != 0 && keep <= lo;     // top-p cut at keep - 1
+}
+
+// The hint for the next draw, by thread 0 of the CTA that drew: 1.25 times the distance below
+// the maximum of the candidate that decided the cuts (the first one excluded, or the last
+// kept; with top-k and top-p both, the k-th, since top-p's sum is over the top k), plus 1/16:
+// what this draw needed, with room. Every draw leaves one, so the next attempts follow the
+// logits. Negative where the draw gives none (no candidate, or no finite distance).
+__device__ float smp_next_hint(const SmpParams& s, const SmpShared& sm, float gmax) {
+    const int kk = sm.count, j = s.top_k > 0 && s.top_p < 1.f ? kk - 1 : min((int)sm.sh[3], kk - 1);
+    if (j < 0) return -1.f;
+    const float depth = gmax - sm.sv[j];
+    return depth >= 0.f && depth < 1e30f ? 1.25f * depth + 0.0625f : -1.f;
+}

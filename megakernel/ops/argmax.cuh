@@ -42,7 +42,8 @@ __device__ __forceinline__ u32 host_stop_request(const MkParams& p) {
 }
 
 __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
-    // A sampled launch draws after its SM's instruction loop instead (op_draw).
+    // A sampled launch draws after the instruction loop of its last LM-head block's SM instead
+    // (op_draw).
     if (MK_SAMPLING && p.sampling) return;
     const int ct = threadIdx.x - 32;
     const u32 ctl = host_stop_request(p);
@@ -54,18 +55,16 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
     if (ct == 0) finish_token(p, m, idx, ctl);
 }
 
-// In a sampled launch, the Argmax instruction's work, by every consumer of its SM once the
-// SM's instruction loop is over (Argmax is the stream's last instruction): the draw
-// (ops/sample.cuh), then the token's way out; the fed token goes into history[pos] for the
-// repetition penalty's window, as the sampler kernels do. Called outside the instruction
-// loop, and out of line: called inside it, the draw's registers cost the whole loop spills.
-// prof: the Argmax instruction's profile words (or null), whose "stored" stamp moves to the
-// draw's end.
-__device__ __noinline__ void op_draw(const MkParams& p, const TokenMeta& m, float* xs, float* res, u64* prof) {
+// In a sampled launch, the draw, by every consumer of the SM whose LM-head block arrived last
+// (ops/sample.cuh), once its instruction loop is over, then the token's way out; the fed token
+// goes into history[pos] for the repetition penalty's window, as the sampler kernels do.
+// Called outside the instruction loop, and out of line: called inside it, the draw's
+// registers cost the whole loop spills.
+__device__ __noinline__ void op_draw(const MkParams& p, const TokenMeta& m, float* res) {
     const u32 ctl = host_stop_request(p);
-    const u32 idx = mk_sample_draw(p, m, xs, res);
+    const u32 idx = mk_sample_merge(p, m, res);
     if (threadIdx.x != 32) return;
     p.history[m.pos] = m.token;
     finish_token(p, m, idx, ctl);
-    if (prof) prof[PROF_STORED] = global_ns();
+    atomicAdd(smp_gate(p) + MK_SMP_GATE_DRAWS, 1ull);
 }

@@ -1,6 +1,6 @@
 // RmsLmHead(row_start, rows, block): RMS norm of the last layer's output, f32 logits of the
-// rows and the block's (max, first row reaching it), or in a sampled launch the block's
-// summary for the draw (ops/sample.cuh).
+// rows and the block's (max, first row reaching it); in a sampled launch the block then takes
+// part in the draw (ops/sample.cuh).
 
 __device__ __forceinline__ int lmhead_rows(const u32* w) { return (int)w[W_B]; }
 __device__ __forceinline__ int lmhead_cols(const MkParams& p) { return p.hidden; }

@@ -1,108 +1,114 @@
 // Sampling as the megakernel's last stage, so a sampled token chains on the device like a
 // greedy one, inside a generation too. The rule is kernels/sampling/select.cuh's (the host's
-// twin: src/sampling/mod.rs, sample_at; docs/sampling.md). In a sampled launch (p.sampling):
+// twin: src/sampling/mod.rs, sample_at; docs/sampling.md), drawn the way the fused sampler
+// (kernels/sampling/fused.cu) draws it, with the LM head's blocks as its CTAs:
 //
-// - each RmsLmHead instruction, once its logits are stored, summarises its rows for the draw
-//   (mk_sample_block): the penalised maximum, the softmax sum behind top-p, the best
-//   Gumbel-perturbed row (pure temperature), and, when truncating, two sets of its keys: its
-//   top MK_SMP_PFX to MK_SMP_PFX_LIMIT (the prefix) and the rest of its top k (the extras);
-// - the SM with the Argmax instruction draws instead, after its instruction loop (op_draw,
-//   mk_sample_draw). It reads every block's summary and prefix only, finds the k-th largest
-//   key T among them and checks that no block can hold more of the global top k than it
-//   sent: a block's unsent keys are below its smallest sent key, so the top k is exact unless
-//   some block's prefix lies wholly above T. Such a block (at most k / MK_SMP_PFX of them;
-//   with real logits almost never) has its extras read too, and the search runs again. So
-//   the draw on one SM reads about n_lm x 12 keys, not the n_lm x k the blocks hold.
+// - each RmsLmHead instruction, once its logits are stored (mk_sample_block), takes its rows'
+//   penalised maximum and, for top-p, their softmax sum; it hands its maximum to the other
+//   blocks (lm_best, tagged) and waits for theirs; then it writes its keys within the hint
+//   (the distance below the maximum the previous draw left) to its key slots, its summary,
+//   and arrives at the gate's counter (an acquire-release add). Pure temperature needs no
+//   keys: the block's best Gumbel-perturbed row is its summary.
+// - the block that arrives last draws, after its SM's instruction loop (op_draw, ops/
+//   argmax.cuh; mk_sample_merge): in one round trip every summary and the first slots of
+//   every block, then the binned merge (smp_merge_binned) and the check that those keys
+//   decided the cuts (smp_attempt_complete). Where they did not (the first draw, which has no
+//   hint; logits whose spread grew past the hint; a block with more keys than its slots),
+//   that SM searches the whole vocabulary itself, reading the logits from L2. Either way it
+//   leaves the next hint, and hands the token over as the greedy argmax does. The other SMs
+//   go on to the next step at once; its first instructions wait for the token.
 //
-// Everything a block hands over is tagged (lm_sample in the arena: MK_SMP_BLK_WORDS summary
-// words, then MK_SMP_PFX_SLOTS + MK_SMP_CAP key slots of two words); keys are select.cuh's
-// 64-bit keys, the logit's key in the first word and the inverted token in the second. The
-// scratch is shared memory no instruction needs by then: the block's res, the draw's xs and
-// res. Compiled only into the kernel variant sampled launches run (MK_SAMPLING).
+// lm_sample (scheduler/src/arena.rs) holds the gate's words, a summary and MK_SMP_CAP key
+// slots per block, and the penalised logits (written only with a penalty, for the search).
+// Keys are select.cuh's 64-bit keys (the logit's key above, the inverted token below). The
+// blocks' words need no tags: the arrival orders them before the last block's reads.
+// Compiled only into the kernel variant sampled launches run (MK_SAMPLING): its calls cost
+// the greedy kernel's loop spilled registers.
 
 #ifndef MK_SAMPLING
 #define MK_SAMPLING 0  // 1 in the variant sampled launches run (src/gpu/megakernel/compile.rs)
 #endif
-#ifndef MK_SMP_PFX
-#define MK_SMP_PFX 6  // the prefix holds at least the block's top min(k, MK_SMP_PFX)
+// 1 (for tests, through MEGAINFER_MK_DEFINES): no attempt, every draw searches.
+#ifndef MK_SMP_NO_ATTEMPT
+#define MK_SMP_NO_ATTEMPT 0
 #endif
-#ifndef MK_SMP_PFX_LIMIT
-#define MK_SMP_PFX_LIMIT MK_SMP_PFX_SLOTS  // and at most this many keys
+// Key slots per thread the last block loads with the summaries: every block's first
+// MK_SMP_FIRST_PER * CONSUMERS / n_lm slots (15 for 132 blocks).
+#ifndef MK_SMP_FIRST_PER
+#define MK_SMP_FIRST_PER 8
 #endif
-static_assert(MK_SMP_PFX <= MK_SMP_PFX_LIMIT && MK_SMP_PFX_LIMIT <= MK_SMP_PFX_SLOTS, "prefix sizes");
 static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary per consumer thread");
-static_assert((MK_SMP_BLK_WORDS & 1) == 0, "key slots are 16-byte pairs");
 
-
-#define MK_SMP_ROWS_PER (RES_MAX / CONSUMERS)  // rows a consumer holds in RmsLmHead
-
-struct MkSmpShared {
-    SmpShared base;
-    SmpSel sel;
-    smp_u32 flagged[SMP_KMAX + 1];           // blocks whose extras the draw reads
-    smp_u32 extra_at[SMP_KMAX + 2];          // their extras' first linear index
-    smp_u32 n_flagged;
-};
-static_assert(sizeof(MkSmpShared) <= MK_SMP_SCRATCH_BYTES && MK_SMP_SCRATCH_BYTES <= RES_MAX * sizeof(float),
-              "the sampler's scratch (the host plans MK_SMP_SCRATCH_BYTES) must fit in res's second half");
+// The gate's words (zero at first): the arrivals (counting on; the block that brings the
+// count to a multiple of n_lm is the last of its step), the hint (a float's bits), and
+// statistics: draws that searched, draws, and the searches' reasons: no attempt (a block had
+// no hint), keys past the slots (more than a block's slots, or than the two loads take), keys
+// that did not decide the cuts.
+#define MK_SMP_GATE_ARRIVALS 0
+#define MK_SMP_GATE_HINT 1
+#define MK_SMP_GATE_SEARCHES 2
+#define MK_SMP_GATE_DRAWS 3
+#define MK_SMP_GATE_NO_HINT 4
+#define MK_SMP_GATE_SLOTS 5
+#define MK_SMP_GATE_SHORT 6
+// A block's summary words.
+#define MK_SMP_S_MAX 0       // its largest penalised logit (a float's bits; tagged)
+#define MK_SMP_S_Z 1         // the softmax sum behind top-p, relative to it (a double's bits)
+#define MK_SMP_S_BEST 2      // pure temperature: its best perturbed score (a double's bits)
+#define MK_SMP_S_BEST_IDX 3  // and its token
+#define MK_SMP_S_COUNT 4     // its keys in the slots, or MK_SMP_OVER
+#define MK_SMP_S_HINT 5      // the hint it cut at (0: it made no attempt)
+#define MK_SMP_OVER 0xffffffffu
 
 __device__ __forceinline__ SmpParams mk_smp_params(const MkParams& p) {
     return {p.smp_temperature, p.smp_top_p, p.smp_min_p, p.smp_penalty,
             p.smp_top_k,       p.smp_last_n, p.smp_seed_lo, p.smp_seed_hi};
 }
-
+__device__ __forceinline__ u64* smp_gate(const MkParams& p) { return p.lm_sample; }
 __device__ __forceinline__ u64* smp_summary(const MkParams& p, int b) {
-    return p.lm_sample + (size_t)b * MK_SMP_BLOCK_WORDS;
+    return p.lm_sample + MK_SMP_GATE_WORDS + (size_t)b * MK_SMP_BLOCK_WORDS;
 }
-__device__ __forceinline__ u64* smp_slot(const MkParams& p, int b, int s) {
-    return smp_summary(p, b) + MK_SMP_BLK_WORDS + 2 * s;
+__device__ __forceinline__ u64* smp_slots(const MkParams& p, int b) { return smp_summary(p, b) + MK_SMP_BLK_WORDS; }
+__device__ __forceinline__ float* smp_penalised(const MkParams& p) {
+    return (float*)(p.lm_sample + MK_SMP_GATE_WORDS + (size_t)p.n_lm * MK_SMP_BLOCK_WORDS);
 }
+// The slots of each block the last block loads with the summaries.
+__device__ __forceinline__ int smp_first_slots(int nb) { return min(MK_SMP_CAP, MK_SMP_FIRST_PER * CONSUMERS / nb); }
 
-// A key as two tagged words, one 16-byte store (each 8-byte half single-copy atomic with its
-// own tag, which is all a reader relies on).
-__device__ __forceinline__ void st_tagged_key(u64* a, smp_u64 key, u32 tag) {
-    const u64 hi = ((u64)tag << 32) | (u32)(key >> 32), lo = ((u64)tag << 32) | (u32)key;
-    asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(a), "l"(hi), "l"(lo) : "memory");
-}
-__device__ __forceinline__ void ld_tagged_key(const u64* a, u64& hi, u64& lo) {
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(hi), "=l"(lo) : "l"(a));
-}
+#define MK_SMP_ROWS_PER (RES_MAX / CONSUMERS)  // rows a consumer holds in RmsLmHead
 
-// Waits until both words of the n keys at addr(k) (k < n) carry this step's tag, re-reading
-// the stale ones together (settle_with; a key is stale while either word is).
-template <int N, typename Addr>
-__device__ __forceinline__ void settle_keys(const MkParams& p, u64 (&hi)[N], u64 (&lo)[N], Addr addr, int n) {
-    const u32 tag = step_tag();
-    settle_with<N>(
-        p,
-        [&](int k) {
-            const u32 h = (u32)(hi[k] >> 32);
-            return h != tag ? h : (u32)(lo[k] >> 32);
-        },
-        [&](int k) { ld_tagged_key(addr(k), hi[k], lo[k]); }, addr, n);
-}
+// Whether this SM's LM-head block arrived last in this step (set by consumer thread 0 in its
+// RmsLmHead of a sampled launch; an SM has at most one, the host's condition).
+__shared__ u32 mk_merges;
 
-__device__ __forceinline__ smp_u64 key_of(u64 hi, u64 lo) { return (smp_u64)(u32)hi << 32 | (u32)lo; }
-__device__ __forceinline__ float smp_hi(double d) { return __int_as_float(__double2hiint(d)); }
-__device__ __forceinline__ float smp_lo(double d) { return __int_as_float(__double2loint(d)); }
-__device__ __forceinline__ double smp_join(u64 hi, u64 lo) { return __hiloint2double((int)(u32)hi, (int)(u32)lo); }
+struct MkSmpBlockShared {
+    SmpShared base;
+    SmpSel sel;
+    smp_u32 fcount;
+};
+static_assert(sizeof(MkSmpBlockShared) <= RES_MAX * sizeof(float), "the block's scratch is res's second half");
 
 // RmsLmHead's store in a sampled launch, by every consumer: rows w[W_A] .. + w[W_B] of the
-// logits (their dot products in res, times scale) to p.logits, and the block's summary and
-// keys to lm_sample (see the top of this file). Out of line, and with its rows in shared
-// memory rather than registers: every register a function called from the interpreter loop
-// takes costs the loop spilled registers.
+// logits (their dot products in res, times scale) to p.logits, then the block's part of the
+// draw (see the top of this file). Out of line, with its rows in shared memory rather than
+// registers: every register a function called from the interpreter loop takes costs the
+// loop spilled registers. (Called after the loop instead, from the rows RmsLmHead left in res,
+// it cost SmolLM2 2 us a token and Llama-1B 5: BENCHMARKS.md.)
 __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, const TokenMeta& m, float* res,
                                              float scale) {
     const int ct = threadIdx.x - 32;
-    const int rs = (int)w[W_A], rc = (int)w[W_B], blk = (int)w[W_C];
+    const int rs = (int)w[W_A], rc = (int)w[W_B], blk = (int)w[W_C], nb = p.n_lm;
     const u32 tag = step_tag();
     const SmpParams s = mk_smp_params(p);
     const float ninf = __int_as_float(0xff800000u);
     const auto sync = [] { consumers_sync(); };
+    // The hint the previous draw left (read now, so its latency hides behind the rows').
+    // A block that reads an older one is still exact: the last block cuts at the smallest
+    // hint any block cut at.
+    const float h = MK_SMP_NO_ATTEMPT ? 0.f : __uint_as_float((u32)ld_tagged(smp_gate(p) + MK_SMP_GATE_HINT));
     // res: the rows' (penalised) logits first, then the scratch.
     float* xv = res;
-    MkSmpShared& sh = *(MkSmpShared*)(res + RES_MAX);
+    MkSmpBlockShared& sh = *(MkSmpBlockShared*)(res + RES_MAX);
     {
         float x[MK_SMP_ROWS_PER];
 #pragma unroll
@@ -120,12 +126,13 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             }
         }
     }
-    if (smp_penalises(s)) {
+    const bool pen = smp_penalises(s);
+    if (pen) {
         for (int i = ct; i < (rc + 31) / 32; i += CONSUMERS) sh.base.bitmap[i] = 0;
         consumers_sync();
         // The window's tokens; history[pos] is not written yet (the draw writes it), the fed
         // token is m.token. In a generation the draws of earlier steps wrote the others, each
-        // behind a fence before its token went out (op_draw); this fence orders the reads
+        // behind a fence before its token went out (finish_token); this fence orders the reads
         // after that token, and they go past L1, which may hold the words from an earlier step.
         if (p.steps > 1) __threadfence();
         const u32 first = m.pos + 1 > s.last_n ? m.pos + 1 - s.last_n : 0;
@@ -134,16 +141,21 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             if (j < (u32)rc) atomicOr(&sh.base.bitmap[j >> 5], 1u << (j & 31));
         }
         consumers_sync();
-        for (int j = ct; j < rc; j += CONSUMERS)
+        float* pv = smp_penalised(p) + rs;
+        for (int j = ct; j < rc; j += CONSUMERS) {
             if ((sh.base.bitmap[j >> 5] >> (j & 31)) & 1u) xv[j] = smp_penalise(xv[j], s.penalty);
+            pv[j] = xv[j];
+        }
     }
+    if (ct == 0) { sh.sel.fill = 0; sh.fcount = 0; }
     consumers_sync();
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
     float mx = ninf;
     for (int j = ct; j < rc; j += CONSUMERS) mx = fmaxf(mx, xv[j]);
     mx = smp_block_max(mx, sh.base, ct, CONSUMERS, sync);
     double best = -__longlong_as_double(0x7ff0000000000000ll), z = 0.0;
-    smp_u32 best_idx = SMP_NONE, c1 = 0, extras = 0;
+    smp_u32 best_idx = SMP_NONE, count = 0;
+    const bool attempt = !draw_all && h > 0.f;
     if (draw_all) {
         for (int j = ct; j < rc; j += CONSUMERS) {
             const float x = xv[j];
@@ -156,204 +168,253 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
         }
         smp_block_best(best, best_idx, sh.base, ct, CONSUMERS, sync);
     } else {
+        // Every block's maximum, handed over tagged (in its summary's first word): the blocks
+        // cut at the same logit below the vocabulary's maximum, so that their keys together
+        // are exactly those above it. Handed over by every block, whether or not it attempts:
+        // one that read an older hint (0 before the first draw) may not, and the others wait
+        // for it.
+        if (ct == 0) st_tagged(smp_summary(p, blk) + MK_SMP_S_MAX, mx, tag);
         if (s.top_p < 1.f && s.top_k == 0) {
             for (int j = ct; j < rc; j += CONSUMERS) z += exp((double)xv[j] - (double)mx);
             z = smp_block_sum(z, sh.base, ct, CONSUMERS, sync);
         }
-        // Each thread's rows as keys, the same number of calls in every thread.
-        auto for_keys = [&](auto f) {
+        if (attempt) {
+            const int mine = ct < nb ? 1 : 0;
+            u64 raw = mine ? ld_tagged(smp_summary(p, ct) + MK_SMP_S_MAX) : 0ull;
+            settle<1>(p, &raw, [&](int) { return smp_summary(p, ct) + MK_SMP_S_MAX; }, mine);
+            const float gm = smp_block_max(mine ? tagged_float(raw) : ninf, sh.base, ct, CONSUMERS, sync);
+            const smp_u64 tk = (smp_u64)smp_key(gm - h) << 32;
+            // Each thread's rows as keys, the same number of calls in every thread.
+            auto for_keys = [&](auto f) {
 #pragma unroll 1
-            for (int r = 0; r < MK_SMP_ROWS_PER; r++) {
-                const int j = ct + r * CONSUMERS;
-                f(j < rc ? (smp_u64)smp_key(xv[j]) << 32 | (smp_u32)~(u32)(rs + j) : 0ull);
+                for (int r = 0; r < MK_SMP_ROWS_PER; r++) {
+                    const int j = ct + r * CONSUMERS;
+                    f(j < rc ? (smp_u64)smp_key(xv[j]) << 32 | (smp_u32)~(u32)(rs + j) : 0ull);
+                }
+            };
+            smp_u32 n = 0;
+            for_keys([&](smp_u64 key) { n += key >= tk; });
+            n = __reduce_add_sync(0xffffffffu, n);
+            if ((ct & 31) == 0 && n != 0) atomicAdd(&sh.fcount, n);
+            consumers_sync();
+            count = sh.fcount;
+            u64* out = smp_slots(p, blk);
+            if (count <= MK_SMP_CAP) {
+                // Slots past the count keep older keys: the last block reads the count with them.
+                smp_emit_by(for_keys, [&](smp_u64 key) { return key >= tk; },
+                            [&](smp_u32 slot, smp_u64 key) { __stcg(out + slot, (u64)key); }, sh.sel, ct);
+            } else {
+                count = MK_SMP_OVER;
             }
-        };
-        const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
-        smp_u32 c2;
-        const smp_u64 t1 = smp_threshold_by<CONSUMERS>(for_keys, rc, min(k, (smp_u32)MK_SMP_PFX), MK_SMP_PFX_LIMIT,
-                                                       sh.sel, ct, sync, c1);
-        const smp_u64 t2 = smp_threshold_by<CONSUMERS>(for_keys, rc, k, MK_SMP_CAP, sh.sel, ct, sync, c2);
-        extras = t2 < t1 ? c2 - c1 : 0;
-        if (ct == 0) sh.sel.fill = 0;
-        consumers_sync();
-        smp_emit_by(for_keys, [&](smp_u64 key) { return key >= t1; },
-                    [&](smp_u32 slot, smp_u64 key) { st_tagged_key(smp_slot(p, blk, slot), key, tag); }, sh.sel, ct);
-        for (int i = c1 + ct; i < MK_SMP_PFX_SLOTS; i += CONSUMERS) st_tagged_key(smp_slot(p, blk, i), 0ull, tag);
-        if (extras > 0) {
-            consumers_sync();
-            if (ct == 0) sh.sel.fill = 0;
-            consumers_sync();
-            smp_emit_by(for_keys, [&](smp_u64 key) { return key >= t2 && key < t1; },
-                        [&](smp_u32 slot, smp_u64 key) { st_tagged_key(smp_slot(p, blk, MK_SMP_PFX_SLOTS + slot), key, tag); },
-                        sh.sel, ct);
         }
     }
     if (ct == 0) {
         u64* o = smp_summary(p, blk);
-        st_tagged(o + 0, mx, tag);
-        st_tagged(o + 1, smp_hi(z), tag);
-        st_tagged(o + 2, smp_lo(z), tag);
-        st_tagged(o + 3, smp_hi(best), tag);
-        st_tagged(o + 4, smp_lo(best), tag);
-        st_tagged_bits(o + 5, best_idx, tag);
-        st_tagged_bits(o + 6, c1, tag);
-        st_tagged_bits(o + 7, extras, tag);
+        if (draw_all) st_tagged(o + MK_SMP_S_MAX, mx, tag);
+        __stcg(o + MK_SMP_S_Z, (u64)__double_as_longlong(z));
+        __stcg(o + MK_SMP_S_BEST, (u64)__double_as_longlong(best));
+        __stcg(o + MK_SMP_S_BEST_IDX, (u64)best_idx);
+        __stcg(o + MK_SMP_S_COUNT, (u64)count);
+        __stcg(o + MK_SMP_S_HINT, (u64)__float_as_uint(attempt ? h : 0.f));
+    }
+    // Every thread's stores, then the arrival by one thread (as a grid barrier's arrival).
+    consumers_sync();
+    if (ct == 0) {
+        u64 old;
+        asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;"
+                     : "=l"(old)
+                     : "l"(smp_gate(p) + MK_SMP_GATE_ARRIVALS)
+                     : "memory");
+        *(volatile u32*)&mk_merges = (old + 1) % (u64)nb == 0;
     }
     consumers_sync();  // the scratch is res again for the next instruction
 }
 
-// A key both of whose words carry this step's tag (already waited for), read again.
-__device__ __forceinline__ smp_u64 ld_key(const u64* a) {
-    u64 hi, lo;
-    ld_tagged_key(a, hi, lo);
-    return key_of(hi, lo);
-}
+struct MkSmpMergeShared {
+    SmpShared base;
+    SmpSel sel;
+    SmpBinned<CONSUMERS> bn;
+    smp_u32 vcount[MK_SMP_MAX_BLOCKS];  // keys a block's slots hold, as the merge counts them
+    smp_u32 xbase[MK_SMP_MAX_BLOCKS];   // the second load's first index of each block
+    float wmax[CONSUMER_WARPS], whint[CONSUMER_WARPS];
+    smp_u32 wused[CONSUMER_WARPS], wkeys[CONSUMER_WARPS], wbad[CONSUMER_WARPS];
+    smp_u32 nextra, drawn;
+};
+static_assert(sizeof(MkSmpMergeShared) <= 2 * RES_MAX * sizeof(float), "the draw's scratch is res");
 
-// Waits until the keys at addr(i), i = ct, ct + CONSUMERS, ... < n, carry this step's tag,
-// KEY_BATCH of them a thread at a time (in flight together), and hands each to sink(i, key).
-#define KEY_BATCH 4
-template <typename Addr, typename Sink>
-__device__ __forceinline__ void settle_all_keys(const MkParams& p, Addr addr, int n, Sink sink) {
-    const int ct = threadIdx.x - 32;
-    for (int i0 = ct; i0 < n; i0 += KEY_BATCH * CONSUMERS) {
-        u64 hi[KEY_BATCH], lo[KEY_BATCH];
-        const int mine = min(KEY_BATCH, (n - i0 + CONSUMERS - 1) / CONSUMERS);
-#pragma unroll
-        for (int k = 0; k < KEY_BATCH; k++)
-            if (k < mine) ld_tagged_key(addr(i0 + k * CONSUMERS), hi[k], lo[k]);
-        settle_keys<KEY_BATCH>(p, hi, lo, [&](int k) { return addr(i0 + k * CONSUMERS); }, mine);
-#pragma unroll
-        for (int k = 0; k < KEY_BATCH; k++)
-            if (k < mine) sink(i0 + k * CONSUMERS, key_of(hi[k], lo[k]));
-    }
-}
-
-// f(key) for the keys at addr(i), i = ct, ct + CONSUMERS, ... < n (already waited for), and 0
-// for slots past n, the same number of calls in every thread; KEY_BATCH loads in flight.
-template <typename Addr, typename F>
-__device__ __forceinline__ void for_keys_at(Addr addr, int n, F f) {
-    const int ct = threadIdx.x - 32;
-    for (int i0 = 0; i0 < n; i0 += KEY_BATCH * CONSUMERS) {
-        smp_u64 kb[KEY_BATCH];
-#pragma unroll
-        for (int q = 0; q < KEY_BATCH; q++) {
-            const int i = i0 + q * CONSUMERS + ct;
-            kb[q] = i < n ? ld_key(addr(i)) : 0ull;
-        }
-#pragma unroll
-        for (int q = 0; q < KEY_BATCH; q++) f(kb[q]);
-    }
-}
-
-// The draw of a sampled launch, by every consumer (op_draw, ops/argmax.cuh): the token (in
-// consumer thread 0; SMP_NONE when there is nothing to draw from), from every RmsLmHead
-// block's summary and keys. No register arrays (every register a function called from the
-// interpreter's step loop takes costs the loop spilled registers): the prefixes are copied
-// into shared memory once they are current (xs and res, one region, with the scratch at its
-// end; the host draws in the launch only where they fit), and the extras of the rare second
-// round are read from L2 each time they are visited.
-__device__ __forceinline__ u32 mk_sample_draw(const MkParams& p, const TokenMeta& m, float* xs, float* res) {
-    const int ct = threadIdx.x - 32;
+// The draw, by every consumer of the SM whose block arrived last (see the top of this file):
+// the token in consumer thread 0 (SMP_NONE when there is nothing to draw from), and the next
+// hint left in the gate. res is scratch (the block's rows are no longer needed).
+__device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMeta& m, float* res) {
+    const int ct = threadIdx.x - 32, nb = p.n_lm;
     const SmpParams s = mk_smp_params(p);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
-    const int nb = p.n_lm;
     const float ninf = __int_as_float(0xff800000u);
     const auto sync = [] { consumers_sync(); };
-    MkSmpShared& sh = *(MkSmpShared*)(res + 2 * RES_MAX - MK_SMP_SCRATCH_BYTES / sizeof(float));
-    // Every block's prefix: slot i = b * MK_SMP_PFX_SLOTS + s.
-    const int slots = draw_all ? 0 : nb * MK_SMP_PFX_SLOTS;
-    smp_u64* staged = (smp_u64*)xs;
-    auto prefix_at = [&](int i) { return smp_slot(p, i / MK_SMP_PFX_SLOTS, i % MK_SMP_PFX_SLOTS); };
-    u64 bw[MK_SMP_BLK_WORDS];
-    const int nbw = ct < nb ? MK_SMP_BLK_WORDS : 0;
+    MkSmpMergeShared& sh = *(MkSmpMergeShared*)res;
+    // One round trip: every summary, and the first u slots of every block.
+    u64 sw[6] = {0, 0, 0, 0, 0, 0};
+    if (ct < nb) {
 #pragma unroll
-    for (int k = 0; k < MK_SMP_BLK_WORDS; k++)
-        if (k < nbw) bw[k] = ld_tagged(smp_summary(p, ct) + k);
-    settle_all_keys(p, prefix_at, slots, [&](int i, smp_u64 key) { staged[i] = key; });
-    settle<MK_SMP_BLK_WORDS>(p, bw, [&](int k) { return smp_summary(p, ct) + k; }, nbw);
-    // The barrier inside also makes the staged keys visible to every thread.
-    if (consumers_failed()) return SMP_NONE;
+        for (int k = 0; k < 6; k++) sw[k] = __ldcg(smp_summary(p, ct) + k);
+    }
     if (draw_all) {
         double best = -__longlong_as_double(0x7ff0000000000000ll);
         smp_u32 idx = SMP_NONE;
-        if (ct < nb && (u32)bw[5] != SMP_NONE) smp_best_merge(best, idx, smp_join(bw[3], bw[4]), (u32)bw[5]);
+        if (ct < nb && (u32)sw[MK_SMP_S_BEST_IDX] != SMP_NONE)
+            smp_best_merge(best, idx, __longlong_as_double((long long)sw[MK_SMP_S_BEST]), (u32)sw[MK_SMP_S_BEST_IDX]);
         smp_block_best(best, idx, sh.base, ct, CONSUMERS, sync);
         return idx;
     }
-    if (ct == 0) { sh.sel.fill = 0; sh.n_flagged = 0; }
-    // The maximum, and the softmax denominator for top-p without top-k, as smp_final_part.
-    const float bmax = ct < nb ? tagged_float(bw[0]) : ninf;
-    const float gmax = smp_block_max(bmax, sh.base, ct, CONSUMERS, sync);
-    double z_all = 0.0;
-    if (s.top_p < 1.f && s.top_k == 0) {
-        if (ct < nb && bmax != ninf) z_all = smp_join(bw[1], bw[2]) * exp((double)bmax - (double)gmax);
-        z_all = smp_block_sum(z_all, sh.base, ct, CONSUMERS, sync);
+    const int u = smp_first_slots(nb);
+    smp_u64 cf[MK_SMP_FIRST_PER];
+#pragma unroll
+    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+        const int i = ct + r * CONSUMERS, b = i / u;
+        cf[r] = b < nb ? __ldcg(smp_slots(p, b) + i % u) : 0ull;
     }
-    const smp_u32 n_prefix = (smp_u32)smp_block_sum(ct < nb ? (double)(u32)bw[6] : 0.0, sh.base, ct, CONSUMERS, sync);
-    auto for_prefix = [&](auto f) {
-        for (int i0 = 0; i0 < slots; i0 += CONSUMERS) {
-            const int i = i0 + ct;
-            f(i < slots ? staged[i] : 0ull);
+    for (int i = ct; i < SMP_BINS; i += CONSUMERS) { sh.sel.hist[0][i] = 0; sh.sel.hist[1][i] = 0; }
+    if (ct == 0) { sh.bn.nsel = ~0u; sh.sel.fill = 0; }
+    // The summaries' maximum, smallest hint and most keys in a block: one barrier.
+    const float bmax = ct < nb ? __uint_as_float((u32)sw[MK_SMP_S_MAX]) : ninf;
+    const smp_u32 bcount = ct < nb ? (u32)sw[MK_SMP_S_COUNT] : 0u;
+    const float bh = ct < nb ? __uint_as_float((u32)sw[MK_SMP_S_HINT]) : __int_as_float(0x7f800000);
+    if (ct < nb) sh.vcount[ct] = bcount == MK_SMP_OVER ? 0u : bcount;
+    {
+        float wm = bmax, wh = bh;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
+            wh = fminf(wh, __shfl_xor_sync(0xffffffffu, wh, o));
+        }
+        const smp_u32 wu = __reduce_max_sync(0xffffffffu, bcount == MK_SMP_OVER ? 0u : bcount);
+        if ((ct & 31) == 0) { sh.wmax[ct >> 5] = wm; sh.whint[ct >> 5] = wh; sh.wused[ct >> 5] = wu; }
+    }
+    consumers_sync();
+    float gmax = ninf, hmin = __int_as_float(0x7f800000);
+    smp_u32 used = 0;
+    for (int q = 0; q < CONSUMER_WARPS; q++) {
+        gmax = fmaxf(gmax, sh.wmax[q]);
+        hmin = fminf(hmin, sh.whint[q]);
+        used = max(used, sh.wused[q]);
+    }
+    const float tau = gmax - hmin;
+    const smp_u64 tk = (smp_u64)smp_key(tau) << 32;
+    // Blocks with more keys than the first load took: their other slots, in a second round
+    // trip (trained logits put several of the top tokens in one block), packed one block
+    // after another, as many as the first load's slots.
+    smp_u64 c[2 * MK_SMP_FIRST_PER];
+    smp_u32 extra = 0;
+    if (used > (smp_u32)u) {
+        const smp_u32 mine = ct < nb && sh.vcount[ct] > (smp_u32)u ? sh.vcount[ct] - u : 0u;
+        const smp_u32 at = (smp_u32)smp_block_scan(mine, sh.base, ct, CONSUMERS, sync);
+        if (ct < nb) sh.xbase[ct] = at;
+        if (ct == nb - 1) sh.nextra = at + mine;
+        consumers_sync();
+        extra = sh.nextra;
+    }
+#pragma unroll
+    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+        const int i = ct + r * CONSUMERS;
+        int b = 0;
+        if (i < (int)extra) {
+            for (int step = MK_SMP_MAX_BLOCKS / 2; step > 0; step >>= 1)
+                if (b + step < nb && (int)sh.xbase[b + step] <= i) b += step;
+        }
+        c[MK_SMP_FIRST_PER + r] = i < (int)extra ? __ldcg(smp_slots(p, b) + u + (i - (int)sh.xbase[b])) : 0ull;
+    }
+    // The union: keys at or above tau (a block that read a larger hint sent more), and whether
+    // a block that may hold some sent none (more than its slots).
+    smp_u32 n = 0;
+#pragma unroll
+    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+        const int i = ct + r * CONSUMERS, b = i / u;
+        c[r] = b >= nb || i % u >= (int)sh.vcount[b] || cf[r] < tk ? 0ull : cf[r];
+        n += c[r] != 0;
+    }
+#pragma unroll
+    for (int r = MK_SMP_FIRST_PER; r < 2 * MK_SMP_FIRST_PER; r++) {
+        if (c[r] < tk) c[r] = 0;
+        n += c[r] != 0;
+    }
+    const bool bad = ct < nb && bcount == MK_SMP_OVER && bmax >= tau;
+    {
+        const smp_u32 wk = __reduce_add_sync(0xffffffffu, n), wb = __reduce_or_sync(0xffffffffu, bad ? 1u : 0u);
+        if ((ct & 31) == 0) { sh.wkeys[ct >> 5] = wk; sh.wbad[ct >> 5] = wb; }
+    }
+    consumers_sync();
+    smp_u32 nkeys = 0, any_bad = 0;
+    for (int q = 0; q < CONSUMER_WARPS; q++) { nkeys += sh.wkeys[q]; any_bad |= sh.wbad[q]; }
+    const double zt = ct < nb && bmax != ninf ? __longlong_as_double((long long)sw[MK_SMP_S_Z]) * exp((double)bmax - (double)gmax) : 0.0;
+    smp_u32 token = SMP_NONE;
+    double z_all = 0.0;
+    const int why = !(hmin > 0.f && hmin < 1e30f)                                      ? MK_SMP_GATE_NO_HINT
+                    : extra > MK_SMP_FIRST_PER * CONSUMERS || any_bad != 0 ? MK_SMP_GATE_SLOTS
+                                                                        : MK_SMP_GATE_SHORT;
+    if (why == MK_SMP_GATE_SHORT &&
+        smp_merge_binned<CONSUMERS>(s, m.pos, c, nkeys, gmax, tau, zt, sh.base, sh.sel, sh.bn, ct, sync, token,
+                                    z_all)) {
+        if (ct == 0) sh.drawn = smp_attempt_complete(s, sh.base, tau);
+        consumers_sync();
+        if (sh.drawn) {
+            if (ct == 0) {
+                const float hint = smp_next_hint(s, sh.base, gmax);
+                if (hint >= 0.f) st_tagged(smp_gate(p) + MK_SMP_GATE_HINT, hint, step_tag());
+            }
+            return token;
+        }
+    }
+    // The search: the whole vocabulary's keys, read from L2 (the penalised logits where a
+    // penalty changed some), first down to at most CONSUMERS keys that hold the top k, then,
+    // among those in shared memory, exactly the top k.
+    consumers_sync();
+    z_all = s.top_p < 1.f && s.top_k == 0 ? smp_block_sum(zt, sh.base, ct, CONSUMERS, sync) : 0.0;
+    const float* vals = smp_penalises(s) ? smp_penalised(p) : p.logits;
+    const int vocab = p.vocab;
+    auto for_vocab = [&](auto f) {
+        // 16 loads in flight a thread: the passes are bound by L2's latency.
+        constexpr int B = 16;
+#pragma unroll 1
+        for (int j0 = 0; j0 < vocab; j0 += B * CONSUMERS) {
+            float v[B];
+#pragma unroll
+            for (int q = 0; q < B; q++) {
+                const int j = j0 + q * CONSUMERS + ct;
+                v[q] = j < vocab ? __ldcg(vals + j) : 0.f;
+            }
+#pragma unroll
+            for (int q = 0; q < B; q++) {
+                const int j = j0 + q * CONSUMERS + ct;
+                f(j < vocab ? (smp_u64)smp_key(smp_clean(v[q])) << 32 | (smp_u32)~(u32)j : 0ull);
+            }
         }
     };
     const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX;
-    smp_u32 kk;
-    smp_u64 t = smp_threshold_by<CONSUMERS>(for_prefix, n_prefix, k, 0, sh.sel, ct, sync, kk);
-    // A block with extras whose whole prefix is above t may hold more of the top k.
-    if (ct < nb && (u32)bw[7] > 0) {
-        bool more = n_prefix < k;
-        if (!more) {
-            smp_u64 lo = ~0ull;
-#pragma unroll
-            for (int i = 0; i < MK_SMP_PFX_SLOTS; i++) {
-                const smp_u64 key = staged[ct * MK_SMP_PFX_SLOTS + i];
-                if (key != 0) lo = min(lo, key);
-            }
-            more = lo > t;
-        }
-        if (more) {
-            const smp_u32 f = atomicAdd(&sh.n_flagged, 1u);
-            if (f <= SMP_KMAX) sh.flagged[f] = ct;
-        }
-    }
+    smp_u32 c1, kk;
+    const smp_u64 t1 = smp_threshold_by<CONSUMERS>(for_vocab, (smp_u32)vocab, k, CONSUMERS, sh.sel, ct, sync, c1);
+    if (ct == 0) sh.sel.fill = 0;
     consumers_sync();
-    const int nf = (int)sh.n_flagged;
-    int total = 0;
-    auto extra_at = [&](int i) {
-        int g = 0;
-        while (g + 1 < nf && (int)sh.extra_at[g + 1] <= i) g++;
-        return smp_slot(p, sh.flagged[g], MK_SMP_PFX_SLOTS + i - (int)sh.extra_at[g]);
-    };
-    if (nf > 0) {
-        if (ct == 0) {
-            // Their extras one after the other (the order does not matter).
-            smp_u32 at = 0;
-            for (int f = 0; f < nf; f++) {
-                sh.extra_at[f] = at;
-                at += (u32)ld_tagged(smp_summary(p, sh.flagged[f]) + 7);
-            }
-            sh.extra_at[nf] = at;
-        }
-        consumers_sync();
-        total = (int)sh.extra_at[nf];
-        settle_all_keys(p, extra_at, total, [](int, smp_u64) {});
-        if (consumers_failed()) return SMP_NONE;
-    }
-    auto for_all = [&](auto f) {
-        for_prefix(f);
-        for_keys_at(extra_at, total, f);
-    };
-    if (nf > 0) t = smp_threshold_by<CONSUMERS>(for_all, n_prefix + (smp_u32)total, k, 0, sh.sel, ct, sync, kk);
-    // The global top kk, ranked, then the cuts and the draw.
-    smp_emit_by(for_all, [&](smp_u64 key) { return key >= t; },
-                [&](smp_u32 slot, smp_u64 key) {
-                    sh.base.cv[slot] = smp_unkey((smp_u32)(key >> 32));
-                    sh.base.ci[slot] = ~(smp_u32)key;
-                },
+    smp_emit_by(for_vocab, [&](smp_u64 key) { return key >= t1; }, [&](smp_u32 slot, smp_u64 key) { sh.bn.ks[slot] = key; },
                 sh.sel, ct);
     consumers_sync();
+    const smp_u64 c2[1] = {ct < (int)c1 ? sh.bn.ks[ct] : 0ull};
+    const smp_u64 t2 = smp_threshold<CONSUMERS>(c2, c1, k, 0, sh.sel, ct, sync, kk);
+    if (ct == 0) sh.sel.fill = 0;
+    consumers_sync();
+    smp_emit(c2, [&](smp_u64 key) { return key >= t2; },
+             [&](smp_u32 slot, smp_u64 key) {
+                 sh.base.cv[slot] = smp_unkey((smp_u32)(key >> 32));
+                 sh.base.ci[slot] = ~(smp_u32)key;
+             },
+             sh.sel, ct);
+    consumers_sync();
     smp_rank<CONSUMERS>(kk, sh.base, ct, sync);
-    const smp_u32 token = smp_cut_and_draw(s, m.pos, z_all, sh.base, ct, CONSUMERS, sync);
-    consumers_sync();  // the scratch is xs and res again for the next instruction
+    token = smp_cut_and_draw(s, m.pos, z_all, sh.base, ct, CONSUMERS, sync);
+    if (ct == 0) {
+        const float hint = smp_next_hint(s, sh.base, gmax);
+        if (hint >= 0.f) st_tagged(smp_gate(p) + MK_SMP_GATE_HINT, hint, step_tag());
+        atomicAdd(smp_gate(p) + MK_SMP_GATE_SEARCHES, 1ull);
+        atomicAdd(smp_gate(p) + why, 1ull);
+    }
     return token;
 }

@@ -15,7 +15,7 @@
 //! | `attn_out` | `[layers][heads·d]` | `attn_out[l]` |
 //! | `act` | `[layers][intermediate]` | `act[l]` |
 //! | `lm_best` | `[max(blocks, 1)][2]` | `lm_best` |
-//! | `lm_sample` | `[blocks][SAMPLE_BLOCK_WORDS]` | a sampled step's block summaries and keys (the GPU's draw only) |
+//! | `lm_sample` | `SAMPLE_GATE_WORDS + [blocks][SAMPLE_BLOCK_WORDS] + ⌈vocab / 2⌉` | a sampled step's gate, block summaries and keys, and penalised logits (the GPU's draw only) |
 //! | `attn_part` | `[layers][heads][parts][d + 2]` | per slot `attn_part[l]`'s `d` values, then `attn_stats[l]`'s 2 |
 //!
 //! `resid_attn` comes first: the kernel reports an element by its offset from there.
@@ -27,15 +27,15 @@ use std::ops::Range;
 
 use crate::{Buffer, ModelShape, Span};
 
-/// In a sampled megakernel step each LM-head block hands the draw a summary of
-/// `SAMPLE_SUMMARY_WORDS` words, then up to `SAMPLE_PREFIX_SLOTS` keys it sends first and
-/// `SAMPLE_EXTRA_SLOTS` more, each key two words (megakernel/ops/sample.cuh).
+/// In a sampled megakernel step the LM-head blocks draw together (megakernel/ops/sample.cuh):
+/// `lm_sample` starts with `SAMPLE_GATE_WORDS` words (their arrivals, the hint, statistics),
+/// then each block's summary of `SAMPLE_SUMMARY_WORDS` words and `SAMPLE_KEY_SLOTS` keys (a
+/// word each), then the vocabulary's penalised logits (two f32 a word).
+pub const SAMPLE_GATE_WORDS: usize = 8;
 pub const SAMPLE_SUMMARY_WORDS: usize = 8;
-pub const SAMPLE_PREFIX_SLOTS: usize = 12;
-pub const SAMPLE_EXTRA_SLOTS: usize = 160;
+pub const SAMPLE_KEY_SLOTS: usize = 160;
 /// Words per LM-head block in `lm_sample`.
-pub const SAMPLE_BLOCK_WORDS: usize =
-    SAMPLE_SUMMARY_WORDS + 2 * (SAMPLE_PREFIX_SLOTS + SAMPLE_EXTRA_SLOTS);
+pub const SAMPLE_BLOCK_WORDS: usize = SAMPLE_SUMMARY_WORDS + SAMPLE_KEY_SLOTS;
 
 /// The parts of the arena in order, each with its first offset (in 64-bit words).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,7 +65,10 @@ impl ArenaLayout {
             ("attn_out", l * qd),
             ("act", l * model.intermediate),
             ("lm_best", 2 * lm_blocks.max(1)),
-            ("lm_sample", lm_blocks * SAMPLE_BLOCK_WORDS),
+            (
+                "lm_sample",
+                SAMPLE_GATE_WORDS + lm_blocks * SAMPLE_BLOCK_WORDS + model.vocab.div_ceil(2),
+            ),
             (
                 "attn_part",
                 l * model.heads * attn_parts * (model.head_dim + 2),

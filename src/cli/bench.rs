@@ -357,6 +357,22 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 }
             }
         }
+        if let Some(mk) = path.as_megakernel() {
+            if !params.is_greedy() && crate::gpu::stepping::Steps::samples_in_launch(mk) {
+                let d = mk.in_launch_draws()?;
+                eprintln!(
+                    "bench: {}: {} of {} draws inside the launch searched the whole vocabulary \
+                     (no hint {}, keys past the slots {}, keys short of the cuts {}); the others \
+                     took the first attempt",
+                    kind.name(),
+                    d.searches,
+                    d.draws,
+                    d.no_hint,
+                    d.slots,
+                    d.short
+                );
+            }
+        }
         let (lo, hi) = (
             tpot.iter().cloned().fold(f64::INFINITY, f64::min),
             tpot.iter().cloned().fold(0.0, f64::max),

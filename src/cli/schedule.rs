@@ -319,8 +319,8 @@ context buckets for sequences up to {} positions{}:",
         }
         writeln!(
             out,
-            "\n{n} megakernel variants and the prefill, graph-path and sampler modules for an {} \
-             compiled ({arch}) into the kernel cache",
+            "\n{n} megakernel variants (greedy and sampled) and the prefill, graph-path and \
+             sampler modules for an {} compiled ({arch}) into the kernel cache",
             gpu_name.to_uppercase()
         )?;
     }

@@ -110,6 +110,9 @@ pub struct MegakernelPath<'g> {
     /// after each launch today (docs/sampling.md).
     draws_in_launch: bool,
     can_draw_in_launch: bool,
+    /// `MEGAINFER_MK_GREEDY_ON_SAMPLED=1` (for measuring): greedy steps run the sampled
+    /// variant too, to tell its draw's cost from its code's.
+    greedy_on_sampled: bool,
     /// Otherwise made on the first sampled step: the draw runs as one kernel after each launch
     /// (two for vocabularies too large for its last CTA, `Kernels::for_vocab`), reading the
     /// launch's logits and writing the token where the next launch reads it.
@@ -375,10 +378,12 @@ impl<'g> MegakernelPath<'g> {
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
+        let mut can_draw_in_launch = true;
         for ((upto, schedule, enc, descs, kinds), kernel) in
             encoded.into_iter().zip(plan.bucket_kernel)
         {
             let kv_last = last_kv_writers(&enc.words, &enc.sm_offsets, c.qk_norm);
+            can_draw_in_launch &= draws_in_launch(&enc.words, &enc.sm_offsets);
             streams.push(Streams {
                 upto,
                 attn_parts: schedule.options.attn_parts,
@@ -473,8 +478,9 @@ impl<'g> MegakernelPath<'g> {
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
-            draws_in_launch: draw_in_launch_requested()? && draws_in_launch(n_lm, xs_floats),
-            can_draw_in_launch: draws_in_launch(n_lm, xs_floats),
+            draws_in_launch: draw_in_launch_requested()? && can_draw_in_launch,
+            can_draw_in_launch,
+            greedy_on_sampled: super::switches::switch("MEGAINFER_MK_GREEDY_ON_SAMPLED", false)?,
             sampler: None,
             gen,
             stop_ids,
@@ -482,7 +488,7 @@ impl<'g> MegakernelPath<'g> {
         };
         // The sampled variant is compiled now, with the model's load, rather than by the first
         // sampled step (where its seconds would count as decoding time).
-        if path.draws_in_launch {
+        if path.draws_in_launch || path.greedy_on_sampled {
             path.compile_sampled()?;
         }
         Ok(path)
@@ -571,11 +577,28 @@ impl<'g> MegakernelPath<'g> {
         self.seq.tokens_per_launch = n.max(1);
     }
 
+    /// The draws inside the launch so far, and how many of them searched the whole
+    /// vocabulary, and why: the gate's statistics words in `lm_sample` (megakernel/ops/
+    /// sample.cuh).
+    pub fn in_launch_draws(&self) -> Result<InLaunchDraws> {
+        let at = self.streams().arena.offset("lm_sample");
+        let w = self.gpu.stream.clone_dtoh(&self.arena.slice(at..at + 7))?;
+        Ok(InLaunchDraws {
+            draws: w[3],
+            searches: w[2],
+            no_hint: w[4],
+            slots: w[5],
+            short: w[6],
+        })
+    }
+
     /// Sampled steps draw inside the launch (and run as generations) or after each launch.
     pub fn set_draw_in_launch(&mut self, on: bool) -> Result<()> {
         if on && !self.can_draw_in_launch {
             bail!(
-                "this model's LM head has too many blocks, or too little shared memory beside                  them, for the draw inside the launch"
+                "this model's LM head has too many blocks (more than {}, or two on one SM) for the \
+                 draw inside the launch",
+                abi::SAMPLE_MAX_BLOCKS
             );
         }
         if on {
@@ -727,18 +750,35 @@ impl Steps for MegakernelPath<'_> {
     }
 }
 
+/// Counts of the draws inside the launch ([`MegakernelPath::in_launch_draws`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InLaunchDraws {
+    pub draws: u64,
+    /// Draws that searched the whole vocabulary instead of taking the first attempt, for one
+    /// of three reasons: a block had no hint (the first draw), a block's keys within the hint
+    /// were past the slots the draw loads, or the keys within the hint did not decide the cuts.
+    pub searches: u64,
+    pub no_hint: u64,
+    pub slots: u64,
+    pub short: u64,
+}
+
 /// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch; unset or 0 after it.
 fn draw_in_launch_requested() -> Result<bool> {
     super::switches::switch("MEGAINFER_MK_DRAW_IN_LAUNCH", false)
 }
 
 /// Whether sampled steps can draw inside the launch (megakernel/ops/sample.cuh): the draw
-/// merges at most `SAMPLE_MAX_BLOCKS` LM-head blocks, and copies their prefix keys into the
-/// shared memory of `xs` and `res` beside its scratch.
-fn draws_in_launch(n_lm: usize, xs_floats: usize) -> bool {
-    let keys = n_lm * scheduler::arena::SAMPLE_PREFIX_SLOTS * 8;
-    n_lm <= abi::SAMPLE_MAX_BLOCKS
-        && keys + abi::SAMPLE_SCRATCH_BYTES <= 4 * (xs_floats + 2 * RES_MAX)
+/// merges at most `SAMPLE_MAX_BLOCKS` LM-head blocks, and each block waits for every other
+/// block's maximum, so no SM may hold two (the second could not start until the first ended).
+fn draws_in_launch(words: &[u32], sm_offsets: &[u32]) -> bool {
+    let lm_blocks = |w: &[u32]| {
+        (w[0]..w[1])
+            .filter(|&i| words[i as usize * WORDS] == scheduler::encode::opcode::RMS_LM_HEAD)
+            .count()
+    };
+    let per_sm: Vec<usize> = sm_offsets.windows(2).map(lm_blocks).collect();
+    per_sm.iter().sum::<usize>() <= abi::SAMPLE_MAX_BLOCKS && per_sm.iter().all(|&n| n <= 1)
 }
 
 /// Per SM, the encoded position of its last instruction that writes K/V cache rows (QKV; with
@@ -1074,7 +1114,12 @@ pub fn compile_kernels_ahead(
         H100_SMEM_PER_BLOCK,
         fast_memory,
     )?;
-    Ok(compile::compile_all(c, &plan.specs, arch)?.len())
+    // Each variant as greedy launches run it and as sampled ones do (the draw inside the launch).
+    let specs: Vec<KernelSpec> = [false, true]
+        .into_iter()
+        .flat_map(|sampled| plan.specs.iter().map(move |s| KernelSpec { sampled, ..*s }))
+        .collect();
+    Ok(compile::compile_all(c, &specs, arch)?.len())
 }
 
 /// [`kernel_variants`] as the host takes them: attention by warps unless

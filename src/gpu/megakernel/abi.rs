@@ -23,12 +23,9 @@ pub const RES_MAX: usize = 2048;
 pub const PAGE_BYTES: usize = 16384;
 /// Staged K/V positions per attention round (scores scratch is sized for it).
 pub const ATT_ROUND: usize = 256;
-/// LM-head blocks the in-launch draw merges at most (one summary per consumer thread, and its
-/// registers hold their keys); a schedule with more draws after the launch instead.
-pub const SAMPLE_MAX_BLOCKS: usize = 160;
-/// Shared memory the in-launch sampler's scratch takes (at the end of `res`; checked by the
-/// kernel). The draw also copies every block's prefix keys into `xs` and `res` before it.
-pub const SAMPLE_SCRATCH_BYTES: usize = 8192;
+/// LM-head blocks the in-launch draw merges at most (one summary per consumer thread); a
+/// schedule with more draws after the launch instead.
+pub const SAMPLE_MAX_BLOCKS: usize = CONSUMER_WARPS * 32;
 
 /// Profile words per instruction, by index (globaltimer ns).
 pub mod prof {
@@ -217,10 +214,9 @@ pub fn prelude() -> String {
         ("PROF_WORDS", PROF_WORDS),
         ("MK_ATT_ROUND", ATT_ROUND),
         ("MK_SMP_MAX_BLOCKS", SAMPLE_MAX_BLOCKS),
-        ("MK_SMP_SCRATCH_BYTES", SAMPLE_SCRATCH_BYTES),
         ("MK_SMP_BLK_WORDS", scheduler::arena::SAMPLE_SUMMARY_WORDS),
-        ("MK_SMP_PFX_SLOTS", scheduler::arena::SAMPLE_PREFIX_SLOTS),
-        ("MK_SMP_CAP", scheduler::arena::SAMPLE_EXTRA_SLOTS),
+        ("MK_SMP_GATE_WORDS", scheduler::arena::SAMPLE_GATE_WORDS),
+        ("MK_SMP_CAP", scheduler::arena::SAMPLE_KEY_SLOTS),
         ("MK_SMP_BLOCK_WORDS", scheduler::arena::SAMPLE_BLOCK_WORDS),
     ] {
         writeln!(s, "#define {name} {v}").unwrap();

@@ -227,7 +227,9 @@ impl MegakernelPath<'_> {
 
     fn kernel_fn(&self) -> Result<sys::CUfunction> {
         let i = self.streams().kernel;
-        if self.params.sampling == 0 {
+        if self.params.sampling == 0
+            && !(self.greedy_on_sampled && self.sampled_kernels[i].is_some())
+        {
             return Ok(self.kernels[i].1.cu_function());
         }
         match &self.sampled_kernels[i] {
