@@ -1,5 +1,5 @@
 //! The fused sampler's fast attempt (kernels/sampling/fused.cu: the candidates at or above the
-//! global maximum less a hint, accepted where `smp1_complete` says they decided the cuts),
+//! global maximum less a hint, accepted where `smp_attempt_complete` (select.cuh) says they decided the cuts),
 //! modelled on the host with the host's own arithmetic: wherever the model accepts, its
 //! candidates must be exactly those of `sampling::candidates` over the whole vocabulary.
 
@@ -60,7 +60,7 @@ fn attempt(p: &SamplingParams, l: &[f32], delta: f32) -> Option<Vec<u32>> {
             .count();
         keep = keep.min(below).max(1);
     }
-    // smp1_complete.
+    // smp_attempt_complete.
     let lo = list
         .iter()
         .take_while(|&&i| key(l[i as usize]) >= key(tau))

@@ -15,11 +15,12 @@
 // SMs), a truncating draw without top-k first tries without the blocks' threshold searches:
 // the CTAs share their maxima (a grid-wide wait), then each writes its keys within `hint` (a
 // logit distance the previous draw left) of the global maximum; the last CTA merges and draws
-// as above and checks that those keys decided the cuts (smp_attempt_complete). If they did, the token is the
-// one the searches would have given; if not (or a CTA had more than SMP1_CAP such keys), it
-// tells the waiting CTAs so, and all of them search and merge as above. The attempt's merge
-// takes a short way where it can (smp_merge_binned, select.cuh: the union sorted by counting, in about five
-// barriers). Either way the last merge leaves `hint` for the next draw.
+// as above and checks that those keys decided the cuts (smp_attempt_complete). If they did,
+// the token is the one the searches would have given; if not (or a CTA had more than SMP1_CAP
+// such keys), it tells the waiting CTAs so, and all of them search and merge as above. The
+// attempt's merge takes a short way where it can (smp_merge_binned, select.cuh: the union
+// sorted by counting, in about five barriers). Either way the last merge leaves `hint` for
+// the next draw.
 
 #define SMP1_THREADS 512
 #define SMP1_PER (SMP_CHUNK / SMP1_THREADS)  // rows a thread holds

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the GPU machine with the default model joined (scripts/gpu-check.sh): the fused sampler's hint
+# with (bundle/megainfer-old) and without (bundle/megainfer) its doubling after a short attempt,
+# the draw inside the launch, and `run --chat` tokens: old vs new after the launch, after vs inside.
+# Run as: TESTS=" " EXTRA="bash scripts/bench-default-model-draws.sh" bash scripts/gpu-check.sh
+N=bundle/megainfer; O=bundle/megainfer-old; M=$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+r() { local label=$1; shift; env "$@" > $OUT/b.log 2>&1; echo "$label: $(grep -E "^\| (megakernel|graph)" $OUT/b.log | cut -d'|' -f2,3,4 | tr -s ' ' | tr '\n' ' ') $(grep -m1 "searched" $OUT/b.log | sed 's/.*: \([0-9]* of [0-9]*\) draws.*(\(.*\)); the.*/\1 searched (\2)/') $(grep -m1 -i -E "error|panick" $OUT/b.log)"; }
+IL="MEGAINFER_MK_DRAW_IN_LAUNCH=1"
+r "default greedy" $N bench -m $M --prompt-len 37 --reps 5 --paths megakernel
+for rule in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05"; do
+  for round in 1 2; do
+    r "default [$rule] after-launch old (x2)" $O bench -m $M --prompt-len 37 --reps 5 --paths megakernel,graph-pdl $rule
+    r "default [$rule] after-launch new" $N bench -m $M --prompt-len 37 --reps 5 --paths megakernel,graph-pdl $rule
+  done
+  r "default [$rule] in-launch" $IL $N bench -m $M --prompt-len 37 --reps 5 --paths megakernel $rule
+done
+P="Write a short story about a lighthouse keeper who finds a message in a bottle."
+for rule in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05" "--temperature 1.0 --top-p 0.9 --repeat-penalty 1.1" "--temperature 0.7 --top-k 40"; do
+  for seed in 1 2; do
+    $O run -m $M --chat --json -n 128 -p "$P" $rule --seed $seed > $OUT/x.json 2>/dev/null
+    $N run -m $M --chat --json -n 128 -p "$P" $rule --seed $seed > $OUT/o.json 2>/dev/null
+    env $IL $N run -m $M --chat --json -n 128 -p "$P" $rule --seed $seed > $OUT/n.json 2>$OUT/n.err
+    python3 -c "
+import json,sys
+x=json.load(open('$OUT/x.json'))['generated_ids']; a=json.load(open('$OUT/o.json'))['generated_ids']; b=json.load(open('$OUT/n.json'))['generated_ids']
+d=lambda a,b: 'identical' if a==b else 'DIFFER at %d' % next((i for i,(p,q) in enumerate(zip(a,b)) if p!=q), min(len(a),len(b)))
+print('run [$rule] seed $seed: old vs new after-launch', d(x,a), '; after vs in-launch', len(a), len(b), d(a,b))" || tail -3 $OUT/n.err
+  done
+done
+rm -f $OUT/b.log $OUT/o.json $OUT/n.json $OUT/x.json
