@@ -39,18 +39,11 @@
 #endif
 static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary per consumer thread");
 
-// The gate's words (zero at first): the arrivals (counting on; the block that brings the
-// count to a multiple of n_lm is the last of its step), the hint (a float's bits), and
-// statistics: draws that searched, draws, and the searches' reasons: no attempt (a block had
-// no hint), keys past the slots (more than a block's slots, or than the two loads take), keys
-// that did not decide the cuts.
-#define MK_SMP_GATE_ARRIVALS 0
-#define MK_SMP_GATE_HINT 1
-#define MK_SMP_GATE_SEARCHES 2
-#define MK_SMP_GATE_DRAWS 3
-#define MK_SMP_GATE_NO_HINT 4
-#define MK_SMP_GATE_SLOTS 5
-#define MK_SMP_GATE_SHORT 6
+// The gate's words (zero at first; MK_SMP_GATE_*, from the host's SMP_GATE in abi.rs): the
+// arrivals (counting on; the block that brings the count to a multiple of n_lm is the last of
+// its step), the hint (a float's bits), and statistics: draws that searched, draws, and the
+// searches' reasons: no attempt (a block had no hint), keys past the slots (more than a
+// block's slots, or than the two loads take), keys that did not decide the cuts.
 // A block's summary words.
 #define MK_SMP_S_MAX 0       // its largest penalised logit (a float's bits; tagged)
 #define MK_SMP_S_Z 1         // the softmax sum behind top-p, relative to it (a double's bits)

@@ -582,13 +582,17 @@ impl<'g> MegakernelPath<'g> {
     /// sample.cuh).
     pub fn in_launch_draws(&self) -> Result<InLaunchDraws> {
         let at = self.streams().arena.offset("lm_sample");
-        let w = self.gpu.stream.clone_dtoh(&self.arena.slice(at..at + 7))?;
+        let w = self
+            .gpu
+            .stream
+            .clone_dtoh(&self.arena.slice(at..at + abi::SMP_GATE.len()))?;
+        let word = |name| w[abi::smp_gate(name)];
         Ok(InLaunchDraws {
-            draws: w[3],
-            searches: w[2],
-            no_hint: w[4],
-            slots: w[5],
-            short: w[6],
+            draws: word("DRAWS"),
+            searches: word("SEARCHES"),
+            no_hint: word("NO_HINT"),
+            slots: word("SLOTS"),
+            short: word("SHORT"),
         })
     }
 

@@ -23,6 +23,30 @@ pub const RES_MAX: usize = 2048;
 pub const PAGE_BYTES: usize = 16384;
 /// Staged K/V positions per attention round (scores scratch is sized for it).
 pub const ATT_ROUND: usize = 256;
+/// The in-launch draw's gate words at the start of `lm_sample` (megakernel/ops/sample.cuh):
+/// the blocks' arrival counter, the hint, then statistics (draws that searched, draws, and
+/// the searches for want of a hint, for keys past the slots, for keys short of the cuts).
+pub const SMP_GATE: [(&str, usize); 7] = [
+    ("ARRIVALS", 0),
+    ("HINT", 1),
+    ("SEARCHES", 2),
+    ("DRAWS", 3),
+    ("NO_HINT", 4),
+    ("SLOTS", 5),
+    ("SHORT", 6),
+];
+
+const _: () = assert!(SMP_GATE.len() <= scheduler::arena::SAMPLE_GATE_WORDS);
+
+/// A gate word's index by name.
+pub fn smp_gate(name: &str) -> usize {
+    SMP_GATE
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|&(_, i)| i)
+        .expect("a gate word of SMP_GATE")
+}
+
 /// LM-head blocks the in-launch draw merges at most (one summary per consumer thread); a
 /// schedule with more draws after the launch instead.
 pub const SAMPLE_MAX_BLOCKS: usize = CONSUMER_WARPS * 32;
@@ -220,6 +244,9 @@ pub fn prelude() -> String {
         ("MK_SMP_BLOCK_WORDS", scheduler::arena::SAMPLE_BLOCK_WORDS),
     ] {
         writeln!(s, "#define {name} {v}").unwrap();
+    }
+    for (name, i) in SMP_GATE {
+        writeln!(s, "#define MK_SMP_GATE_{name} {i}").unwrap();
     }
     writeln!(s, "#define GEN_WHAT_TOKEN {GEN_WHAT_TOKEN}u").unwrap();
     for (i, name) in prof::NAMES.iter().enumerate() {
