@@ -4,7 +4,7 @@
 # the draw inside the launch, and `run --chat` tokens: old vs new after the launch, after vs inside.
 # Run as: TESTS=" " EXTRA="bash scripts/bench-default-model-draws.sh" bash scripts/gpu-check.sh
 N=bundle/megainfer; O=bundle/megainfer-old; M=$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
-r() { local label=$1; shift; env "$@" > $OUT/b.log 2>&1; echo "$label: $(grep -E "^\| (megakernel|graph)" $OUT/b.log | cut -d'|' -f2,3,4 | tr -s ' ' | tr '\n' ' ') $(grep -m1 "searched" $OUT/b.log | sed 's/.*: \([0-9]* of [0-9]*\) draws.*(\(.*\)); the.*/\1 searched (\2)/') $(grep -m1 -i -E "error|panick" $OUT/b.log)"; }
+. "$(dirname "$0")/bench-rows.sh"
 IL="MEGAINFER_MK_DRAW_IN_LAUNCH=1"
 r "default greedy" $N bench -m $M --prompt-len 37 --reps 5 --paths megakernel
 for rule in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05"; do

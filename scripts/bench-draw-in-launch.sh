@@ -4,7 +4,7 @@
 # sampled variant's greedy steps (MEGAINFER_MK_GREEDY_ON_SAMPLED=1) and the in-launch draws' search counts.
 # Run as: TESTS=" " EXTRA="bash scripts/bench-draw-in-launch.sh" bash scripts/gpu-check.sh
 N=bundle/megainfer
-r() { local label=$1; shift; env "$@" > $OUT/b.log 2>&1; echo "$label: $(grep -E "^\| (megakernel|graph)" $OUT/b.log | cut -d'|' -f2,3,4 | tr -s ' ' | tr '\n' ' ') $(grep -m1 "searched" $OUT/b.log | sed 's/.*: \([0-9]* of [0-9]*\) draws.*(\(.*\)); the.*/\1 searched (\2)/') $(grep -m1 -i -E "error|panick" $OUT/b.log)"; }
+. "$(dirname "$0")/bench-rows.sh"
 TP="--temperature 0.8 --top-p 0.95"
 IL="MEGAINFER_MK_DRAW_IN_LAUNCH=1"
 for P in smollm2-135m llama-3.2-1b; do
