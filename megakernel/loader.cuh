@@ -47,7 +47,7 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
         if (lane == 0) note(p, 2, instr);
         const int sbytes = wt_sbytes(g.wt, g.cols);
         u64* prof = p.profile ? p.profile + (size_t)instr * PROF_WORDS : nullptr;
-        if (!MK_PREP_STAMPS && !MK_TILE_STAMPS && lane == 0 && prof) prof[PROF_EXTRA1] = global_ns();
+        if (!MK_PREP_STAMPS && !MK_TILE_STAMPS && !MK_SMP_STAMPS && lane == 0 && prof) prof[PROF_EXTRA1] = global_ns();
         for (int t = 0; t < g.tiles; t++, seq++) {
             u32 slot = seq % MK_RING(p), round = seq / MK_RING(p);
             if (MK_TILE_NOTES && lane == 0) note(p, 3, seq);
@@ -94,7 +94,7 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
                 }
             }
         }
-        if (!MK_PREP_STAMPS && !MK_TILE_STAMPS && lane == 0 && prof) prof[PROF_EXTRA2] = global_ns();
+        if (!MK_PREP_STAMPS && !MK_TILE_STAMPS && !MK_SMP_STAMPS && lane == 0 && prof) prof[PROF_EXTRA2] = global_ns();
     }
     return true;
 }

@@ -165,7 +165,19 @@ struct Smem {
 #else
 #define TILE_SKIP_DOT (MK_TILE_SKIP_DOT != 0)
 #endif
-#if MK_PREP_STAMPS || MK_TILE_STAMPS
+// MK_SMP_STAMPS=1 (for measuring, the same way): in a launch that draws inside it, each
+// LM-head block's consumer thread 0 stamps extra word 1 when it has the vocabulary's maximum
+// (pure temperature: its best score), and the drawing SM stamps its last instruction's extra
+// word 2 when the token is drawn (ops/sample.cuh).
+#ifndef MK_SMP_STAMPS
+#define MK_SMP_STAMPS 0
+#endif
+// MK_SMP_WARM=1 (measuring, with MK_SMP_STAMPS): the drawing SM draws twice, keeping only the
+// second, and stamps extra word 1 between them.
+#ifndef MK_SMP_WARM
+#define MK_SMP_WARM 0
+#endif
+#if MK_PREP_STAMPS || MK_TILE_STAMPS || MK_SMP_STAMPS
 __shared__ u64* mk_prof;  // the current instruction's profile words
 #define PREP_SET_PROF(prof) (mk_prof = (prof))
 __device__ __forceinline__ void thread0_stamp(int w) {
@@ -180,6 +192,9 @@ __device__ __forceinline__ void prep_stamp(int w) {
 }
 __device__ __forceinline__ void tile_stamp(int w) {
     if (MK_TILE_STAMPS) thread0_stamp(w);
+}
+__device__ __forceinline__ void smp_stamp(int w) {
+    if (MK_SMP_STAMPS) thread0_stamp(w);
 }
 
 __device__ __forceinline__ bool aborted(const MkParams& p) { return *(volatile u32*)p.error != 0; }

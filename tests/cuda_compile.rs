@@ -115,6 +115,16 @@ fn megakernel_sampled_variant_compiles() {
         let what = format!(" ({name}, MK_SAMPLING=1)");
         assert_compiles("megakernel", &sources::megakernel(), &defines, &what);
     }
+    // With the draw's stamps and phases, drawing twice (for measuring).
+    let (mut defines, _) = preset_kernel_defines("smollm2-135m", true);
+    defines.push("-DMK_SMP_STAMPS=2".to_string());
+    defines.push("-DMK_SMP_WARM=1".to_string());
+    assert_compiles(
+        "megakernel",
+        &sources::megakernel(),
+        &defines,
+        " (smollm2-135m, MK_SAMPLING=1 MK_SMP_STAMPS=2 MK_SMP_WARM=1)",
+    );
 }
 
 /// Compiles the megakernel for each preset of `names` with `extra` added to the options `run`

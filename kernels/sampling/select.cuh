@@ -624,6 +624,30 @@ struct SmpBinned {
     smp_u64 ks[NT];
 };
 
+// The bins of the binned merge: a key's bin by its distance below gmax, SMP_BINS of them down
+// to tau. Not valid where there is no room between tau and gmax (the merge does not apply).
+struct SmpBins {
+    float gmax, scale;
+    bool valid;
+    __device__ int of(smp_u64 key) const {
+        const float d = (gmax - smp_unkey((smp_u32)(key >> 32))) * scale;
+        return d < (float)(SMP_BINS - 1) ? max((int)d, 0) : SMP_BINS - 1;
+    }
+};
+__device__ __forceinline__ SmpBins smp_bins(float gmax, float tau) {
+    const float width = gmax - tau;
+    return {gmax, (float)SMP_BINS / width, width > 0.f && width < 1e30f && gmax < 1e30f};
+}
+
+// mark(k) after each of its barriers (for measuring; by default nothing).
+struct SmpNoMark {
+    __device__ void operator()(int) const {}
+};
+template <int NT, int R, typename Sync, typename Mark = SmpNoMark>
+__device__ bool smp_merge_binned_counted(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n,
+                                         const SmpBins& bins, double z_all, SmpShared& sm, SmpSel& sel,
+                                         SmpBinned<NT>& bn, int tid, Sync sync, smp_u32& token, Mark mark = Mark());
+
 // The fast attempt's merge the short way, from the keys the last CTA loaded with the summaries
 // (c: every nonzero key of the union, n of them, all within [tau, gmax]): a counting sort
 // instead of the merge's threshold search, ranking and scoring, which take a barrier
@@ -638,22 +662,15 @@ struct SmpBinned {
 // smp_block_sum's order. Returns false, before anything the long way uses is touched, where it
 // does not apply (no room between tau and gmax, or more than NT keys to place);
 // else the token in thread 0 and z_all.
-template <int NT, int R, typename Sync>
+template <int NT, int R, typename Sync, typename Mark = SmpNoMark>
 __device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n, float gmax,
                                  float tau, double zt, SmpShared& sm, SmpSel& sel, SmpBinned<NT>& bn, int tid,
-                                 Sync sync, smp_u32& token, double& z_all) {
-    const float width = gmax - tau;
-    if (!(width > 0.f && width < 1e30f && gmax < 1e30f)) return false;
-    const float scale = (float)SMP_BINS / width;
-    const auto bin_of = [&](smp_u64 key) {
-        const float d = (gmax - smp_unkey((smp_u32)(key >> 32))) * scale;
-        return d < (float)(SMP_BINS - 1) ? max((int)d, 0) : SMP_BINS - 1;
-    };
-    smp_u32* count = sel.hist[0];
-    smp_u32* cursor = sel.hist[1];
+                                 Sync sync, smp_u32& token, double& z_all, Mark mark = Mark()) {
+    const SmpBins bins = smp_bins(gmax, tau);
+    if (!bins.valid) return false;
 #pragma unroll
     for (int r = 0; r < R; r++)
-        if (c[r] != 0) atomicAdd(&count[bin_of(c[r])], 1u);
+        if (c[r] != 0) atomicAdd(&sel.hist[0][bins.of(c[r])], 1u);
     const bool need_z = s.top_p < 1.f && s.top_k == 0;
     if (need_z) {
 #pragma unroll
@@ -661,9 +678,24 @@ __device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 
         if ((tid & 31) == 0) sm.redd[tid >> 5] = zt;
     }
     sync();
+    mark(0);
     z_all = 0.0;
     if (need_z)
         for (int w = 0; w < NT / 32; w++) z_all += sm.redd[w];
+    return smp_merge_binned_counted<NT>(s, pos, c, n, bins, z_all, sm, sel, bn, tid, sync, token, mark);
+}
+
+// The binned merge after its first barrier: every key of c already counted in its bin
+// (sel.hist[0]; sel.hist[1] zero), z_all the softmax sum. Where a caller counts the keys behind
+// a barrier of its own, the merge takes one fewer.
+template <int NT, int R, typename Sync, typename Mark>
+__device__ bool smp_merge_binned_counted(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n,
+                                         const SmpBins& bins, double z_all, SmpShared& sm, SmpSel& sel,
+                                         SmpBinned<NT>& bn, int tid, Sync sync, smp_u32& token, Mark mark) {
+    const float gmax = bins.gmax;
+    const auto bin_of = [&](smp_u64 key) { return bins.of(key); };
+    smp_u32* count = sel.hist[0];
+    smp_u32* cursor = sel.hist[1];
     const smp_u32 k = s.top_k > 0 ? s.top_k : SMP_KMAX, kk = min(n, k);
     if (tid < 32) {
         // Lane l owns bins 8l .. 8l + 7, nearest the maximum first: lanes in order walk the keys
@@ -681,6 +713,7 @@ __device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 
         }
     }
     sync();
+    mark(1);
     const int bsel = (int)bn.bsel;
     const smp_u32 nsel = bn.nsel;  // ~0 where no bin held the kk-th key (kk = 0)
     if (nsel > NT) return false;
@@ -691,6 +724,7 @@ __device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 
         if (b <= bsel) bn.ks[bn.binbase[b] + atomicAdd(&cursor[b], 1u)] = c[r];
     }
     sync();
+    mark(2);
     if (tid < (int)nsel) {
         const smp_u64 key = bn.ks[tid];
         const int b = bin_of(key);
@@ -708,6 +742,7 @@ __device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 
     }
     if (tid == 0) sm.count = kk;
     sync();
+    mark(3);
     token = smp_cut_warp(s, z_all, sm, tid);
     return true;
 }

@@ -62,9 +62,18 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
 // registers cost the whole loop spills.
 __device__ __noinline__ void op_draw(const MkParams& p, const TokenMeta& m, float* res) {
     const u32 ctl = host_stop_request(p);
-    const u32 idx = mk_sample_merge(p, m, res);
-    if (threadIdx.x != 32) return;
-    p.history[m.pos] = m.token;
-    finish_token(p, m, idx, ctl);
-    atomicAdd(smp_gate(p) + MK_SMP_GATE_DRAWS, 1ull);
+    // By consumer thread 0, as soon as the token is drawn.
+    const auto publish = [&](u32 idx) {
+        smp_stamp(PROF_EXTRA2);
+        p.history[m.pos] = m.token;
+        finish_token(p, m, idx, ctl);
+        atomicAdd(smp_gate(p) + MK_SMP_GATE_DRAWS, 1ull);
+    };
+#if MK_SMP_WARM
+    // Measuring: the draw once with nothing kept, so that the real one runs on fetched code.
+    mk_sample_merge(p, m, res, publish, false);
+    consumers_sync();
+    smp_stamp(PROF_EXTRA1);
+#endif
+    mk_sample_merge(p, m, res, publish, true);
 }

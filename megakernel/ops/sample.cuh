@@ -37,6 +37,11 @@
 #ifndef MK_SMP_FIRST_PER
 #define MK_SMP_FIRST_PER 8
 #endif
+// Keys a lane in the binned merge after compacting the union within its warp (where a warp
+// has more, the merge takes every thread's slots as loaded).
+#ifndef MK_SMP_MERGE_PER
+#define MK_SMP_MERGE_PER 2
+#endif
 static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary per consumer thread");
 
 // The gate's words (zero at first; MK_SMP_GATE_*, from the host's SMP_GATE in abi.rs): the
@@ -160,6 +165,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             }
         }
         smp_block_best(best, best_idx, sh.base, ct, CONSUMERS, sync);
+        smp_stamp(PROF_EXTRA1);
     } else {
         // Every block's maximum, handed over tagged (in its summary's first word): the blocks
         // cut at the same logit below the vocabulary's maximum, so that their keys together
@@ -167,20 +173,38 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
         // one that read an older hint (0 before the first draw) may not, and the others wait
         // for it.
         if (ct == 0) st_tagged(smp_summary(p, blk) + MK_SMP_S_MAX, mx, tag);
-        if (s.top_p < 1.f && s.top_k == 0) {
+        // The other blocks' maxima asked for first, then the softmax sum while they come; the
+        // sum and the maxima's maximum reduced across the warps behind one barrier (the sum
+        // in smp_block_sum's order).
+        const bool need_z = s.top_p < 1.f && s.top_k == 0;
+        const int mine = attempt && ct < nb ? 1 : 0;
+        u64 raw = mine ? ld_tagged(smp_summary(p, ct) + MK_SMP_S_MAX) : 0ull;
+        if (need_z) {
             for (int j = ct; j < rc; j += CONSUMERS) z += exp((double)xv[j] - (double)mx);
-            z = smp_block_sum(z, sh.base, ct, CONSUMERS, sync);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
         }
+        if (attempt) settle<1>(p, &raw, [&](int) { return smp_summary(p, ct) + MK_SMP_S_MAX; }, mine);
+        float gm = mine ? tagged_float(raw) : ninf;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+        if ((ct & 31) == 0) { sh.base.redd[ct >> 5] = z; sh.base.redf[ct >> 5] = gm; }
+        consumers_sync();
+        z = 0.0;
+        gm = sh.base.redf[0];
+        for (int w = 0; w < CONSUMER_WARPS; w++) {
+            z += sh.base.redd[w];
+            gm = fmaxf(gm, sh.base.redf[w]);
+        }
+        if (!need_z) z = 0.0;
         if (attempt) {
-            const int mine = ct < nb ? 1 : 0;
-            u64 raw = mine ? ld_tagged(smp_summary(p, ct) + MK_SMP_S_MAX) : 0ull;
-            settle<1>(p, &raw, [&](int) { return smp_summary(p, ct) + MK_SMP_S_MAX; }, mine);
-            const float gm = smp_block_max(mine ? tagged_float(raw) : ninf, sh.base, ct, CONSUMERS, sync);
+            smp_stamp(PROF_EXTRA1);
             const smp_u64 tk = (smp_u64)smp_key(gm - h) << 32;
             // Each thread's rows as keys, the same number of calls in every thread.
+            const int nr = (rc + CONSUMERS - 1) / CONSUMERS;
             auto for_keys = [&](auto f) {
 #pragma unroll 1
-                for (int r = 0; r < MK_SMP_ROWS_PER; r++) {
+                for (int r = 0; r < nr; r++) {
                     const int j = ct + r * CONSUMERS;
                     f(j < rc ? (smp_u64)smp_key(xv[j]) << 32 | (smp_u32)~(u32)(rs + j) : 0ull);
                 }
@@ -223,6 +247,14 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
     consumers_sync();  // the scratch is res again for the next instruction
 }
 
+// MK_SMP_STAMPS=2 (measuring): the draw's phases, stamped by consumer thread 0 into the extra
+// words of the drawing SM's first instructions (phase k: instruction k / 2, word k % 2), which
+// no other stamp uses in such a build.
+__device__ __forceinline__ void smp_phase(const MkParams& p, int k) {
+    if (MK_SMP_STAMPS >= 2 && threadIdx.x == 32 && p.profile)
+        p.profile[((size_t)p.sm_offsets[blockIdx.x] + k / 2) * PROF_WORDS + PROF_EXTRA1 + k % 2] = global_ns();
+}
+
 struct MkSmpMergeShared {
     SmpShared base;
     SmpSel sel;
@@ -232,19 +264,24 @@ struct MkSmpMergeShared {
     float wmax[CONSUMER_WARPS], whint[CONSUMER_WARPS];
     smp_u32 wused[CONSUMER_WARPS], wkeys[CONSUMER_WARPS], wbad[CONSUMER_WARPS];
     smp_u32 nextra, drawn;
+    smp_u64 list[MK_SMP_MERGE_PER * CONSUMERS];  // the union, compacted
 };
 static_assert(sizeof(MkSmpMergeShared) <= 2 * RES_MAX * sizeof(float), "the draw's scratch is res");
 
 // The draw, by every consumer of the SM whose block arrived last (see the top of this file):
-// the token in consumer thread 0 (SMP_NONE when there is nothing to draw from), and the next
-// hint left in the gate. res is scratch (the block's rows are no longer needed).
-__device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMeta& m, float* res) {
+// consumer thread 0 hands the token to publish as soon as it has it (SMP_NONE when there is
+// nothing to draw from), then leaves the next hint in the gate; with commit false (measuring)
+// nothing is handed over or left. res is scratch (the block's rows are no longer needed).
+template <typename Publish>
+__device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMeta& m, float* res, Publish publish,
+                                                bool commit) {
     const int ct = threadIdx.x - 32, nb = p.n_lm;
     const SmpParams s = mk_smp_params(p);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
     const float ninf = __int_as_float(0xff800000u);
     const auto sync = [] { consumers_sync(); };
     MkSmpMergeShared& sh = *(MkSmpMergeShared*)res;
+    smp_phase(p, 5);
     // One round trip: every summary, and the first u slots of every block.
     u64 sw[6] = {0, 0, 0, 0, 0, 0};
     if (ct < nb) {
@@ -257,14 +294,26 @@ __device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMet
         if (ct < nb && (u32)sw[MK_SMP_S_BEST_IDX] != SMP_NONE)
             smp_best_merge(best, idx, __longlong_as_double((long long)sw[MK_SMP_S_BEST]), (u32)sw[MK_SMP_S_BEST_IDX]);
         smp_block_best(best, idx, sh.base, ct, CONSUMERS, sync);
-        return idx;
+        if (ct == 0 && commit) publish(idx);
+        return;
     }
-    const int u = smp_first_slots(nb);
+    // Thread ct loads first slot i = ct + r * CONSUMERS, slot i % u of block i / u, stepped
+    // without dividing: the draw's code runs once a step on one SM, so every instruction on
+    // its way is latency (a step's draw ran at about 3 cycles an instruction).
+    const int u = smp_first_slots(nb), db = CONSUMERS / u, ds = CONSUMERS % u, b0 = ct / u, s0 = ct % u;
+    const auto step_slot = [&](int& b, int& sl) {
+        sl += ds;
+        b += db;
+        if (sl >= u) { sl -= u; b++; }
+    };
     smp_u64 cf[MK_SMP_FIRST_PER];
+    {
+        int b = b0, sl = s0;
 #pragma unroll
-    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
-        const int i = ct + r * CONSUMERS, b = i / u;
-        cf[r] = b < nb ? __ldcg(smp_slots(p, b) + i % u) : 0ull;
+        for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+            cf[r] = b < nb ? __ldcg(smp_slots(p, b) + sl) : 0ull;
+            step_slot(b, sl);
+        }
     }
     for (int i = ct; i < SMP_BINS; i += CONSUMERS) { sh.sel.hist[0][i] = 0; sh.sel.hist[1][i] = 0; }
     if (ct == 0) { sh.bn.nsel = ~0u; sh.sel.fill = 0; }
@@ -284,6 +333,7 @@ __device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMet
         if ((ct & 31) == 0) { sh.wmax[ct >> 5] = wm; sh.whint[ct >> 5] = wh; sh.wused[ct >> 5] = wu; }
     }
     consumers_sync();
+    smp_phase(p, 0);
     float gmax = ninf, hmin = __int_as_float(0x7f800000);
     smp_u32 used = 0;
     for (int q = 0; q < CONSUMER_WARPS; q++) {
@@ -297,6 +347,8 @@ __device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMet
     // trip (trained logits put several of the top tokens in one block), packed one block
     // after another, as many as the first load's slots.
     smp_u64 c[2 * MK_SMP_FIRST_PER];
+#pragma unroll
+    for (int r = MK_SMP_FIRST_PER; r < 2 * MK_SMP_FIRST_PER; r++) c[r] = 0;
     smp_u32 extra = 0;
     if (used > (smp_u32)u) {
         const smp_u32 mine = ct < nb && sh.vcount[ct] > (smp_u32)u ? sh.vcount[ct] - u : 0u;
@@ -305,63 +357,124 @@ __device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMet
         if (ct == nb - 1) sh.nextra = at + mine;
         consumers_sync();
         extra = sh.nextra;
-    }
 #pragma unroll
-    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
-        const int i = ct + r * CONSUMERS;
-        int b = 0;
-        if (i < (int)extra) {
-            for (int step = MK_SMP_MAX_BLOCKS / 2; step > 0; step >>= 1)
-                if (b + step < nb && (int)sh.xbase[b + step] <= i) b += step;
+        for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+            const int i = ct + r * CONSUMERS;
+            if (i < (int)extra) {
+                int b = 0;
+                for (int step = MK_SMP_MAX_BLOCKS / 2; step > 0; step >>= 1)
+                    if (b + step < nb && (int)sh.xbase[b + step] <= i) b += step;
+                c[MK_SMP_FIRST_PER + r] = __ldcg(smp_slots(p, b) + u + (i - (int)sh.xbase[b]));
+            }
         }
-        c[MK_SMP_FIRST_PER + r] = i < (int)extra ? __ldcg(smp_slots(p, b) + u + (i - (int)sh.xbase[b])) : 0ull;
     }
+    smp_phase(p, 1);
     // The union: keys at or above tau (a block that read a larger hint sent more), and whether
     // a block that may hold some sent none (more than its slots).
     smp_u32 n = 0;
+    {
+        int b = b0, sl = s0;
 #pragma unroll
-    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
-        const int i = ct + r * CONSUMERS, b = i / u;
-        c[r] = b >= nb || i % u >= (int)sh.vcount[b] || cf[r] < tk ? 0ull : cf[r];
-        n += c[r] != 0;
+        for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+            c[r] = b >= nb || sl >= (int)sh.vcount[b] || cf[r] < tk ? 0ull : cf[r];
+            n += c[r] != 0;
+            step_slot(b, sl);
+        }
     }
 #pragma unroll
     for (int r = MK_SMP_FIRST_PER; r < 2 * MK_SMP_FIRST_PER; r++) {
         if (c[r] < tk) c[r] = 0;
         n += c[r] != 0;
     }
+    // The union compacted within each warp to MK_SMP_MERGE_PER keys a lane: most threads hold
+    // none of their 2 * MK_SMP_FIRST_PER slots' keys, and the merge's loops over a thread's keys
+    // wait on a shared atomic each. Where a warp holds more, the merge takes the slots as loaded.
+    const int lane = ct & 31;
+    const smp_u32 nincl = smp_warp_scan(n, lane), wtot = __shfl_sync(0xffffffffu, nincl, 31);
+    const bool fits = wtot <= MK_SMP_MERGE_PER * 32;
+    smp_u64 k2[MK_SMP_MERGE_PER];
+#pragma unroll
+    for (int r = 0; r < MK_SMP_MERGE_PER; r++) k2[r] = 0;
+    if (fits) {
+        smp_u64* mine = sh.list + (ct >> 5) * MK_SMP_MERGE_PER * 32;
+        smp_u32 at = nincl - n;
+#pragma unroll
+        for (int r = 0; r < 2 * MK_SMP_FIRST_PER; r++)
+            if (c[r] != 0) mine[at++] = c[r];
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < MK_SMP_MERGE_PER; r++) {
+            const int j = lane + 32 * r;
+            if (j < (int)wtot) k2[r] = mine[j];
+        }
+    }
     const bool bad = ct < nb && bcount == MK_SMP_OVER && bmax >= tau;
+    // The binned merge's first part here, behind the union's barrier: each key counted in its
+    // bin, the softmax sum's warp parts (smp_block_sum's order).
+    const SmpBins bins = smp_bins(gmax, tau);
+    if (bins.valid) {
+        if (fits) {
+#pragma unroll
+            for (int r = 0; r < MK_SMP_MERGE_PER; r++)
+                if (k2[r] != 0) atomicAdd(&sh.sel.hist[0][bins.of(k2[r])], 1u);
+        } else {
+#pragma unroll
+            for (int r = 0; r < 2 * MK_SMP_FIRST_PER; r++)
+                if (c[r] != 0) atomicAdd(&sh.sel.hist[0][bins.of(c[r])], 1u);
+        }
+    }
+    const bool need_z = s.top_p < 1.f && s.top_k == 0;
+    const double zt = ct < nb && bmax != ninf ? __longlong_as_double((long long)sw[MK_SMP_S_Z]) * exp((double)bmax - (double)gmax) : 0.0;
     {
-        const smp_u32 wk = __reduce_add_sync(0xffffffffu, n), wb = __reduce_or_sync(0xffffffffu, bad ? 1u : 0u);
-        if ((ct & 31) == 0) { sh.wkeys[ct >> 5] = wk; sh.wbad[ct >> 5] = wb; }
+        double zw = zt;
+        if (need_z) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) zw += __shfl_xor_sync(0xffffffffu, zw, o);
+        }
+        const smp_u32 wb = __reduce_or_sync(0xffffffffu, bad ? 1u : 0u) | (fits ? 0u : 2u);
+        if (lane == 0) { sh.wkeys[ct >> 5] = wtot; sh.wbad[ct >> 5] = wb; sh.base.redd[ct >> 5] = zw; }
     }
     consumers_sync();
+    smp_phase(p, 2);
     smp_u32 nkeys = 0, any_bad = 0;
-    for (int q = 0; q < CONSUMER_WARPS; q++) { nkeys += sh.wkeys[q]; any_bad |= sh.wbad[q]; }
-    const double zt = ct < nb && bmax != ninf ? __longlong_as_double((long long)sw[MK_SMP_S_Z]) * exp((double)bmax - (double)gmax) : 0.0;
-    smp_u32 token = SMP_NONE;
     double z_all = 0.0;
-    const int why = !(hmin > 0.f && hmin < 1e30f)                                      ? MK_SMP_GATE_NO_HINT
-                    : extra > MK_SMP_FIRST_PER * CONSUMERS || any_bad != 0 ? MK_SMP_GATE_SLOTS
-                                                                        : MK_SMP_GATE_SHORT;
-    if (why == MK_SMP_GATE_SHORT &&
-        smp_merge_binned<CONSUMERS>(s, m.pos, c, nkeys, gmax, tau, zt, sh.base, sh.sel, sh.bn, ct, sync, token,
-                                    z_all)) {
-        if (ct == 0) sh.drawn = smp_attempt_complete(s, sh.base, tau);
-        consumers_sync();
-        if (sh.drawn) {
-            if (ct == 0) {
+    for (int q = 0; q < CONSUMER_WARPS; q++) {
+        nkeys += sh.wkeys[q];
+        any_bad |= sh.wbad[q];
+        z_all += sh.base.redd[q];
+    }
+    if (!need_z) z_all = 0.0;
+    smp_u32 token = SMP_NONE;
+    const int why = !(hmin > 0.f && hmin < 1e30f)                                            ? MK_SMP_GATE_NO_HINT
+                    : extra > MK_SMP_FIRST_PER * CONSUMERS || (any_bad & 1u) != 0 ? MK_SMP_GATE_SLOTS
+                                                                               : MK_SMP_GATE_SHORT;
+    const auto mark = [&](int k) { smp_phase(p, 6 + k); };
+    if (why == MK_SMP_GATE_SHORT && bins.valid &&
+        ((any_bad & 2u) == 0
+             ? smp_merge_binned_counted<CONSUMERS>(s, m.pos, k2, nkeys, bins, z_all, sh.base, sh.sel, sh.bn, ct, sync,
+                                                   token, mark)
+             : smp_merge_binned_counted<CONSUMERS>(s, m.pos, c, nkeys, bins, z_all, sh.base, sh.sel, sh.bn, ct, sync,
+                                                   token, mark))) {
+        smp_phase(p, 3);
+        // Thread 0 holds the token: it goes out at once where the keys decided the cuts, before
+        // the barrier that tells the other threads whether to search.
+        if (ct == 0) {
+            const bool drawn = smp_attempt_complete(s, sh.base, tau);
+            sh.drawn = drawn;
+            if (drawn && commit) {
+                publish(token);
                 const float hint = smp_next_hint(s, sh.base, gmax);
                 if (hint >= 0.f) st_tagged(smp_gate(p) + MK_SMP_GATE_HINT, hint, step_tag());
             }
-            return token;
         }
+        consumers_sync();
+        smp_phase(p, 4);
+        if (sh.drawn) return;
     }
     // The search: the whole vocabulary's keys, read from L2 (the penalised logits where a
     // penalty changed some), first down to at most CONSUMERS keys that hold the top k, then,
     // among those in shared memory, exactly the top k.
     consumers_sync();
-    z_all = s.top_p < 1.f && s.top_k == 0 ? smp_block_sum(zt, sh.base, ct, CONSUMERS, sync) : 0.0;
     const float* vals = smp_penalises(s) ? smp_penalised(p) : p.logits;
     const int vocab = p.vocab;
     auto for_vocab = [&](auto f) {
@@ -403,11 +516,11 @@ __device__ __forceinline__ u32 mk_sample_merge(const MkParams& p, const TokenMet
     consumers_sync();
     smp_rank<CONSUMERS>(kk, sh.base, ct, sync);
     token = smp_cut_and_draw(s, m.pos, z_all, sh.base, ct, CONSUMERS, sync);
-    if (ct == 0) {
+    if (ct == 0 && commit) {
+        publish(token);
         const float hint = smp_next_hint(s, sh.base, gmax);
         if (hint >= 0.f) st_tagged(smp_gate(p) + MK_SMP_GATE_HINT, hint, step_tag());
         atomicAdd(smp_gate(p) + MK_SMP_GATE_SEARCHES, 1ull);
         atomicAdd(smp_gate(p) + why, 1ull);
     }
-    return token;
 }
