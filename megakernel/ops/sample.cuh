@@ -4,19 +4,20 @@
 // (kernels/sampling/fused.cu) draws it, with the LM head's blocks as its CTAs:
 //
 // - each RmsLmHead instruction, once its logits are stored (mk_sample_block), takes its rows'
-//   penalised maximum and, for top-p, their softmax sum; it hands its maximum to the other
-//   blocks (lm_best, tagged) and waits for theirs; then it writes its keys within the hint
-//   (the distance below the maximum the previous draw left) to its key slots, its summary,
-//   and arrives at the gate's counter (an acquire-release add). Pure temperature needs no
-//   keys: the block's best Gumbel-perturbed row is its summary.
-// - the block that arrives last draws, after its SM's instruction loop (op_draw, ops/
-//   argmax.cuh; mk_sample_merge): in one round trip every summary and the first slots of
-//   every block, then the binned merge (smp_merge_binned) and the check that those keys
-//   decided the cuts (smp_attempt_complete). Where they did not (the first draw, which has no
-//   hint; logits whose spread grew past the hint; a block with more keys than its slots),
-//   that SM searches the whole vocabulary itself, reading the logits from L2. Either way it
-//   leaves the next hint, and hands the token over as the greedy argmax does. The other SMs
-//   go on to the next step at once; its first instructions wait for the token.
+//   penalised maximum and, for top-p, their softmax sum; it hands its maximum to the other blocks
+//   (its summary's first word, tagged) and waits for theirs; then it writes its keys within the
+//   hint (the distance below the maximum the previous draw left) to its key slots, its summary,
+//   and arrives at the gate's counter (an acquire-release add). Pure temperature needs no keys:
+//   the block's best Gumbel-perturbed row is its summary.
+// - the block that arrives last draws, after its SM's instruction loop (op_draw, ops/argmax.cuh;
+//   mk_sample_merge): in one round trip every summary and the first slots of every block, then
+//   the union compacted within each warp, the binned merge (smp_merge_binned_counted) and the
+//   check that those keys decided the cuts (smp_attempt_complete), after which the token goes out
+//   at once. Where they did not (the first draw, which has no hint; logits whose spread grew past
+//   the hint; a block with more keys than its slots), that SM searches the whole vocabulary
+//   itself, reading the logits from L2. Either way it leaves the next hint, and hands the token
+//   over as the greedy argmax does. The other SMs go on to the next step at once; its first
+//   instructions wait for the token.
 //
 // lm_sample (scheduler/src/arena.rs) holds the gate's words, a summary and MK_SMP_CAP key
 // slots per block, and the penalised logits (written only with a penalty, for the search).
