@@ -3,13 +3,16 @@
 # step goes, greedy against the draw inside the launch (T 0.8 top-p 0.95, the same drawing
 # twice with the first thrown away where WARM=1, and pure temperature), from per-instruction timelines with
 # the draw's stamps (-DMK_SMP_STAMPS=1, -DMK_SMP_WARM=1), summarised by scripts/draw-timeline.py,
-# for each preset of PRESETS (default: SmolLM2 and Llama-1B).
+# for each preset of PRESETS (default: SmolLM2 and Llama-1B), or with MODEL=FILE for that model
+# (37-token prompt; PRESETS=default names its rows).
 # Run as: TESTS=" " EXTRA="bash scripts/bench-draw-timeline.sh" bash scripts/gpu-check.sh
 N=bundle/megainfer
 IL=MEGAINFER_MK_DRAW_IN_LAUNCH=1
 S=${SMP_STAMPS:--DMK_SMP_STAMPS=1}
 for P in ${PRESETS:-smollm2-135m llama-3.2-1b}; do
-  B="bench --preset $P --paths megakernel --reps 1 --gen 32 --profile"
+  SRC="--preset $P"
+  [ -n "${MODEL:-}" ] && SRC="-m $MODEL --prompt-len 37"
+  B="bench $SRC --paths megakernel --reps 1 --gen 32 --profile"
   t() {  # t NAME DEFINES [ENV...] -- BENCH OPTIONS
     local name=$1 d=$2; shift 2
     env MEGAINFER_MK_DEFINES="$d" "$@" --timeline $OUT/tl-$P-$name.csv > $OUT/b-$P-$name.log 2>&1

@@ -65,7 +65,13 @@ def summary(steps):
             for k in (5, 0, 1, 2, 6, 7, 8, 9, 3, 4):
                 if ph[k] > arrived - 5:
                     cols[PHASES[k]].append(ph[k])
-    return {k: st.median(v) for k, v in cols.items()}
+    out = {k: st.median(v) for k, v in cols.items()}
+    if "token (draw)" in cols and len(cols["token (draw)"]) == len(cols["post stored: last"]):
+        # Per step: a draw that searched the whole vocabulary shows as a long one.
+        spans = sorted(t - a for t, a in zip(cols["token (draw)"], cols["post stored: last"]))
+        out["last arrival to token: shortest"] = spans[0]
+        out["last arrival to token: longest"] = spans[-1]
+    return out
 
 
 PHASES = ["draw: summaries and first slots loaded", "draw: second load done", "draw: union counted",
