@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine, after scripts/gpu-check.sh unpacked bundle/ (OUT set): where the end of a
-# step goes, greedy against the draw inside the launch (T 0.8 top-p 0.95, the same drawing
-# twice with the first thrown away where WARM=1, and pure temperature), from per-instruction timelines with
-# the draw's stamps (-DMK_SMP_STAMPS=1, -DMK_SMP_WARM=1), summarised by scripts/draw-timeline.py,
-# for each preset of PRESETS (default: SmolLM2 and Llama-1B), or with MODEL=FILE for that model
-# (37-token prompt; PRESETS=default names its rows).
+# step goes, greedy against the draw inside the launch (T 0.8 top-p 0.95; with WARM=1 also
+# drawn twice, the first thrown away; and pure temperature), from per-instruction timelines
+# with the draw's stamps (SMP_STAMPS, default -DMK_SMP_STAMPS=1; =2 adds the draw's phases),
+# summarised by scripts/draw-timeline.py, for each preset of PRESETS (default: SmolLM2 and
+# Llama-1B), or with MODEL=FILE for that model (37-token prompt; PRESETS=default names its rows).
 # Run as: TESTS=" " EXTRA="bash scripts/bench-draw-timeline.sh" bash scripts/gpu-check.sh
 N=bundle/megainfer
 IL=MEGAINFER_MK_DRAW_IN_LAUNCH=1
