@@ -638,6 +638,13 @@ __device__ __forceinline__ SmpBins smp_bins(float gmax, float tau) {
     const float width = gmax - tau;
     return {gmax, (float)SMP_BINS / width, width > 0.f && width < 1e30f && gmax < 1e30f};
 }
+// Each nonzero key of c counted in its bin (count: SMP_BINS words).
+template <int R>
+__device__ __forceinline__ void smp_bins_count(const smp_u64 (&c)[R], const SmpBins& bins, smp_u32* count) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        if (c[r] != 0) atomicAdd(&count[bins.of(c[r])], 1u);
+}
 
 // mark(k) after each of its barriers (for measuring; by default nothing).
 struct SmpNoMark {
@@ -668,9 +675,7 @@ __device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 
                                  Sync sync, smp_u32& token, double& z_all, Mark mark = Mark()) {
     const SmpBins bins = smp_bins(gmax, tau);
     if (!bins.valid) return false;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-        if (c[r] != 0) atomicAdd(&sel.hist[0][bins.of(c[r])], 1u);
+    smp_bins_count(c, bins, sel.hist[0]);
     const bool need_z = s.top_p < 1.f && s.top_k == 0;
     if (need_z) {
 #pragma unroll

@@ -197,7 +197,6 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             z += sh.base.redd[w];
             gm = fmaxf(gm, sh.base.redf[w]);
         }
-        if (!need_z) z = 0.0;
         if (attempt) {
             smp_stamp(PROF_EXTRA1);
             const smp_u64 tk = (smp_u64)smp_key(gm - h) << 32;
@@ -414,15 +413,8 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
     // bin, the softmax sum's warp parts (smp_block_sum's order).
     const SmpBins bins = smp_bins(gmax, tau);
     if (bins.valid) {
-        if (fits) {
-#pragma unroll
-            for (int r = 0; r < MK_SMP_MERGE_PER; r++)
-                if (k2[r] != 0) atomicAdd(&sh.sel.hist[0][bins.of(k2[r])], 1u);
-        } else {
-#pragma unroll
-            for (int r = 0; r < 2 * MK_SMP_FIRST_PER; r++)
-                if (c[r] != 0) atomicAdd(&sh.sel.hist[0][bins.of(c[r])], 1u);
-        }
+        if (fits) smp_bins_count(k2, bins, sh.sel.hist[0]);
+        else smp_bins_count(c, bins, sh.sel.hist[0]);
     }
     const bool need_z = s.top_p < 1.f && s.top_k == 0;
     const double zt = ct < nb && bmax != ninf ? __longlong_as_double((long long)sw[MK_SMP_S_Z]) * exp((double)bmax - (double)gmax) : 0.0;
