@@ -24,12 +24,27 @@ __device__ void loader_drain(const MkParams& p, u64* full, u32 seq) {
 #define MK_L2_PF_NEXT 0
 #endif
 
+// MK_HOLD_NEXT=K: in a generation, until the token a step feeds is out, the loader keeps at
+// most K of that step's tiles in flight (reading the token word before each), so that the
+// round trips that hand the token over (and a draw's inside the launch) do not queue behind a
+// whole ring of the next step's weights, and SMs done with the LM head leave the bandwidth to
+// those still streaming it. The host compiles K = 2 with the weights' whole ring where it was
+// measured faster (src/gpu/megakernel/compile.rs, `defines`); MEGAINFER_MK_DEFINES may set it.
+#ifndef MK_HOLD_NEXT
+#define MK_HOLD_NEXT 0
+#endif
+
 // One step's loads; false when the generation stopped or a wait failed. pos0: the launch's
 // first position (rows before it were written by earlier launches); verified: the steps of
 // the launch whose K/V rows the loader has acquired (see rows_of_step_ready in runtime.cuh).
 __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin, const u32* end, u32 pos, u32 pos0,
                           u32& verified, u64 policy, u32& seq, bf16_t* pages, u64* full, u64* empty) {
     const int lane = threadIdx.x & 31;
+#if MK_HOLD_NEXT
+    // The tag of the token this step feeds.
+    bool held = p.steps > 1 && pos > pos0;
+    const u32 want = p.epoch + (pos - pos0);
+#endif
     for (const u32* wg = begin; wg < end; wg += MK_WORDS) {
         // The operands (all the words: the tile word is the last), read once into registers
         // rather than once per weight row.
@@ -64,6 +79,12 @@ __device__ bool load_step(const MkParams& p, const LayerW* lw, const u32* begin,
 #endif
             if (!page_wait(p, &empty[slot], (round & 1) ^ 1, ERR_PAGE_LOADER, instr, seq)) return false;
             if (!inflight_wait(p, full, seq, instr)) return false;
+#if MK_HOLD_NEXT
+            if (held) {
+                if (gen_tag_ok(ld_tagged(p.gen), want, 1)) held = false;
+                else if (!inflight_wait<MK_HOLD_NEXT, MK_HOLD_NEXT>(p, full, seq, instr)) return false;
+            }
+#endif
             // The tile's bytes: whole rows, or the chunks' quants and each one's scales span
             // (see "weight formats" in runtime.cuh).
             u32 bytes = rows * (g.whole ? g.slot : g.qbytes);

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # On the GPU machine with the default model joined (scripts/gpu-check.sh): an older build
-# (bundle/megainfer-old) against this one (bundle/megainfer), the draw after each launch and
-# inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1), and `run --chat` tokens: old vs new after the launch,
-# after vs inside the launch.
+# (bundle/megainfer-old) against this one (bundle/megainfer): greedy (two rounds), the draw
+# after each launch and inside it (MEGAINFER_MK_DRAW_IN_LAUNCH=1), and `run --chat` tokens:
+# old vs new after the launch, after vs inside the launch.
 # Run as: TESTS=" " EXTRA="bash scripts/bench-default-model-draws.sh" bash scripts/gpu-check.sh
 N=bundle/megainfer; O=bundle/megainfer-old; M=$MEGAINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
 . "$(dirname "$0")/bench-rows.sh"
 IL="MEGAINFER_MK_DRAW_IN_LAUNCH=1"
-r "default greedy" $N bench -m $M --prompt-len 37 --reps 5 --paths megakernel
+for round in 1 2; do
+  r "default greedy old" $O bench -m $M --prompt-len 37 --reps 5 --paths megakernel
+  r "default greedy new" $N bench -m $M --prompt-len 37 --reps 5 --paths megakernel
+done
 for rule in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05"; do
   for round in 1 2; do
     r "default [$rule] after-launch old" $O bench -m $M --prompt-len 37 --reps 5 --paths megakernel,graph-pdl $rule

@@ -276,6 +276,7 @@ fn megakernel_measuring_variants_compile() {
             "-DMK_TILE_STAMPS=1",
             "-DMK_TILE_SKIP_DOT=1",
             "-DMK_ATT_LOADER_STAMPS=1",
+            "-DMK_HOLD_NEXT=2",
         ]
         .map(String::from),
     );

@@ -42,7 +42,7 @@ __device__ __forceinline__ u32 host_stop_request(const MkParams& p) {
 }
 
 __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
-    // A sampled launch draws after the instruction loop of its last LM-head block's SM instead
+    // A sampled launch draws after the instruction loop of its drawing SM instead
     // (op_draw).
     if (MK_SAMPLING && p.sampling) return;
     const int ct = threadIdx.x - 32;
@@ -55,7 +55,7 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
     if (ct == 0) finish_token(p, m, idx, ctl);
 }
 
-// In a sampled launch, the draw, by every consumer of the SM whose LM-head block arrived last
+// In a sampled launch, the draw, by every consumer of the SM of LM-head block MK_SMP_DRAWER
 // (ops/sample.cuh), once its instruction loop is over, then the token's way out; the fed token
 // goes into history[pos] for the repetition penalty's window, as the sampler kernels do.
 // Called outside the instruction loop, and out of line: called inside it, the draw's

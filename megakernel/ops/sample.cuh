@@ -6,23 +6,25 @@
 // - each RmsLmHead instruction, once its logits are stored (mk_sample_block), takes its rows'
 //   penalised maximum and, for top-p, their softmax sum; it hands its maximum to the other blocks
 //   (its summary's first word, tagged) and waits for theirs; then it writes its keys within the
-//   hint (the distance below the maximum the previous draw left) to its key slots, its summary,
-//   and arrives at the gate's counter (an acquire-release add). Pure temperature needs no keys:
-//   the block's best Gumbel-perturbed row is its summary.
-// - the block that arrives last draws, after its SM's instruction loop (op_draw, ops/argmax.cuh;
-//   mk_sample_merge): in one round trip every summary and the first slots of every block, then
-//   the union compacted within each warp, the binned merge (smp_merge_binned_counted) and the
-//   check that those keys decided the cuts (smp_attempt_complete), after which the token goes out
-//   at once. Where they did not (the first draw, which has no hint; logits whose spread grew past
-//   the hint; a block with more keys than its slots), that SM searches the whole vocabulary
-//   itself, reading the logits from L2. Either way it leaves the next hint, and hands the token
-//   over as the greedy argmax does. The other SMs go on to the next step at once; its first
-//   instructions wait for the token.
+//   hint (the distance below the maximum the previous draw left) to its key slots and its
+//   summary, every word tagged with the step, then releases its logits (a last tagged word, for
+//   a search). Pure temperature needs no keys: the block's best Gumbel-perturbed row is its
+//   summary.
+// - the SM of block 0 draws, after its instruction loop (op_draw, ops/argmax.cuh;
+//   mk_sample_merge): it polls every summary and the first slots of every block until they
+//   carry the step's tag (one round trip after the last block's stores), compacts the union
+//   within each warp, runs the binned merge (smp_merge_binned_counted) and the check that those
+//   keys decided the cuts (smp_attempt_complete), after which the token goes out at once.
+//   Where they did not (the first draw, which has no hint; logits whose spread grew past the
+//   hint; a block with more keys than its slots), that SM acquires every block's release and
+//   searches the whole vocabulary itself, reading the logits from L2. Either way it leaves the
+//   next hint, and hands the token over as the greedy argmax does. The other SMs go on to the
+//   next step at once; its first instructions wait for the token.
 //
 // lm_sample (scheduler/src/arena.rs) holds the gate's words, a summary and MK_SMP_CAP key
 // slots per block, and the penalised logits (written only with a penalty, for the search).
-// Keys are select.cuh's 64-bit keys (the logit's key above, the inverted token below). The
-// blocks' words need no tags: the arrival orders them before the last block's reads.
+// Keys are select.cuh's 64-bit keys (the logit's key above, the inverted token below), carried
+// in the slots with a short tag (smp_slot_word).
 // Compiled only into the kernel variant sampled launches run (MK_SAMPLING): its calls cost
 // the greedy kernel's loop spilled registers.
 
@@ -33,7 +35,7 @@
 #ifndef MK_SMP_NO_ATTEMPT
 #define MK_SMP_NO_ATTEMPT 0
 #endif
-// Key slots per thread the last block loads with the summaries: every block's first
+// Key slots per thread the draw loads with the summaries: every block's first
 // MK_SMP_FIRST_PER * CONSUMERS / n_lm slots (15 for 132 blocks).
 #ifndef MK_SMP_FIRST_PER
 #define MK_SMP_FIRST_PER 8
@@ -46,18 +48,45 @@
 static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary per consumer thread");
 
 // The gate's words (zero at first; MK_SMP_GATE_*, from the host's SMP_GATE in abi.rs): the
-// arrivals (counting on; the block that brings the count to a multiple of n_lm is the last of
-// its step), the hint (a float's bits), and statistics: draws that searched, draws, and the
-// searches' reasons: no attempt (a block had no hint), keys past the slots (more than a
-// block's slots, or than the two loads take), keys that did not decide the cuts.
-// A block's summary words.
-#define MK_SMP_S_MAX 0       // its largest penalised logit (a float's bits; tagged)
-#define MK_SMP_S_Z 1         // the softmax sum behind top-p, relative to it (a double's bits)
-#define MK_SMP_S_BEST 2      // pure temperature: its best perturbed score (a double's bits)
-#define MK_SMP_S_BEST_IDX 3  // and its token
-#define MK_SMP_S_COUNT 4     // its keys in the slots, or MK_SMP_OVER
-#define MK_SMP_S_HINT 5      // the hint it cut at (0: it made no attempt)
+// hint (a float's bits, tagged), and statistics: draws that searched, draws, and the searches'
+// reasons: no attempt (a block had no hint), keys past the slots (more than a block's slots, or
+// than the two loads take), keys that did not decide the cuts.
+// A block's summary words, each tagged with its step (the draw polls them; no arrival orders
+// them): the attempt's words first, so that the draw polls one run of them.
+#define MK_SMP_S_MAX 0      // its largest penalised logit (a float's bits)
+#define MK_SMP_S_Z_HI 1     // the softmax sum behind top-p, relative to it: a double's high bits
+#define MK_SMP_S_Z_LO 2     // and its low bits
+#define MK_SMP_S_COUNT 3    // its keys in the slots, or MK_SMP_OVER
+#define MK_SMP_S_HINT 4     // the hint it cut at (0: it made no attempt)
+#define MK_SMP_S_BEST_HI 5  // pure temperature: its best perturbed score, a double's high bits
+#define MK_SMP_S_BEST_LO 6  // and its low bits
+#define MK_SMP_S_BEST_IDX 7 // and its token
+#define MK_SMP_S_ARRIVED 8  // stored last, with release semantics: its logits are visible
+#define MK_SMP_ATTEMPT_WORDS 5
 #define MK_SMP_OVER 0xffffffffu
+static_assert(MK_SMP_S_ARRIVED < MK_SMP_BLK_WORDS, "the summary's words fit its room in lm_sample");
+
+// A key slot is a key with the step's tag in the 14 bits of the inverted token that every
+// token below 2^18 leaves set (the host draws inside the launch only for such vocabularies):
+// the draw polls each slot for its step rather than waiting for an arrival. Tags repeat every
+// MK_SMP_SLOT_PERIOD steps (the host's abi.rs) and are never 0, so a cleared slot never
+// passes; every block writes all its slots every step (the empty ones as 0 keys), and the host
+// clears the slots before a sampled launch whose first step is that far from the last sampled
+// launch's (src/gpu/megakernel/launch.rs).
+#define MK_SMP_SLOT_TAG_MASK 0xfffc0000u
+__device__ __forceinline__ u32 smp_slot_tag(u32 tag) { return tag % (u32)MK_SMP_SLOT_PERIOD + 1u; }
+__device__ __forceinline__ u64 smp_slot_word(smp_u64 key, u32 t14) {
+    return key == 0 ? (u64)t14 << 18 : ((u64)key & ~(u64)MK_SMP_SLOT_TAG_MASK) | (u64)t14 << 18;
+}
+__device__ __forceinline__ bool smp_slot_fresh(u64 w, u32 t14) { return ((u32)w >> 18) == t14; }
+__device__ __forceinline__ smp_u64 smp_slot_key(u64 w) { return (w >> 32) == 0 ? 0ull : (smp_u64)(w | MK_SMP_SLOT_TAG_MASK); }
+__device__ __forceinline__ void st_release_tagged(u64* a, u32 v, u32 tag) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(((u64)tag << 32) | v) : "memory");
+}
+__device__ __forceinline__ u64 smp_join(u64 hi, u64 lo) { return (u64)(u32)hi << 32 | (u32)lo; }
+
+// The SM that draws: the one with LM-head block 0 (blocks finish together; any would do).
+#define MK_SMP_DRAWER 0
 
 __device__ __forceinline__ SmpParams mk_smp_params(const MkParams& p) {
     return {p.smp_temperature, p.smp_top_p, p.smp_min_p, p.smp_penalty,
@@ -71,13 +100,13 @@ __device__ __forceinline__ u64* smp_slots(const MkParams& p, int b) { return smp
 __device__ __forceinline__ float* smp_penalised(const MkParams& p) {
     return (float*)(p.lm_sample + MK_SMP_GATE_WORDS + (size_t)p.n_lm * MK_SMP_BLOCK_WORDS);
 }
-// The slots of each block the last block loads with the summaries.
+// The slots of each block the draw loads with the summaries.
 __device__ __forceinline__ int smp_first_slots(int nb) { return min(MK_SMP_CAP, MK_SMP_FIRST_PER * CONSUMERS / nb); }
 
 #define MK_SMP_ROWS_PER (RES_MAX / CONSUMERS)  // rows a consumer holds in RmsLmHead
 
-// Whether this SM's LM-head block arrived last in this step (set by consumer thread 0 in its
-// RmsLmHead of a sampled launch; an SM has at most one, the host's condition).
+// Whether this SM draws (set by consumer thread 0 in its RmsLmHead of a sampled launch: the SM
+// of block MK_SMP_DRAWER; an SM has at most one block, the host's condition).
 __shared__ u32 mk_merges;
 
 struct MkSmpBlockShared {
@@ -102,7 +131,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
     const float ninf = __int_as_float(0xff800000u);
     const auto sync = [] { consumers_sync(); };
     // The hint the previous draw left (read now, so its latency hides behind the rows').
-    // A block that reads an older one is still exact: the last block cuts at the smallest
+    // A block that reads an older one is still exact: the draw cuts at the smallest
     // hint any block cut at.
     const float h = MK_SMP_NO_ATTEMPT ? 0.f : __uint_as_float((u32)ld_tagged(smp_gate(p) + MK_SMP_GATE_HINT));
     // res: the rows' (penalised) logits first, then the scratch.
@@ -155,6 +184,8 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
     double best = -__longlong_as_double(0x7ff0000000000000ll), z = 0.0;
     smp_u32 best_idx = SMP_NONE, count = 0;
     const bool attempt = !draw_all && h > 0.f;
+    const u32 t14 = smp_slot_tag(tag);
+    u64* const out = smp_slots(p, blk);
     if (draw_all) {
         for (int j = ct; j < rc; j += CONSUMERS) {
             const float x = xv[j];
@@ -172,7 +203,9 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
         // cut at the same logit below the vocabulary's maximum, so that their keys together
         // are exactly those above it. Handed over by every block, whether or not it attempts:
         // one that read an older hint (0 before the first draw) may not, and the others wait
-        // for it.
+        // for it. (A cut below a block's own maximum needs no exchange, but on random logits a
+        // block's maximum lies well below the vocabulary's, and the block then holds more keys
+        // within the hint than the draw loads: BENCHMARKS.md, 2026-11-29.)
         if (ct == 0) st_tagged(smp_summary(p, blk) + MK_SMP_S_MAX, mx, tag);
         // The other blocks' maxima asked for first, then the softmax sum while they come; the
         // sum and the maxima's maximum reduced across the warps behind one barrier (the sum
@@ -215,36 +248,45 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             if ((ct & 31) == 0 && n != 0) atomicAdd(&sh.fcount, n);
             consumers_sync();
             count = sh.fcount;
-            u64* out = smp_slots(p, blk);
             if (count <= MK_SMP_CAP) {
-                // Slots past the count keep older keys: the last block reads the count with them.
                 smp_emit_by(for_keys, [&](smp_u64 key) { return key >= tk; },
-                            [&](smp_u32 slot, smp_u64 key) { __stcg(out + slot, (u64)key); }, sh.sel, ct);
+                            [&](smp_u32 slot, smp_u64 key) { __stcg(out + slot, smp_slot_word(key, t14)); }, sh.sel,
+                            ct);
             } else {
                 count = MK_SMP_OVER;
             }
         }
     }
+    {
+        // Every other slot written empty with this step's tag, whatever the rule: the draw
+        // polls each slot it loads, and a slot's tag is never older than the last sampled
+        // launch (the host's condition for the short tags).
+        const smp_u32 filled = count <= MK_SMP_CAP ? count : 0u;
+        for (int j = ct; j < MK_SMP_CAP; j += CONSUMERS)
+            if (j >= (int)filled) __stcg(out + j, smp_slot_word(0, t14));
+    }
     if (ct == 0) {
         u64* o = smp_summary(p, blk);
-        if (draw_all) st_tagged(o + MK_SMP_S_MAX, mx, tag);
-        __stcg(o + MK_SMP_S_Z, (u64)__double_as_longlong(z));
-        __stcg(o + MK_SMP_S_BEST, (u64)__double_as_longlong(best));
-        __stcg(o + MK_SMP_S_BEST_IDX, (u64)best_idx);
-        __stcg(o + MK_SMP_S_COUNT, (u64)count);
-        __stcg(o + MK_SMP_S_HINT, (u64)__float_as_uint(attempt ? h : 0.f));
+        const u64 zb = (u64)__double_as_longlong(z), bb = (u64)__double_as_longlong(best);
+        st_tagged(o + MK_SMP_S_MAX, mx, tag);
+        st_tagged_bits(o + MK_SMP_S_Z_HI, (u32)(zb >> 32), tag);
+        st_tagged_bits(o + MK_SMP_S_Z_LO, (u32)zb, tag);
+        st_tagged_bits(o + MK_SMP_S_COUNT, count, tag);
+        st_tagged(o + MK_SMP_S_HINT, attempt ? h : 0.f, tag);
+        if (draw_all) {
+            st_tagged_bits(o + MK_SMP_S_BEST_HI, (u32)(bb >> 32), tag);
+            st_tagged_bits(o + MK_SMP_S_BEST_LO, (u32)bb, tag);
+            st_tagged_bits(o + MK_SMP_S_BEST_IDX, best_idx, tag);
+        }
     }
-    // Every thread's stores, then the arrival by one thread (as a grid barrier's arrival).
+    // Every thread's stores (the logits, the penalised logits, the slots), then, except on the
+    // drawing SM, the release that the draw acquires before it searches the logits (thread 0
+    // waits for it here, off the token's way: this SM's next instructions wait for the token).
     consumers_sync();
     if (ct == 0) {
-        u64 old;
-        asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;"
-                     : "=l"(old)
-                     : "l"(smp_gate(p) + MK_SMP_GATE_ARRIVALS)
-                     : "memory");
-        *(volatile u32*)&mk_merges = (old + 1) % (u64)nb == 0;
+        *(volatile u32*)&mk_merges = blk == MK_SMP_DRAWER;
+        if (blk != MK_SMP_DRAWER) st_release_tagged(smp_summary(p, blk) + MK_SMP_S_ARRIVED, 1u, tag);
     }
-    consumers_sync();  // the scratch is res again for the next instruction
 }
 
 // MK_SMP_STAMPS=2 (measuring): the draw's phases, stamped by consumer thread 0 into the extra
@@ -259,7 +301,6 @@ struct MkSmpMergeShared {
     SmpShared base;
     SmpSel sel;
     SmpBinned<CONSUMERS> bn;
-    smp_u32 vcount[MK_SMP_MAX_BLOCKS];  // keys a block's slots hold, as the merge counts them
     smp_u32 xbase[MK_SMP_MAX_BLOCKS];   // the second load's first index of each block
     float wmax[CONSUMER_WARPS], whint[CONSUMER_WARPS];
     smp_u32 wused[CONSUMER_WARPS], wkeys[CONSUMER_WARPS], wbad[CONSUMER_WARPS];
@@ -268,7 +309,7 @@ struct MkSmpMergeShared {
 };
 static_assert(sizeof(MkSmpMergeShared) <= 2 * RES_MAX * sizeof(float), "the draw's scratch is res");
 
-// The draw, by every consumer of the SM whose block arrived last (see the top of this file):
+// The draw, by every consumer of the SM of block MK_SMP_DRAWER (see the top of this file):
 // consumer thread 0 hands the token to publish as soon as it has it (SMP_NONE when there is
 // nothing to draw from), then leaves the next hint in the gate; with commit false (measuring)
 // nothing is handed over or left. res is scratch (the block's rows are no longer needed).
@@ -282,46 +323,73 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
     const auto sync = [] { consumers_sync(); };
     MkSmpMergeShared& sh = *(MkSmpMergeShared*)res;
     smp_phase(p, 5);
-    // One round trip: every summary, and the first u slots of every block.
-    u64 sw[6] = {0, 0, 0, 0, 0, 0};
-    if (ct < nb) {
-#pragma unroll
-        for (int k = 0; k < 6; k++) sw[k] = __ldcg(smp_summary(p, ct) + k);
-    }
+    const u32 tag = step_tag();
     if (draw_all) {
+        // Every block's best perturbed score, polled until it carries this step's tag.
+        u64 bw[3] = {0, 0, 0};
+        const auto baddr = [&](int k) { return smp_summary(p, ct) + MK_SMP_S_BEST_HI + k; };
+        if (ct < nb) {
+#pragma unroll
+            for (int k = 0; k < 3; k++) bw[k] = ld_tagged(baddr(k));
+        }
+        settle<3>(p, bw, baddr, ct < nb ? 3 : 0);
         double best = -__longlong_as_double(0x7ff0000000000000ll);
         smp_u32 idx = SMP_NONE;
-        if (ct < nb && (u32)sw[MK_SMP_S_BEST_IDX] != SMP_NONE)
-            smp_best_merge(best, idx, __longlong_as_double((long long)sw[MK_SMP_S_BEST]), (u32)sw[MK_SMP_S_BEST_IDX]);
+        if (ct < nb && (u32)bw[2] != SMP_NONE)
+            smp_best_merge(best, idx, __longlong_as_double((long long)smp_join(bw[0], bw[1])), (u32)bw[2]);
         smp_block_best(best, idx, sh.base, ct, CONSUMERS, sync);
         if (ct == 0 && commit) publish(idx);
         return;
     }
-    // Thread ct loads first slot i = ct + r * CONSUMERS, slot i % u of block i / u, stepped
-    // without dividing: the draw's code runs once a step on one SM, so every instruction on
-    // its way is latency (a step's draw ran at about 3 cycles an instruction).
+    // One round trip once the last block's words are out: every summary's attempt words, and
+    // the first u slots of every block, each polled until it carries this step's tag. Thread ct
+    // loads first slot i = ct + r * CONSUMERS, slot i % u of block i / u, stepped without
+    // dividing: the draw's code runs once a step on one SM, so every instruction on its way is
+    // latency (a step's draw ran at about 3 cycles an instruction).
+    u64 sw[MK_SMP_ATTEMPT_WORDS];
+    const auto saddr = [&](int k) { return smp_summary(p, ct) + k; };
+#pragma unroll
+    for (int k = 0; k < MK_SMP_ATTEMPT_WORDS; k++) sw[k] = ct < nb ? ld_tagged(saddr(k)) : 0ull;
     const int u = smp_first_slots(nb), db = CONSUMERS / u, ds = CONSUMERS % u, b0 = ct / u, s0 = ct % u;
     const auto step_slot = [&](int& b, int& sl) {
         sl += ds;
         b += db;
         if (sl >= u) { sl -= u; b++; }
     };
+    const u32 t14 = smp_slot_tag(tag);
+    u64* const slot0 = smp_slots(p, 0);
     smp_u64 cf[MK_SMP_FIRST_PER];
+    int fo[MK_SMP_FIRST_PER];  // the slot's word after block 0's first slot, or -1
     {
         int b = b0, sl = s0;
 #pragma unroll
         for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
-            cf[r] = b < nb ? __ldcg(smp_slots(p, b) + sl) : 0ull;
+            fo[r] = b < nb ? b * MK_SMP_BLOCK_WORDS + sl : -1;
+            cf[r] = fo[r] >= 0 ? ld_tagged(slot0 + fo[r]) : (u64)t14 << 18;
             step_slot(b, sl);
         }
     }
+    // One poll over both (each retry re-reads every stale word together: one round trip).
+    constexpr int NS = MK_SMP_ATTEMPT_WORDS;
+    const int nsum = ct < nb ? NS : 0;
+    settle_with<NS + MK_SMP_FIRST_PER>(
+        p,
+        [&](int k) {
+            return k < NS ? (k < nsum ? (u32)(sw[k] >> 32) : tag) : (smp_slot_fresh(cf[k - NS], t14) ? tag : ~tag);
+        },
+        [&](int k) {
+            if (k < NS) sw[k] = ld_tagged(saddr(k));
+            else cf[k - NS] = ld_tagged(slot0 + fo[k - NS]);
+        },
+        [&](int k) { return k < NS ? saddr(k) : slot0 + max(fo[k - NS], 0); }, NS + MK_SMP_FIRST_PER);
+#pragma unroll
+    for (int r = 0; r < MK_SMP_FIRST_PER; r++) cf[r] = smp_slot_key(cf[r]);
     for (int i = ct; i < SMP_BINS; i += CONSUMERS) { sh.sel.hist[0][i] = 0; sh.sel.hist[1][i] = 0; }
     if (ct == 0) { sh.bn.nsel = ~0u; sh.sel.fill = 0; }
     // The summaries' maximum, smallest hint and most keys in a block: one barrier.
     const float bmax = ct < nb ? __uint_as_float((u32)sw[MK_SMP_S_MAX]) : ninf;
     const smp_u32 bcount = ct < nb ? (u32)sw[MK_SMP_S_COUNT] : 0u;
     const float bh = ct < nb ? __uint_as_float((u32)sw[MK_SMP_S_HINT]) : __int_as_float(0x7f800000);
-    if (ct < nb) sh.vcount[ct] = bcount == MK_SMP_OVER ? 0u : bcount;
     {
         float wm = bmax, wh = bh;
 #pragma unroll
@@ -351,35 +419,43 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
     for (int r = MK_SMP_FIRST_PER; r < 2 * MK_SMP_FIRST_PER; r++) c[r] = 0;
     smp_u32 extra = 0;
     if (used > (smp_u32)u) {
-        const smp_u32 mine = ct < nb && sh.vcount[ct] > (smp_u32)u ? sh.vcount[ct] - u : 0u;
+        const smp_u32 mine = ct < nb && bcount != MK_SMP_OVER && bcount > (smp_u32)u ? bcount - u : 0u;
         const smp_u32 at = (smp_u32)smp_block_scan(mine, sh.base, ct, CONSUMERS, sync);
         if (ct < nb) sh.xbase[ct] = at;
         if (ct == nb - 1) sh.nextra = at + mine;
         consumers_sync();
         extra = sh.nextra;
+        u64 cx[MK_SMP_FIRST_PER];
+        int xo[MK_SMP_FIRST_PER];
 #pragma unroll
         for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
             const int i = ct + r * CONSUMERS;
+            xo[r] = -1;
+            cx[r] = (u64)t14 << 18;
             if (i < (int)extra) {
                 int b = 0;
                 for (int step = MK_SMP_MAX_BLOCKS / 2; step > 0; step >>= 1)
                     if (b + step < nb && (int)sh.xbase[b + step] <= i) b += step;
-                c[MK_SMP_FIRST_PER + r] = __ldcg(smp_slots(p, b) + u + (i - (int)sh.xbase[b]));
+                xo[r] = b * MK_SMP_BLOCK_WORDS + u + (i - (int)sh.xbase[b]);
+                cx[r] = ld_tagged(slot0 + xo[r]);
             }
         }
+        settle_with<MK_SMP_FIRST_PER>(
+            p, [&](int k) { return smp_slot_fresh(cx[k], t14) ? tag : ~tag; },
+            [&](int k) { cx[k] = ld_tagged(slot0 + xo[k]); }, [&](int k) { return slot0 + max(xo[k], 0); },
+            MK_SMP_FIRST_PER);
+#pragma unroll
+        for (int r = 0; r < MK_SMP_FIRST_PER; r++) c[MK_SMP_FIRST_PER + r] = smp_slot_key(cx[r]);
     }
     smp_phase(p, 1);
     // The union: keys at or above tau (a block that read a larger hint sent more), and whether
     // a block that may hold some sent none (more than its slots).
+    // (Slots past a block's count hold empty keys, 0, below every cut.)
     smp_u32 n = 0;
-    {
-        int b = b0, sl = s0;
 #pragma unroll
-        for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
-            c[r] = b >= nb || sl >= (int)sh.vcount[b] || cf[r] < tk ? 0ull : cf[r];
-            n += c[r] != 0;
-            step_slot(b, sl);
-        }
+    for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
+        c[r] = cf[r] < tk ? 0ull : cf[r];
+        n += c[r] != 0;
     }
 #pragma unroll
     for (int r = MK_SMP_FIRST_PER; r < 2 * MK_SMP_FIRST_PER; r++) {
@@ -417,7 +493,10 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
         else smp_bins_count(c, bins, sh.sel.hist[0]);
     }
     const bool need_z = s.top_p < 1.f && s.top_k == 0;
-    const double zt = ct < nb && bmax != ninf ? __longlong_as_double((long long)sw[MK_SMP_S_Z]) * exp((double)bmax - (double)gmax) : 0.0;
+    const double zt = ct < nb && bmax != ninf
+                          ? __longlong_as_double((long long)smp_join(sw[MK_SMP_S_Z_HI], sw[MK_SMP_S_Z_LO])) *
+                                exp((double)bmax - (double)gmax)
+                          : 0.0;
     {
         double zw = zt;
         if (need_z) {
@@ -466,7 +545,15 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
     }
     // The search: the whole vocabulary's keys, read from L2 (the penalised logits where a
     // penalty changed some), first down to at most CONSUMERS keys that hold the top k, then,
-    // among those in shared memory, exactly the top k.
+    // among those in shared memory, exactly the top k. First every other block's release
+    // (its summary's last word), acquired: their logits are visible after it.
+    {
+        const int mine = ct < nb && ct != MK_SMP_DRAWER ? 1 : 0;
+        const auto aaddr = [&](int) { return smp_summary(p, ct) + MK_SMP_S_ARRIVED; };
+        u64 raw = mine ? ld_tagged(aaddr(0)) : 0ull;
+        settle<1>(p, &raw, aaddr, mine);
+        __threadfence();
+    }
     consumers_sync();
     const float* vals = smp_penalises(s) ? smp_penalised(p) : p.logits;
     const int vocab = p.vocab;

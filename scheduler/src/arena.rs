@@ -28,11 +28,12 @@ use std::ops::Range;
 use crate::{Buffer, ModelShape, Span};
 
 /// In a sampled megakernel step the LM-head blocks draw together (megakernel/ops/sample.cuh):
-/// `lm_sample` starts with `SAMPLE_GATE_WORDS` words (their arrivals, the hint, statistics),
-/// then each block's summary of `SAMPLE_SUMMARY_WORDS` words and `SAMPLE_KEY_SLOTS` keys (a
-/// word each), then the vocabulary's penalised logits (two f32 a word).
+/// `lm_sample` starts with `SAMPLE_GATE_WORDS` words (the hint, statistics), then each block's
+/// summary of `SAMPLE_SUMMARY_WORDS` words (nine used; ten keep a block's words even) and
+/// `SAMPLE_KEY_SLOTS` keys (a word each), then the vocabulary's penalised logits (two f32 a
+/// word).
 pub const SAMPLE_GATE_WORDS: usize = 8;
-pub const SAMPLE_SUMMARY_WORDS: usize = 8;
+pub const SAMPLE_SUMMARY_WORDS: usize = 10;
 pub const SAMPLE_KEY_SLOTS: usize = 160;
 /// Words per LM-head block in `lm_sample`.
 pub const SAMPLE_BLOCK_WORDS: usize = SAMPLE_SUMMARY_WORDS + SAMPLE_KEY_SLOTS;

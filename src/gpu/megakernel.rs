@@ -110,6 +110,10 @@ pub struct MegakernelPath<'g> {
     /// after each launch today (docs/sampling.md).
     draws_in_launch: bool,
     can_draw_in_launch: bool,
+    /// The first step tag of the last launch that drew inside the launch (0: none since the
+    /// arena was cleared): the in-launch draw's key slots carry short tags that repeat every
+    /// `abi::SMP_SLOT_PERIOD` steps, so a launch that far from it clears them first.
+    slots_first: u32,
     /// `MEGAINFER_MK_GREEDY_ON_SAMPLED=1` (for measuring): greedy steps run the sampled
     /// variant too, to tell its draw's cost from its code's.
     greedy_on_sampled: bool,
@@ -378,7 +382,7 @@ impl<'g> MegakernelPath<'g> {
         let layers = gpu.upload(&layer_ptrs, "layer pointer table")?;
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
-        let mut can_draw_in_launch = true;
+        let mut can_draw_in_launch = c.vocab_size <= abi::SAMPLE_MAX_VOCAB;
         for ((upto, schedule, enc, descs, kinds), kernel) in
             encoded.into_iter().zip(plan.bucket_kernel)
         {
@@ -480,6 +484,7 @@ impl<'g> MegakernelPath<'g> {
             seq: Sequence::new(max_seq),
             draws_in_launch: draw_in_launch_requested()? && can_draw_in_launch,
             can_draw_in_launch,
+            slots_first: 0,
             greedy_on_sampled: super::switches::switch("MEGAINFER_MK_GREEDY_ON_SAMPLED", false)?,
             sampler: None,
             gen,
@@ -600,9 +605,10 @@ impl<'g> MegakernelPath<'g> {
     pub fn set_draw_in_launch(&mut self, on: bool) -> Result<()> {
         if on && !self.can_draw_in_launch {
             bail!(
-                "this model's LM head has too many blocks (more than {}, or two on one SM) for the \
-                 draw inside the launch",
-                abi::SAMPLE_MAX_BLOCKS
+                "this model's LM head has too many blocks (more than {}, or two on one SM), or its \
+                 vocabulary too many tokens (more than {}), for the draw inside the launch",
+                abi::SAMPLE_MAX_BLOCKS,
+                abi::SAMPLE_MAX_VOCAB
             );
         }
         if on {

@@ -24,16 +24,15 @@ pub const PAGE_BYTES: usize = 16384;
 /// Staged K/V positions per attention round (scores scratch is sized for it).
 pub const ATT_ROUND: usize = 256;
 /// The in-launch draw's gate words at the start of `lm_sample` (megakernel/ops/sample.cuh):
-/// the blocks' arrival counter, the hint, then statistics (draws that searched, draws, and
-/// the searches for want of a hint, for keys past the slots, for keys short of the cuts).
-pub const SMP_GATE: [(&str, usize); 7] = [
-    ("ARRIVALS", 0),
-    ("HINT", 1),
-    ("SEARCHES", 2),
-    ("DRAWS", 3),
-    ("NO_HINT", 4),
-    ("SLOTS", 5),
-    ("SHORT", 6),
+/// the hint, then statistics (draws that searched, draws, and the searches for want of a hint,
+/// for keys past the slots, for keys short of the cuts).
+pub const SMP_GATE: [(&str, usize); 6] = [
+    ("HINT", 0),
+    ("SEARCHES", 1),
+    ("DRAWS", 2),
+    ("NO_HINT", 3),
+    ("SLOTS", 4),
+    ("SHORT", 5),
 ];
 
 const _: () = assert!(SMP_GATE.len() <= scheduler::arena::SAMPLE_GATE_WORDS);
@@ -46,6 +45,13 @@ pub fn smp_gate(name: &str) -> usize {
         .map(|&(_, i)| i)
         .expect("a gate word of SMP_GATE")
 }
+
+/// The period of the in-launch draw's short slot tags (`MK_SMP_SLOT_PERIOD`,
+/// megakernel/ops/sample.cuh).
+pub const SMP_SLOT_PERIOD: u32 = 16383;
+
+/// The largest vocabulary the in-launch draw takes: its key slots keep a token's 18 bits.
+pub const SAMPLE_MAX_VOCAB: usize = 1 << 18;
 
 /// LM-head blocks the in-launch draw merges at most (one summary per consumer thread); a
 /// schedule with more draws after the launch instead.
@@ -238,6 +244,7 @@ pub fn prelude() -> String {
         ("PROF_WORDS", PROF_WORDS),
         ("MK_ATT_ROUND", ATT_ROUND),
         ("MK_SMP_MAX_BLOCKS", SAMPLE_MAX_BLOCKS),
+        ("MK_SMP_SLOT_PERIOD", SMP_SLOT_PERIOD as usize),
         ("MK_SMP_BLK_WORDS", scheduler::arena::SAMPLE_SUMMARY_WORDS),
         ("MK_SMP_GATE_WORDS", scheduler::arena::SAMPLE_GATE_WORDS),
         ("MK_SMP_CAP", scheduler::arena::SAMPLE_KEY_SLOTS),

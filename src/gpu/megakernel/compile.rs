@@ -50,6 +50,14 @@ pub struct KernelSpec {
 const L2_PF_NEXT_HIDDEN: std::ops::RangeInclusive<usize> = 1024..=2048;
 const L2_PF_NEXT_TILES: usize = 8;
 
+/// The bf16 models' widths whose whole-ring kernel holds a generation's next step to
+/// `HOLD_NEXT_TILES` of its tiles in flight until the token it feeds is out (`MK_HOLD_NEXT`,
+/// see [`defines`]).
+fn holds_next_step(hidden: usize) -> bool {
+    !(1024..4096).contains(&hidden)
+}
+const HOLD_NEXT_TILES: usize = 2;
+
 /// Bytes of the kernel's static shared memory besides the frequency table (its flags and
 /// words, about 20 bytes), with room to spare.
 const STATIC_SMEM_BOUND: usize = 64;
@@ -174,6 +182,24 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
             && !extra.contains("MK_L2_PF_NEXT")
         {
             defines.push(format!("-DMK_L2_PF_NEXT={L2_PF_NEXT_TILES}"));
+        }
+        // In a generation, the next step's tiles held to 2 in flight until the token it feeds
+        // is out (megakernel/loader.cuh), so that the round trips that hand the token over (and
+        // a draw's inside the launch) do not queue behind a whole ring of the next step's
+        // weights on every SM, and the SMs that finished the LM head first leave the bandwidth
+        // to those still streaming it. Measured on the H200 (BENCHMARKS.md, 2026-11-29), greedy
+        // generations: SmolLM2 0.1-0.5% faster (top-p drawn inside the launch 0.9-1.1%),
+        // Qwen2.5-0.5B level, Llama-3.1-8B 0.8-1.3% and Qwen3-8B 0.3% faster; between them the
+        // next step's first instruction needs more of its tiles at hand: Qwen3-0.6B 0.5%
+        // slower, Llama-3.2-1B level, Qwen3-4B 0.9% and Llama-3.2-3B 2.0% slower. Quantised
+        // weights keep the whole ring: the default model (SmolLM2 Q4_1 from its GGUF) was 1.3%
+        // slower with it, though SmolLM2's shape quantised to Q4_1 by `bench` was 1.0% faster
+        // (not profiled), and Llama-1B Q4_0 0.9% slower.
+        if holds_next_step(config.hidden_size)
+            && spec.formats == sources::MatrixFormats::default()
+            && !extra.contains("MK_HOLD_NEXT")
+        {
+            defines.push(format!("-DMK_HOLD_NEXT={HOLD_NEXT_TILES}"));
         }
     }
     // Split-KV parts from 4K to 64K positions stream their K/V tiles with 2 in flight instead of
@@ -347,6 +373,52 @@ mod tests {
         assert!(!ring(&defines(&cfg, &fast, "-DMK_INFLIGHT_STREAM=4")));
         // Attention's own limits leave the weights' choice alone.
         assert!(ring(&defines(&cfg, &fast, "-DMK_INFLIGHT_ATT_STREAM=3")));
+    }
+
+    /// The next step held until its token (`MK_HOLD_NEXT`): with the whole ring, bf16 models
+    /// below 1024 and from 4096 wide, not quantised ones; an extra replaces it.
+    #[test]
+    fn the_next_step_held_on_the_narrowest_and_widest_models_with_the_whole_ring() {
+        let hold = |d: &[String]| options_named(d, "-DMK_HOLD_NEXT");
+        let fast = KernelSpec {
+            whole_ring: true,
+            ..spec(false)
+        };
+        for (name, held) in [
+            ("smollm2-135m", true),
+            ("qwen2.5-0.5b", true),
+            ("qwen3-0.6b", false),
+            ("llama-3.2-1b", false),
+            ("llama-3.2-3b", false),
+            ("qwen3-4b", false),
+            ("qwen2.5-7b", false),
+            ("llama-3.1-8b", true),
+            ("qwen3-8b", true),
+        ] {
+            let cfg = crate::model::presets::by_name(name).unwrap();
+            let want: &[&str] = if held { &["-DMK_HOLD_NEXT=2"] } else { &[] };
+            assert_eq!(hold(&defines(&cfg, &fast, "")), want, "{name}");
+            assert!(hold(&defines(&cfg, &spec(false), "")).is_empty(), "{name}");
+        }
+        let cfg = crate::model::presets::by_name("smollm2-135m").unwrap();
+        assert_eq!(
+            hold(&defines(&cfg, &fast, "-DMK_HOLD_NEXT=0")),
+            ["-DMK_HOLD_NEXT=0"]
+        );
+        assert!(hold(&defines(&cfg, &fast, "-DMK_INFLIGHT=2")).is_empty());
+        let q4 = KernelSpec {
+            formats: crate::gpu::sources::MatrixFormats {
+                qkv: 3,
+                o: 3,
+                gate_up: 3,
+                down: 3,
+                lm_head: 3,
+                embed: 3,
+                mixed: 0,
+            },
+            ..fast
+        };
+        assert!(hold(&defines(&cfg, &q4, "")).is_empty());
     }
 
     /// The whole ring's L2 prefetch of an instruction's first tiles: bf16 models 1024 to 2048

@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{self, CUlaunchAttributeID};
 
-use super::abi::{MkParams, THREADS};
+use super::abi::{self, MkParams, THREADS};
 use super::MegakernelPath;
 use crate::gpu::stepping::GenerationRun;
 
@@ -70,6 +70,10 @@ impl MegakernelPath<'_> {
             self.gpu.stream.memset_zeros(&mut self.arena)?;
             self.gpu.stream.memset_zeros(&mut self.gen)?;
             self.params.epoch &= 1;
+            self.slots_first = 0;
+        }
+        if self.params.sampling != 0 {
+            self.fresh_draw_slots()?;
         }
         self.params.steps = steps;
         // SAFETY: CUlaunchAttribute is a plain C struct (an id and a union of integers and
@@ -240,6 +244,25 @@ impl MegakernelPath<'_> {
         }
     }
 
+    /// Before a launch that draws inside it: the draw polls each key slot for its step's short
+    /// tag (megakernel/ops/sample.cuh, `smp_slot_word`), which repeats every
+    /// `abi::SMP_SLOT_PERIOD` steps. Every such launch's steps rewrite every slot, so a slot
+    /// holds a tag no older than the last such launch's first step; where that is a period or
+    /// more before this launch's first step, the slots are cleared (a cleared slot never
+    /// passes).
+    fn fresh_draw_slots(&mut self) -> Result<()> {
+        let first = self.params.epoch + 1;
+        if self.slots_first != 0 && first.wrapping_sub(self.slots_first) >= abi::SMP_SLOT_PERIOD - 1
+        {
+            let at = self.streams().arena.offset("lm_sample") + scheduler::arena::SAMPLE_GATE_WORDS;
+            let n = self.params.n_lm as usize * scheduler::arena::SAMPLE_BLOCK_WORDS;
+            let mut slots = self.arena.slice_mut(at..at + n);
+            self.gpu.stream.memset_zeros(&mut slots)?;
+        }
+        self.slots_first = first;
+        Ok(())
+    }
+
     /// Makes the next step run at `epoch` (tag `epoch + 1`), as if that many steps had run
     /// before: tests use it to cross the tag's wrap-around in a few steps. Clears the tags and
     /// keeps the token meta the next step reads.
@@ -247,6 +270,7 @@ impl MegakernelPath<'_> {
     pub fn set_epoch_for_test(&mut self, epoch: u32) -> Result<()> {
         self.gpu.stream.memset_zeros(&mut self.arena)?;
         self.gpu.stream.memset_zeros(&mut self.gen)?;
+        self.slots_first = 0;
         if (epoch ^ self.params.epoch) & 1 == 1 {
             // Step e reads meta slot e % 2: the slots trade places with the parity.
             let m = self.gpu.stream.clone_dtoh(&self.meta)?;
