@@ -25,11 +25,8 @@ for rule in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05" "-
     $O run -m $M --chat --json -n 128 -p "$P" $rule --seed $seed > $OUT/x.json 2>/dev/null
     $N run -m $M --chat --json -n 128 -p "$P" $rule --seed $seed > $OUT/o.json 2>/dev/null
     env $IL $N run -m $M --chat --json -n 128 -p "$P" $rule --seed $seed > $OUT/n.json 2>$OUT/n.err
-    python3 -c "
-import json,sys
-x=json.load(open('$OUT/x.json'))['generated_ids']; a=json.load(open('$OUT/o.json'))['generated_ids']; b=json.load(open('$OUT/n.json'))['generated_ids']
-d=lambda a,b: 'identical' if a==b else 'DIFFER at %d' % next((i for i,(p,q) in enumerate(zip(a,b)) if p!=q), min(len(a),len(b)))
-print('run [$rule] seed $seed: old vs new after-launch', d(x,a), '; after vs in-launch', len(a), len(b), d(a,b))" || tail -3 $OUT/n.err
+    python3 scripts/same-tokens.py "run [$rule] seed $seed" old-after=$OUT/x.json new-after=$OUT/o.json \
+      new-in-launch=$OUT/n.json || tail -3 $OUT/n.err
   done
 done
 rm -f $OUT/b.log $OUT/o.json $OUT/n.json $OUT/x.json

@@ -23,9 +23,6 @@ P="Write a short story about a lighthouse keeper who finds a message in a bottle
 for rule in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --min-p 0.05" "--temperature 1.0 --top-p 0.9 --repeat-penalty 1.1" "--temperature 0.7 --top-k 40"; do
   $N run -m $M --chat --json -n 128 -p "$P" $rule --seed 1 > $OUT/a.json 2>/dev/null
   env $IL $N run -m $M --chat --json -n 128 -p "$P" $rule --seed 1 > $OUT/b.json 2>$OUT/b.err
-  python3 -c "
-import json
-a=json.load(open('$OUT/a.json'))['generated_ids']; b=json.load(open('$OUT/b.json'))['generated_ids']
-print('run [$rule] seed 1: after vs in-launch', len(a), len(b), 'identical' if a==b else 'DIFFER')" || tail -3 $OUT/b.err
+  python3 scripts/same-tokens.py "run [$rule] seed 1" after=$OUT/a.json in-launch=$OUT/b.json || tail -3 $OUT/b.err
 done
 rm -f $OUT/b.log $OUT/a.json $OUT/b.json

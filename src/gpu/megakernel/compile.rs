@@ -285,6 +285,19 @@ mod tests {
     }
 
     /// The options of `d` that start with `name`.
+    /// Every matrix kind in the format of `code` (1 Q8_0, 3 Q4_1, …).
+    fn uniform_formats(code: i32) -> crate::gpu::sources::MatrixFormats {
+        crate::gpu::sources::MatrixFormats {
+            qkv: code,
+            o: code,
+            gate_up: code,
+            down: code,
+            lm_head: code,
+            embed: code,
+            mixed: 0,
+        }
+    }
+
     fn options_named(d: &[String], name: &str) -> Vec<String> {
         d.iter().filter(|x| x.starts_with(name)).cloned().collect()
     }
@@ -407,15 +420,7 @@ mod tests {
         );
         assert!(hold(&defines(&cfg, &fast, "-DMK_INFLIGHT=2")).is_empty());
         let q4 = KernelSpec {
-            formats: crate::gpu::sources::MatrixFormats {
-                qkv: 3,
-                o: 3,
-                gate_up: 3,
-                down: 3,
-                lm_head: 3,
-                embed: 3,
-                mixed: 0,
-            },
+            formats: uniform_formats(3),
             ..fast
         };
         assert!(hold(&defines(&cfg, &q4, "")).is_empty());
@@ -447,15 +452,7 @@ mod tests {
             ["-DMK_L2_PF_NEXT=4"]
         );
         let q8 = KernelSpec {
-            formats: crate::gpu::sources::MatrixFormats {
-                qkv: 1,
-                o: 1,
-                gate_up: 1,
-                down: 1,
-                lm_head: 1,
-                embed: 1,
-                mixed: 0,
-            },
+            formats: uniform_formats(1),
             ..fast
         };
         assert!(pf(&defines(&cfg, &q8, "")).is_empty());

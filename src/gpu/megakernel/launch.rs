@@ -50,6 +50,18 @@ pub(super) fn launch_size(
     steps.max(1)
 }
 
+/// Whether a launch whose first step has tag `first` must clear the in-launch draw's key
+/// slots, the last such launch's first step having had tag `last_first` (0: none since the
+/// slots were cleared): a slot's short tag repeats every `abi::SMP_SLOT_PERIOD` steps, and a
+/// slot holds a tag no older than `last_first`. Tags are compared by distance (the epoch may
+/// restart, clearing the slots with the arena).
+fn draw_slots_stale(first: u32, last_first: u32) -> bool {
+    last_first != 0 && first.wrapping_sub(last_first) >= abi::SMP_SLOT_PERIOD - 1
+}
+
+// The short tag (tag % period + 1, never 0) fits the 14 bits the slots keep for it.
+const _: () = assert!(abi::SMP_SLOT_PERIOD < 1 << 14);
+
 impl MegakernelPath<'_> {
     pub(super) fn launch(&mut self) -> Result<()> {
         self.launch_steps(1)?;
@@ -252,8 +264,7 @@ impl MegakernelPath<'_> {
     /// passes).
     fn fresh_draw_slots(&mut self) -> Result<()> {
         let first = self.params.epoch + 1;
-        if self.slots_first != 0 && first.wrapping_sub(self.slots_first) >= abi::SMP_SLOT_PERIOD - 1
-        {
+        if draw_slots_stale(first, self.slots_first) {
             let at = self.streams().arena.offset("lm_sample") + scheduler::arena::SAMPLE_GATE_WORDS;
             let n = self.params.n_lm as usize * scheduler::arena::SAMPLE_BLOCK_WORDS;
             let mut slots = self.arena.slice_mut(at..at + n);
@@ -289,7 +300,23 @@ impl MegakernelPath<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{launch_size, MAX_EPOCH};
+    use super::{draw_slots_stale, launch_size, MAX_EPOCH};
+    use crate::gpu::megakernel::abi::SMP_SLOT_PERIOD;
+
+    #[test]
+    fn the_draw_slots_are_cleared_a_tag_period_after_the_last_sampled_launch() {
+        // None since the slots were cleared: nothing old to mistake.
+        assert!(!draw_slots_stale(1, 0));
+        assert!(!draw_slots_stale(5_000_000, 0));
+        // One launch a token, or a generation shorter than the period.
+        assert!(!draw_slots_stale(101, 100));
+        assert!(!draw_slots_stale(100 + SMP_SLOT_PERIOD - 2, 100));
+        // A period (less the margin of one) or more since: cleared.
+        assert!(draw_slots_stale(100 + SMP_SLOT_PERIOD - 1, 100));
+        assert!(draw_slots_stale(100 + 3 * SMP_SLOT_PERIOD, 100));
+        // By distance across the u32 wrap of the tags.
+        assert!(!draw_slots_stale(10, u32::MAX - 5));
+    }
 
     #[test]
     fn a_generation_launch_stops_at_its_budget_the_bucket_end_and_the_wrap() {
