@@ -253,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     if (tid == 0) { sm1.sel.fill = 0; sm1.fcount = 0; }
     // The next draw's hint (every draw leaves one, held attempt or search alike).
     const auto leave_hint = [&](float gmax) {
-        const float v = smp_next_hint(s, sm, gmax);
+        const float v = smp_next_hint(s, sm, gmax, h);
         if (v >= 0.f) *hint = v;
     };
 

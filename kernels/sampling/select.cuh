@@ -770,6 +770,9 @@ __device__ bool smp_attempt_complete(const SmpParams& s, const SmpShared& sm, fl
     }
     if (kk == k && lo == k) return true;
     if (s.top_k > 0 && s.top_p < 1.f) return false;
+    // Every key at or above min-p's floor is among them (tau below it): whatever cut the
+    // list, min-p's or top-p's inside it, is the whole vocabulary's.
+    if (s.min_p > 0.f && kk > 0 && (double)tau < (double)sm.sv[0] + log((double)s.min_p)) return true;
     const int keep_p = sm.sh[1], keep = sm.sh[3];
     if (keep < keep_p) return keep < lo;  // min-p cut: the first excluded candidate decided it
     return sm.sh[2] != 0 && keep <= lo;     // top-p cut at keep - 1
@@ -777,12 +780,29 @@ __device__ bool smp_attempt_complete(const SmpParams& s, const SmpShared& sm, fl
 
 // The hint for the next draw, by thread 0 of the CTA that drew: 1.25 times the distance below
 // the maximum of the candidate that decided the cuts (the first one excluded, or the last
-// kept; with top-k and top-p both, the k-th, since top-p's sum is over the top k), plus 1/16:
-// what this draw needed, with room. Every draw leaves one, so the next attempts follow the
-// logits. Negative where the draw gives none (no candidate, or no finite distance).
-__device__ float smp_next_hint(const SmpParams& s, const SmpShared& sm, float gmax) {
-    const int kk = sm.count, j = s.top_k > 0 && s.top_p < 1.f ? kk - 1 : min((int)sm.sh[3], kk - 1);
+// kept; with top-k and top-p both, the k-th, since top-p's sum is over the top k), plus 1/16,
+// and with top-p no less than 0.95 times the hint this draw was given (`prev`, where it had
+// one): what this draw needed, with room, and for top-p a memory of the wider draws before
+// it. On a trained model's logits the depth a top-p cut needs jumps from step to step;
+// replayed on the default model's chats, forgetting a wide draw at once sent 117 of 640
+// top-p draws to the search for want of keys, the decay 13 (examples/draw_hints.rs;
+// BENCHMARKS.md, 2026-11-29). With min-p, an attempt that reaches below its floor decides the
+// cuts (smp_attempt_complete), so the floor's depth plus 1/16 is as much as a hint needs, and
+// it is the hint where the draw's list ended above the floor (its last candidate says nothing
+// of the next cut: after a peaked draw the hint would shrink to 1/16, short of the floor).
+// Every draw leaves one, so the next attempts follow the logits. Negative where the draw
+// gives none (no candidate, or no finite distance).
+__device__ float smp_next_hint(const SmpParams& s, const SmpShared& sm, float gmax, float prev) {
+    const int kk = sm.count, keep = sm.sh[3], j = s.top_k > 0 && s.top_p < 1.f ? kk - 1 : min(keep, kk - 1);
     if (j < 0) return -1.f;
     const float depth = gmax - sm.sv[j];
-    return depth >= 0.f && depth < 1e30f ? 1.25f * depth + 0.0625f : -1.f;
+    if (!(depth >= 0.f && depth < 1e30f)) return -1.f;
+    float h = 1.25f * depth + 0.0625f;
+    if (s.top_p < 1.f && prev > 0.f && prev < 1e30f) h = fmaxf(h, 0.95f * prev);
+    if (s.min_p > 0.f) {
+        const int k = s.top_k > 0 ? (int)s.top_k : SMP_KMAX;
+        const float hf = -logf(s.min_p) + 0.0625f;
+        h = keep >= kk && kk < k ? hf : fminf(h, hf);
+    }
+    return h;
 }

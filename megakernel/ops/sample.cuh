@@ -535,7 +535,7 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
             sh.drawn = drawn;
             if (drawn && commit) {
                 publish(token);
-                const float hint = smp_next_hint(s, sh.base, gmax);
+                const float hint = smp_next_hint(s, sh.base, gmax, hmin);
                 if (hint >= 0.f) st_tagged(smp_gate(p) + MK_SMP_GATE_HINT, hint, step_tag());
             }
         }
@@ -598,7 +598,7 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
     token = smp_cut_and_draw(s, m.pos, z_all, sh.base, ct, CONSUMERS, sync);
     if (ct == 0 && commit) {
         publish(token);
-        const float hint = smp_next_hint(s, sh.base, gmax);
+        const float hint = smp_next_hint(s, sh.base, gmax, hmin);
         if (hint >= 0.f) st_tagged(smp_gate(p) + MK_SMP_GATE_HINT, hint, step_tag());
         atomicAdd(smp_gate(p) + MK_SMP_GATE_SEARCHES, 1ull);
         atomicAdd(smp_gate(p) + why, 1ull);

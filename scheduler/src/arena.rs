@@ -31,10 +31,12 @@ use crate::{Buffer, ModelShape, Span};
 /// `lm_sample` starts with `SAMPLE_GATE_WORDS` words (the hint, statistics), then each block's
 /// summary of `SAMPLE_SUMMARY_WORDS` words (nine used; ten keep a block's words even) and
 /// `SAMPLE_KEY_SLOTS` keys (a word each), then the vocabulary's penalised logits (two f32 a
-/// word).
+/// word). A block with more keys within the hint than its slots sends the draw to its
+/// search: replayed on the default model's top-p draws (examples/draw_hints.rs), 256 slots
+/// (one store a consumer thread) sent 5 of 640 there, 160 slots 14.
 pub const SAMPLE_GATE_WORDS: usize = 8;
 pub const SAMPLE_SUMMARY_WORDS: usize = 10;
-pub const SAMPLE_KEY_SLOTS: usize = 160;
+pub const SAMPLE_KEY_SLOTS: usize = 256;
 /// Words per LM-head block in `lm_sample`.
 pub const SAMPLE_BLOCK_WORDS: usize = SAMPLE_SUMMARY_WORDS + SAMPLE_KEY_SLOTS;
 
