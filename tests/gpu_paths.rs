@@ -427,9 +427,10 @@ fn fused_mlp_and_attention_match_reference_on_every_split() {
 }
 
 /// A streamed generation (steps queued ahead of the host's work per token) gives the tokens
-/// that one step at a time gives, on every path, greedy and sampled on the device; stopped
-/// mid-way (with steps already queued past the stop), the sequence continues from the token
-/// where it stopped exactly as an uninterrupted run does.
+/// that one step at a time gives, on every path, greedy and sampled on the device (the
+/// megakernel drawing inside the launch, its default for this vocabulary, and after it);
+/// stopped mid-way (with steps already queued past the stop), the sequence continues from the
+/// token where it stopped exactly as an uninterrupted run does.
 #[test]
 #[ignore = "needs a GPU"]
 fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
@@ -450,10 +451,30 @@ fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
     const N: usize = 24;
     const STOP: usize = 7;
     for params in [SamplingParams::greedy(), sampled] {
-        for kind in PathKind::ALL {
-            let label = format!("{} T={}", kind.name(), params.temperature);
+        let draws = PathKind::ALL
+            .into_iter()
+            .map(|k| (k, None))
+            .chain([(PathKind::Megakernel, Some(false))]);
+        for (kind, in_launch) in draws {
+            let label = format!(
+                "{}{} T={}",
+                kind.name(),
+                if in_launch == Some(false) {
+                    " (draw after the launch)"
+                } else {
+                    ""
+                },
+                params.temperature
+            );
+            let new_path = || {
+                let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+                if let Some(on) = in_launch {
+                    path.set_draw_in_launch(on).unwrap();
+                }
+                path
+            };
             // One step at a time: the reference sequence of N tokens after the prompt.
-            let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+            let mut path = new_path();
             let mut sampler = Sampler::new(params);
             sampler.accept(&prompt);
             let first = sampler.sample(&path.feed(&prompt).unwrap());
@@ -470,7 +491,7 @@ fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
                 want.push(t);
             }
             // Streamed, stopped after STOP tokens, then streamed again from where it stopped.
-            let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+            let mut path = new_path();
             let mut sampler = Sampler::new(params);
             sampler.accept(&prompt);
             let first2 = sampler.sample(&path.feed(&prompt).unwrap());

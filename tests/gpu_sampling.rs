@@ -104,9 +104,10 @@ fn device_draws_match_the_host_and_the_distribution() {
     }
 }
 
-/// Sampled decoding on the megakernel, eager, graph and graph + PDL: tokens chained on the
-/// device reproduce themselves with the same seed, and each is the token the host draws from
-/// the same path's logits (teacher-forced), the repetition penalty's window kept on the device
+/// Sampled decoding on the megakernel (drawing inside the launch, its default for this
+/// vocabulary, and after it), eager, graph and graph + PDL: tokens chained on the device
+/// reproduce themselves with the same seed, and each is the token the host draws from the same
+/// path's logits (teacher-forced), the repetition penalty's window kept on the device
 /// included, and the fused sampler's first attempt with and without the LM head's maxima.
 #[test]
 #[ignore = "needs a GPU"]
@@ -155,13 +156,26 @@ fn sampled_decoding_on_every_path_matches_host_draws() {
             ..SamplingParams::greedy()
         },
     ];
-    for kind in [
-        PathKind::Megakernel,
-        PathKind::Eager,
-        PathKind::Graph,
-        PathKind::GraphPdl,
+    for (kind, in_launch) in [
+        (PathKind::Megakernel, None),
+        (PathKind::Megakernel, Some(false)),
+        (PathKind::Eager, None),
+        (PathKind::Graph, None),
+        (PathKind::GraphPdl, None),
     ] {
         let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
+        if let Some(on) = in_launch {
+            path.set_draw_in_launch(on).unwrap();
+        }
+        let name = format!(
+            "{}{}",
+            kind.name(),
+            if in_launch == Some(false) {
+                " (draw after the launch)"
+            } else {
+                ""
+            }
+        );
         for p in variants {
             let run = |path: &mut GpuPath| {
                 path.reset();
@@ -174,7 +188,7 @@ fn sampled_decoding_on_every_path_matches_host_draws() {
             };
             let a = run(&mut path);
             let b = run(&mut path);
-            assert_eq!(a, b, "{}: the same seed drew different tokens", kind.name());
+            assert_eq!(a, b, "{name}: the same seed drew different tokens");
             path.reset();
             let mut host = Sampler::new(p);
             host.accept(&prompt);
@@ -189,12 +203,11 @@ fn sampled_decoding_on_every_path_matches_host_draws() {
             }
             let distinct: std::collections::HashSet<_> = a.iter().collect();
             println!(
-                "{} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws",
-                kind.name(),
+                "{name} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws",
                 a.len(),
                 distinct.len()
             );
-            assert!(differ <= 1, "{}: {differ} tokens differ", kind.name());
+            assert!(differ <= 1, "{name}: {differ} tokens differ");
         }
     }
 }

@@ -477,7 +477,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     println!("TPOT: wall time of {} back-to-back {} steps / {} (the megakernel's steps: one launch for the whole generation unless a row says otherwise), host launch overhead included; TTFT: wall time of the batched prefill of the {}-token prompt (chunks of {} tokens), the LM head and the logits' copy to the host; prefill tok/s = prompt tokens / median TTFT.", args.gen - 1, if params.is_greedy() { "greedy" } else { "sampled" }, args.gen - 1, args.prompt_len, args.prefill_chunk);
     if !params.is_greedy() && results.iter().any(|r| r.path == "megakernel") {
-        println!("Sampled steps draw on the device on every path: the graph paths with one kernel after each step, the megakernel with one kernel after each launch, or inside the launch (as generations) with MEGAINFER_MK_DRAW_IN_LAUNCH=1.");
+        println!("Sampled steps draw on the device on every path: the graph paths with one kernel after each step, the megakernel inside the launch (as generations) for vocabularies up to {} tokens, else with one kernel after each launch (MEGAINFER_MK_DRAW_IN_LAUNCH=1 or 0 chooses).", crate::gpu::megakernel::DRAW_IN_LAUNCH_MAX_VOCAB);
     }
     if let Some(path) = &args.json {
         let report = Report {

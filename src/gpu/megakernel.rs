@@ -105,9 +105,9 @@ pub struct MegakernelPath<'g> {
     gen_io: super::device::MappedWords,
     /// Whether sampled steps draw inside the launch (`MkParams::sampling`, megakernel/ops/
     /// sample.cuh), which lets them run as generations: where the schedule allows it
-    /// ([`draws_in_launch`]) and it was asked for (`MEGAINFER_MK_DRAW_IN_LAUNCH=1` or
-    /// [`MegakernelPath::set_draw_in_launch`]). Off by default: it is slower than the draw
-    /// after each launch today (docs/sampling.md).
+    /// ([`draws_in_launch`]), by default for vocabularies up to [`DRAW_IN_LAUNCH_MAX_VOCAB`]
+    /// tokens ([`draw_in_launch_by_default`]), or as asked (`MEGAINFER_MK_DRAW_IN_LAUNCH`,
+    /// [`MegakernelPath::set_draw_in_launch`]).
     draws_in_launch: bool,
     can_draw_in_launch: bool,
     /// The first step tag of the last launch that drew inside the launch (0: none since the
@@ -482,7 +482,11 @@ impl<'g> MegakernelPath<'g> {
             _layers: layers,
             _kv: kv,
             seq: Sequence::new(max_seq),
-            draws_in_launch: draw_in_launch_requested()? && can_draw_in_launch,
+            draws_in_launch: draw_in_launch_by_default(
+                draw_in_launch_requested()?,
+                can_draw_in_launch,
+                c.vocab_size,
+            ),
             can_draw_in_launch,
             slots_first: 0,
             greedy_on_sampled: super::switches::switch("MEGAINFER_MK_GREEDY_ON_SAMPLED", false)?,
@@ -491,9 +495,13 @@ impl<'g> MegakernelPath<'g> {
             stop_ids,
             gen_io: super::device::MappedWords::new(gpu, 1 + max_seq.max(1), "generated tokens")?,
         };
-        // The sampled variant is compiled now, with the model's load, rather than by the first
-        // sampled step (where its seconds would count as decoding time).
-        if path.draws_in_launch || path.greedy_on_sampled {
+        // The sampled variant is compiled now, with the model's load, where it was asked for,
+        // rather than by the first sampled step (where its seconds would count as decoding
+        // time); by default the first sampled step compiles it, as the draw after the launch
+        // makes its sampler, so that greedy runs never wait for it.
+        if (path.draws_in_launch && draw_in_launch_requested()? == Some(true))
+            || path.greedy_on_sampled
+        {
             path.compile_sampled()?;
         }
         Ok(path)
@@ -773,9 +781,30 @@ pub struct InLaunchDraws {
     pub short: u64,
 }
 
-/// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch; unset or 0 after it.
-fn draw_in_launch_requested() -> Result<bool> {
-    super::switches::switch("MEGAINFER_MK_DRAW_IN_LAUNCH", false)
+/// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch, 0 after it; unset,
+/// the path chooses ([`draw_in_launch_by_default`]).
+fn draw_in_launch_requested() -> Result<Option<bool>> {
+    const NAME: &str = "MEGAINFER_MK_DRAW_IN_LAUNCH";
+    let v = std::env::var(NAME).ok();
+    v.as_deref()
+        .map(|v| super::switches::parse_switch(NAME, Some(v), false))
+        .transpose()
+        .map_err(anyhow::Error::msg)
+}
+
+/// The largest vocabulary whose sampled steps draw inside the launch by default. Measured on
+/// the H200 (BENCHMARKS.md, 2026-11-29): inside the launch is the faster draw on SmolLM2's
+/// 49,152 tokens (random weights 0.349 against 0.354 ms at top-p 0.95; the default model,
+/// trained, 0.4128 against 0.4142, and 0.4024 against 0.4039 at min-p 0.05) and the slower on
+/// Llama 3's 128,256 (0.6729 against 0.6667): the one SM that draws loads every block's words
+/// and merges their keys, and more blocks with more rows each cost it more than the kernel
+/// after the launch, whose CTAs share that work.
+pub const DRAW_IN_LAUNCH_MAX_VOCAB: usize = 65_536;
+
+/// Whether sampled steps draw inside the launch: as `requested` where the schedule `can`,
+/// else for vocabularies up to [`DRAW_IN_LAUNCH_MAX_VOCAB`].
+fn draw_in_launch_by_default(requested: Option<bool>, can: bool, vocab: usize) -> bool {
+    can && requested.unwrap_or(vocab <= DRAW_IN_LAUNCH_MAX_VOCAB)
 }
 
 /// Whether sampled steps can draw inside the launch (megakernel/ops/sample.cuh): the draw
@@ -1311,7 +1340,22 @@ fn part_range_fits(parts: usize, max_seq: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{last_kv_writers, part_range_fits, WORDS};
+    use super::{draw_in_launch_by_default, last_kv_writers, part_range_fits, WORDS};
+
+    /// Sampled steps draw inside the launch by default on SmolLM2's vocabulary, after it on
+    /// Llama 3's and Qwen's; a request wins either way, but never where the schedule cannot.
+    #[test]
+    fn the_draw_goes_inside_the_launch_by_vocabulary_unless_asked() {
+        assert!(draw_in_launch_by_default(None, true, 49_152));
+        assert!(draw_in_launch_by_default(None, true, 65_536));
+        assert!(!draw_in_launch_by_default(None, true, 65_537));
+        assert!(!draw_in_launch_by_default(None, true, 128_256));
+        assert!(!draw_in_launch_by_default(None, true, 151_936));
+        assert!(draw_in_launch_by_default(Some(true), true, 128_256));
+        assert!(!draw_in_launch_by_default(Some(false), true, 49_152));
+        assert!(!draw_in_launch_by_default(Some(true), false, 49_152));
+        assert!(!draw_in_launch_by_default(None, false, 49_152));
+    }
 
     /// The largest split (MAX_ATTN_PARTS = 128) at a 128K context fits with room; 2^16 parts
     /// (what the options allow) only below 65,535 positions.
