@@ -434,7 +434,6 @@ fn fused_mlp_and_attention_match_reference_on_every_split() {
 #[test]
 #[ignore = "needs a GPU"]
 fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
-    use megainfer::gpu::paths::{GpuPath, PathKind};
     use megainfer::sampling::{Sampler, SamplingParams};
     let gpu = gpu();
     let cfg = tiny(192, 9, 3, 64, 520);
@@ -451,30 +450,10 @@ fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
     const N: usize = 24;
     const STOP: usize = 7;
     for params in [SamplingParams::greedy(), sampled] {
-        let draws = PathKind::ALL
-            .into_iter()
-            .map(|k| (k, None))
-            .chain([(PathKind::Megakernel, Some(false))]);
-        for (kind, in_launch) in draws {
-            let label = format!(
-                "{}{} T={}",
-                kind.name(),
-                if in_launch == Some(false) {
-                    " (draw after the launch)"
-                } else {
-                    ""
-                },
-                params.temperature
-            );
-            let new_path = || {
-                let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
-                if let Some(on) = in_launch {
-                    path.set_draw_in_launch(on).unwrap();
-                }
-                path
-            };
+        for sp in gpu_common::SampledPath::all() {
+            let label = format!("{} T={}", sp.label(), params.temperature);
             // One step at a time: the reference sequence of N tokens after the prompt.
-            let mut path = new_path();
+            let mut path = sp.make(&gpu, &dm, 64);
             let mut sampler = Sampler::new(params);
             sampler.accept(&prompt);
             let first = sampler.sample(&path.feed(&prompt).unwrap());
@@ -491,7 +470,7 @@ fn streamed_generation_matches_stepwise_and_resumes_after_a_stop() {
                 want.push(t);
             }
             // Streamed, stopped after STOP tokens, then streamed again from where it stopped.
-            let mut path = new_path();
+            let mut path = sp.make(&gpu, &dm, 64);
             let mut sampler = Sampler::new(params);
             sampler.accept(&prompt);
             let first2 = sampler.sample(&path.feed(&prompt).unwrap());

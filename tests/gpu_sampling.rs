@@ -14,7 +14,7 @@ use gpu_common::{gpu, tiny};
 use megainfer::generate::Backend;
 use megainfer::gpu::device::ptr;
 use megainfer::gpu::model::DeviceModel;
-use megainfer::gpu::paths::{GpuPath, PathKind};
+use megainfer::gpu::paths::GpuPath;
 use megainfer::sampling::device::{DeviceSampler, Kernels};
 use megainfer::sampling::{philox, sample_at, Sampler, SamplingParams};
 use stats::{cases, chi2_test, reference_probs, test_logits};
@@ -156,26 +156,9 @@ fn sampled_decoding_on_every_path_matches_host_draws() {
             ..SamplingParams::greedy()
         },
     ];
-    for (kind, in_launch) in [
-        (PathKind::Megakernel, None),
-        (PathKind::Megakernel, Some(false)),
-        (PathKind::Eager, None),
-        (PathKind::Graph, None),
-        (PathKind::GraphPdl, None),
-    ] {
-        let mut path = GpuPath::new(kind, &gpu, &dm, 64, 64).unwrap();
-        if let Some(on) = in_launch {
-            path.set_draw_in_launch(on).unwrap();
-        }
-        let name = format!(
-            "{}{}",
-            kind.name(),
-            if in_launch == Some(false) {
-                " (draw after the launch)"
-            } else {
-                ""
-            }
-        );
+    for sp in gpu_common::SampledPath::all() {
+        let mut path = sp.make(&gpu, &dm, 64);
+        let name = sp.label();
         for p in variants {
             let run = |path: &mut GpuPath| {
                 path.reset();

@@ -383,6 +383,7 @@ impl<'g> MegakernelPath<'g> {
         let kv = KvCache::new(gpu, c, max_seq)?;
         let mut streams = Vec::new();
         let mut can_draw_in_launch = c.vocab_size <= abi::SAMPLE_MAX_VOCAB;
+        let draw_requested = draw_in_launch_requested()?;
         for ((upto, schedule, enc, descs, kinds), kernel) in
             encoded.into_iter().zip(plan.bucket_kernel)
         {
@@ -483,7 +484,7 @@ impl<'g> MegakernelPath<'g> {
             _kv: kv,
             seq: Sequence::new(max_seq),
             draws_in_launch: draw_in_launch_by_default(
-                draw_in_launch_requested()?,
+                draw_requested,
                 can_draw_in_launch,
                 c.vocab_size,
             ),
@@ -499,9 +500,7 @@ impl<'g> MegakernelPath<'g> {
         // rather than by the first sampled step (where its seconds would count as decoding
         // time); by default the first sampled step compiles it, as the draw after the launch
         // makes its sampler, so that greedy runs never wait for it.
-        if (path.draws_in_launch && draw_in_launch_requested()? == Some(true))
-            || path.greedy_on_sampled
-        {
+        if (path.draws_in_launch && draw_requested == Some(true)) || path.greedy_on_sampled {
             path.compile_sampled()?;
         }
         Ok(path)

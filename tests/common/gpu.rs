@@ -5,6 +5,8 @@
 //! they fail: a GPU test that did not run must never count as passed.
 
 use megainfer::gpu::device::Gpu;
+use megainfer::gpu::model::DeviceModel;
+use megainfer::gpu::paths::{GpuPath, PathKind};
 use megainfer::model::{presets, Config};
 
 /// The GPU, or a test failure saying why there is none.
@@ -88,4 +90,48 @@ pub fn check_positions(
         );
     }
     worst
+}
+
+/// A sampled-decoding path to test: each path as made, and the megakernel once more drawing
+/// after each launch, since it draws inside the launch by default on small vocabularies.
+pub struct SampledPath {
+    pub kind: PathKind,
+    /// `Some(false)`: the megakernel's draw set to after the launch.
+    pub in_launch: Option<bool>,
+}
+
+impl SampledPath {
+    /// Every path, then the megakernel drawing after the launch.
+    pub fn all() -> Vec<SampledPath> {
+        PathKind::ALL
+            .into_iter()
+            .map(|kind| SampledPath {
+                kind,
+                in_launch: None,
+            })
+            .chain([SampledPath {
+                kind: PathKind::Megakernel,
+                in_launch: Some(false),
+            }])
+            .collect()
+    }
+
+    /// The path's name, and how it draws where that was set.
+    pub fn label(&self) -> String {
+        let how = match self.in_launch {
+            Some(false) => " (draw after the launch)",
+            Some(true) => " (draw inside the launch)",
+            None => "",
+        };
+        format!("{}{how}", self.kind.name())
+    }
+
+    /// The path, made for `dm` with `max_seq` positions, drawing as set.
+    pub fn make<'a>(&self, gpu: &'a Gpu, dm: &'a DeviceModel, max_seq: usize) -> GpuPath<'a> {
+        let mut path = GpuPath::new(self.kind, gpu, dm, max_seq, max_seq).unwrap();
+        if let Some(on) = self.in_launch {
+            path.set_draw_in_launch(on).unwrap();
+        }
+        path
+    }
 }
