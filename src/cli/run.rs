@@ -48,7 +48,8 @@ pub struct ModelArgs {
     /// matrix with the project's quantiser.
     #[arg(long, value_enum)]
     pub dtype: Option<WeightType>,
-    /// Megakernel, greedy: decode steps per launch. 0 (the default) runs the whole generation
+    /// Megakernel, greedy or drawing inside the launch (sampled, by default on vocabularies up
+    /// to 65,536 tokens): decode steps per launch. 0 (the default) runs the whole generation
     /// in one launch, stopping on the GPU at an end token or the token budget, each token
     /// handed to the host as soon as it exists; 1 launches once per token; N in launches of N.
     #[arg(long, default_value_t = 0)]
