@@ -11,7 +11,8 @@
 //!   cargo run --release --example draw_hints -- MODEL.gguf|preset:NAME [TOKENS]
 //!
 //! The blocks' geometry is the default model's schedule on a 132-SM GPU (131 LM-head blocks of
-//! 376 rows, 256 key slots a block, 15 of them loaded first, 2,048 keys in the second load).
+//! 376 rows, 256 key slots a block, 15 of them loaded first, 2,048 keys in the second load);
+//! `ROWS`, `CAP` and `SECOND` in the environment change it (`Geometry`).
 //! The draws replayed are four chats and then `bench -m MODEL --prompt-len 37`'s prompt
 //! (`BENCH_ONLY=1`: that prompt alone). The tables are in BENCHMARKS.md (2026-11-29).
 
@@ -20,16 +21,39 @@ use megainfer::model;
 use megainfer::reference::CpuForward;
 use megainfer::sampling::{sample_at, SamplingParams, K_MAX};
 
-const ROWS: usize = 376;
-/// A block's key slots (`SAMPLE_KEY_SLOTS`); `CAP=N` in the environment replays another count.
-fn cap() -> usize {
-    std::env::var("CAP")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
+/// The blocks' geometry: rows a block, key slots a block, slots of each block in the first
+/// load, keys in the second. The megakernel's for the default model on 132 SMs by default;
+/// `ROWS=N`, `CAP=N` and `SECOND=N` in the environment replay another (the fused sampler after
+/// the launch: `ROWS=1024 CAP=160 SECOND=0`, its 48 CTAs on SmolLM2's vocabulary, whose merge
+/// takes any number of keys; 0 means no limit).
+struct Geometry {
+    rows: usize,
+    cap: usize,
+    first: usize,
+    second: usize,
 }
-const FIRST: usize = 15;
-const SECOND: usize = 2048;
+
+impl Geometry {
+    fn from_env() -> Result<Geometry> {
+        let var = |name: &str, default: usize| -> Result<usize> {
+            match std::env::var(name) {
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("{name}: '{v}' is not a count")),
+                Err(_) => Ok(default),
+            }
+        };
+        let g = Geometry {
+            rows: var("ROWS", 376)?,
+            cap: var("CAP", 256)?,
+            first: 15,
+            second: var("SECOND", 2048)?,
+        };
+        anyhow::ensure!(g.rows > 0, "ROWS must be at least 1");
+        Ok(g)
+    }
+}
 
 /// One draw's logits reduced to what the attempt's outcome depends on.
 struct Step {
@@ -107,7 +131,7 @@ struct Tally {
     keys: usize,
 }
 
-fn replay(steps: &[Step], p: &SamplingParams, rule: Rule) -> Tally {
+fn replay(steps: &[Step], p: &SamplingParams, rule: Rule, g: &Geometry) -> Tally {
     let mut t = Tally::default();
     let mut hint = -1.0f32;
     for s in steps {
@@ -122,17 +146,17 @@ fn replay(steps: &[Step], p: &SamplingParams, rule: Rule) -> Tally {
             let mut extra = 0usize;
             let mut over = false;
             let mut total = 0usize;
-            for block in s.logits.chunks(ROWS) {
+            for block in s.logits.chunks(g.rows) {
                 let n = block.iter().filter(|&&x| x >= tau).count();
                 total += n;
-                extra += n.saturating_sub(FIRST);
-                over |= n > cap();
+                extra += n.saturating_sub(g.first);
+                over |= n > g.cap;
             }
             t.keys += total;
             if extra > 0 {
                 t.second_load += 1;
             }
-            if over || extra > SECOND {
+            if over || (g.second > 0 && extra > g.second) {
                 t.slots += 1;
             } else {
                 let lo = s.top.iter().take_while(|&&x| x >= tau).count();
@@ -177,8 +201,9 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let path = args
         .get(1)
-        .context("usage: draw_hints MODEL.gguf [TOKENS]")?;
+        .context("usage: draw_hints MODEL.gguf|preset:NAME [TOKENS]")?;
     let n: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(128);
+    let g = Geometry::from_env()?;
     // A preset's random weights (as `bench --preset NAME` makes them, seed 0) replay the
     // bench's prompt only.
     let preset = path.strip_prefix("preset:");
@@ -291,7 +316,7 @@ fn main() -> Result<()> {
         println!("| hint rule | searched | no hint | past the slots | short of the cuts | second load | keys a draw |");
         println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
         for &r in &hint_rules {
-            let t = replay(&steps, &p, r);
+            let t = replay(&steps, &p, r, &g);
             println!(
                 "| decay {}{} | {} | {} | {} | {} | {} | {:.0} |",
                 r.decay,
