@@ -783,12 +783,7 @@ pub struct InLaunchDraws {
 /// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch, 0 after it; unset,
 /// the path chooses ([`draw_in_launch_by_default`]).
 fn draw_in_launch_requested() -> Result<Option<bool>> {
-    const NAME: &str = "MEGAINFER_MK_DRAW_IN_LAUNCH";
-    let v = std::env::var(NAME).ok();
-    v.as_deref()
-        .map(|v| super::switches::parse_switch(NAME, Some(v), false))
-        .transpose()
-        .map_err(anyhow::Error::msg)
+    super::switches::optional_switch("MEGAINFER_MK_DRAW_IN_LAUNCH")
 }
 
 /// The largest vocabulary whose sampled steps draw inside the launch by default. Measured on

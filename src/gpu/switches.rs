@@ -8,6 +8,15 @@ pub fn switch(name: &str, default: bool) -> anyhow::Result<bool> {
     parse_switch(name, std::env::var(name).ok().as_deref(), default).map_err(anyhow::Error::msg)
 }
 
+/// The variable `name` as 0 or 1 (spaces around allowed), or None where it is unset (the
+/// caller chooses); anything else is an error that names the variable.
+pub fn optional_switch(name: &str) -> anyhow::Result<Option<bool>> {
+    std::env::var(name)
+        .ok()
+        .map(|v| parse_switch(name, Some(&v), false).map_err(anyhow::Error::msg))
+        .transpose()
+}
+
 /// [`switch`] on a value already read.
 pub fn parse_switch(name: &str, v: Option<&str>, default: bool) -> Result<bool, String> {
     match v.map(str::trim) {

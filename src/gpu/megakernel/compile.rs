@@ -284,7 +284,6 @@ mod tests {
         }
     }
 
-    /// The options of `d` that start with `name`.
     /// Every matrix kind in the format of `code` (1 Q8_0, 3 Q4_1, …).
     fn uniform_formats(code: i32) -> crate::gpu::sources::MatrixFormats {
         crate::gpu::sources::MatrixFormats {
@@ -298,8 +297,17 @@ mod tests {
         }
     }
 
+    /// The options of `d` that start with `name`.
     fn options_named(d: &[String], name: &str) -> Vec<String> {
         d.iter().filter(|x| x.starts_with(name)).cloned().collect()
+    }
+
+    /// A greedy kernel with the weights' whole ring in flight.
+    fn whole_ring_spec() -> KernelSpec {
+        KernelSpec {
+            whole_ring: true,
+            ..spec(false)
+        }
     }
 
     fn spec(sampled: bool) -> KernelSpec {
@@ -376,10 +384,7 @@ mod tests {
         let cfg = crate::model::presets::by_name("llama-3.2-1b").unwrap();
         let ring = |d: &[String]| d.iter().any(|x| x == "-DMK_WEIGHTS_WHOLE_RING=1");
         assert!(!ring(&defines(&cfg, &spec(false), "")));
-        let fast = KernelSpec {
-            whole_ring: true,
-            ..spec(false)
-        };
+        let fast = whole_ring_spec();
         assert!(ring(&defines(&cfg, &fast, "")));
         assert!(ring(&defines(&cfg, &fast, "-DMK_TILE_STAMPS=1")));
         assert!(!ring(&defines(&cfg, &fast, "-DMK_INFLIGHT=2")));
@@ -393,10 +398,7 @@ mod tests {
     #[test]
     fn the_next_step_held_on_the_narrowest_and_widest_models_with_the_whole_ring() {
         let hold = |d: &[String]| options_named(d, "-DMK_HOLD_NEXT");
-        let fast = KernelSpec {
-            whole_ring: true,
-            ..spec(false)
-        };
+        let fast = whole_ring_spec();
         for (name, held) in [
             ("smollm2-135m", true),
             ("qwen2.5-0.5b", true),
@@ -432,10 +434,7 @@ mod tests {
     #[test]
     fn the_l2_prefetch_of_first_tiles_on_small_bf16_models_with_the_whole_ring() {
         let pf = |d: &[String]| options_named(d, "-DMK_L2_PF_NEXT");
-        let fast = KernelSpec {
-            whole_ring: true,
-            ..spec(false)
-        };
+        let fast = whole_ring_spec();
         for name in ["llama-3.2-1b", "qwen3-1.7b", "qwen3-0.6b"] {
             let cfg = crate::model::presets::by_name(name).unwrap();
             assert_eq!(
