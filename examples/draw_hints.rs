@@ -68,6 +68,9 @@ struct Step {
     floor: f64,
     /// Every logit, to count keys within a hint per block.
     logits: Vec<f32>,
+    /// The top token alone reaches top-p (top-k off): the draw needs no key and leaves the
+    /// hint as it was (select.cuh's smp_top_dominates).
+    top_alone: bool,
 }
 
 fn reduce(p: &SamplingParams, l: &[f32]) -> Step {
@@ -98,7 +101,9 @@ fn reduce(p: &SamplingParams, l: &[f32]) -> Step {
             .count()
             .max(1);
     }
+    let top_alone = p.top_p < 1.0 && p.top_k == 0 && 1.0 / z >= p.top_p as f64;
     Step {
+        top_alone,
         gmax,
         top,
         keep,
@@ -129,6 +134,10 @@ struct Tally {
     short: usize,
     second_load: usize,
     keys: usize,
+    /// Attempts that decided the cuts with one key in the union.
+    one_key: usize,
+    /// Draws decided by the top token alone.
+    top_alone: usize,
 }
 
 fn replay(steps: &[Step], p: &SamplingParams, rule: Rule, g: &Geometry) -> Tally {
@@ -136,6 +145,10 @@ fn replay(steps: &[Step], p: &SamplingParams, rule: Rule, g: &Geometry) -> Tally
     let mut hint = -1.0f32;
     for s in steps {
         t.draws += 1;
+        if s.top_alone {
+            t.top_alone += 1;
+            continue;
+        }
         // The draw's sorted list: the attempt's keys within the hint where it decided the
         // cuts, else the search's top K_MAX.
         let mut kk = s.top.len();
@@ -171,6 +184,7 @@ fn replay(steps: &[Step], p: &SamplingParams, rule: Rule, g: &Geometry) -> Tally
                 };
                 if complete {
                     kk = total.min(K_MAX);
+                    t.one_key += usize::from(total == 1);
                 } else {
                     t.short += 1;
                 }
@@ -313,12 +327,12 @@ fn main() -> Result<()> {
             steps.len(),
             inputs.len()
         );
-        println!("| hint rule | searched | no hint | past the slots | short of the cuts | second load | keys a draw |");
-        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("| hint rule | searched | no hint | past the slots | short of the cuts | second load | keys a draw | one key | top token alone |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for &r in &hint_rules {
             let t = replay(&steps, &p, r, &g);
             println!(
-                "| decay {}{} | {} | {} | {} | {} | {} | {:.0} |",
+                "| decay {}{} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
                 r.decay,
                 if r.floor { ", floor" } else { "" },
                 t.no_hint + t.slots + t.short,
@@ -326,7 +340,9 @@ fn main() -> Result<()> {
                 t.slots,
                 t.short,
                 t.second_load,
-                t.keys as f64 / (t.draws - t.no_hint).max(1) as f64
+                t.keys as f64 / (t.draws - t.no_hint - t.top_alone).max(1) as f64,
+                t.one_key,
+                t.top_alone
             );
         }
     }

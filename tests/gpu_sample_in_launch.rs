@@ -2,9 +2,9 @@
 //! `set_draw_in_launch`): every sampled token equals the host's draw (`sample_at`, the rule the
 //! χ² test in gpu_sampling.rs checks against the reference distribution) from the same logits,
 //! teacher-forced; a generation inside one launch draws the same tokens as one launch per
-//! token; most truncating draws take the first attempt (the keys within the hint), and the
-//! search over the whole vocabulary, forced on every draw by a build without the attempt, is
-//! exact too. Needs a GPU (scripts/gpu-check.sh runs it with --include-ignored).
+//! token; most truncating draws take the first attempt (the keys within the hint), some top-p
+//! draws are decided by the top token alone (`smp_top_dominates`), and the search over the
+//! whole vocabulary, forced on every draw by a build without the attempt, is exact too. Needs a GPU (scripts/gpu-check.sh runs it with --include-ignored).
 
 #[path = "common/gpu.rs"]
 #[allow(dead_code)]
@@ -32,6 +32,20 @@ fn variants() -> Vec<SamplingParams> {
             temperature: 0.8,
             top_p: 0.95,
             seed: 1,
+            ..g
+        },
+        // Narrow nuclei: the top token alone reaches them in some draws (decided before any
+        // key is looked at: smp_top_dominates) and not in others.
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.3,
+            seed: 13,
+            ..g
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.05,
+            seed: 15,
             ..g
         },
         // Flat logits (high temperature, wide nucleus) reach deep into the candidates.
@@ -86,26 +100,35 @@ fn sample_run(path: &mut GpuPath, p: SamplingParams, prompt: &[u32], n: usize) -
     std::iter::once(first).chain(rest).collect()
 }
 
-/// Teacher-forced: how many of `tokens` differ from the host's draw from the path's logits.
+/// Teacher-forced: how many of `tokens` differ from the host's draw from the path's logits,
+/// and in how many of the draws after the first (those the device made) the top token alone
+/// reaches top-p (top-k off, no penalty: `smp_top_dominates`' test, 1 / z >= P, z the softmax
+/// sum relative to the maximum).
 fn host_differences(
     path: &mut GpuPath,
     p: SamplingParams,
     prompt: &[u32],
     tokens: &[u32],
-) -> usize {
+) -> (usize, u64) {
     path.reset();
     let mut host = Sampler::new(p);
     host.accept(prompt);
     let mut logits = path.feed(prompt).unwrap();
-    let mut differ = 0;
-    for &t in tokens {
+    let (mut differ, mut alone) = (0, 0);
+    let top_test = p.temperature > 0.0 && p.top_k == 0 && p.top_p < 1.0 && p.repeat_penalty == 1.0;
+    for (i, &t) in tokens.iter().enumerate() {
+        if i > 0 && top_test {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let z: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+            alone += u64::from(1.0 / z >= p.top_p as f64);
+        }
         if host.sample(&logits) != t {
             differ += 1;
         }
         host.accept(&[t]);
         logits = path.feed(&[t]).unwrap();
     }
-    differ
+    (differ, alone)
 }
 
 /// Checks the draws of `variants()` on a random model of SmolLM2's widths with `vocab` tokens.
@@ -135,24 +158,27 @@ fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize, attemp
         );
     }
     let (mut sampled, mut varied) = (0, 0);
-    let (mut trunc_draws, mut trunc_searches) = (0, 0);
+    let (mut trunc_draws, mut trunc_searches, mut tops) = (0, 0, 0);
     for p in variants() {
         let before = many.as_megakernel().unwrap().in_launch_draws().unwrap();
         let a = sample_run(&mut one, p, &prompt, n);
         let b = sample_run(&mut many, p, &prompt, n);
         let after = many.as_megakernel().unwrap().in_launch_draws().unwrap();
         let (draws, searches) = (after.draws - before.draws, after.searches - before.searches);
+        let top = after.top - before.top;
+        tops += top;
         assert_eq!(
             a, b,
             "{label} {p:?}: one launch per token and one generation drew differently"
         );
         let again = sample_run(&mut many, p, &prompt, n);
         assert_eq!(b, again, "{label} {p:?}: the same seed drew differently");
-        let differ = host_differences(&mut one, p, &prompt, &a);
+        let (differ, alone) = host_differences(&mut one, p, &prompt, &a);
         let distinct: std::collections::HashSet<_> = a.iter().collect();
         println!(
             "{label} {p:?}: {} tokens ({} distinct), {differ} differ from the host's draws; \
-             {searches} of {draws} draws searched",
+             {searches} of {draws} draws searched, {top} decided by the top token alone \
+             (the host's test: {alone})",
             a.len(),
             distinct.len()
         );
@@ -173,6 +199,14 @@ fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize, attemp
             sampled += 1;
             varied += usize::from(distinct.len() > 1);
         }
+        // The device decides by the top token alone exactly where the rule's test says so
+        // (up to a sum within rounding of 1 / P, as below), and never in a build without
+        // attempts (which searches on every draw).
+        let want = if attempts { alone } else { 0 };
+        assert!(
+            top.abs_diff(want) <= 1,
+            "{label} {p:?}: {top} draws decided by the top token alone, the host's test says {want}"
+        );
         // Host and device differ only where two perturbed scores or a cumulative mass and P
         // lie within rounding (about 1e-15) of each other: none expected.
         assert!(
@@ -185,6 +219,12 @@ fn check_model(gpu: &Gpu, label: &str, vocab: usize, seed: u64, n: usize, attemp
         assert!(
             trunc_searches < trunc_draws,
             "{label}: every truncating draw searched ({trunc_searches} of {trunc_draws})"
+        );
+        // Both ways of a top-p draw were taken: by the top token alone, and by the keys.
+        assert!(
+            tops > 0 && tops < trunc_draws - trunc_searches,
+            "{label}: {tops} of {trunc_draws} truncating draws decided by the top token alone, \
+             {trunc_searches} searched"
         );
     }
     // Draws that differ from one step to the next, not the same token every time.

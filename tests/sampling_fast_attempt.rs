@@ -1,9 +1,11 @@
 //! The fused sampler's fast attempt (kernels/sampling/fused.cu: the candidates at or above the
 //! global maximum less a hint, accepted where `smp_attempt_complete` (select.cuh) says they decided the cuts),
 //! modelled on the host with the host's own arithmetic: wherever the model accepts, its
-//! candidates must be exactly those of `sampling::candidates` over the whole vocabulary.
+//! candidates must be exactly those of `sampling::candidates` over the whole vocabulary. And the
+//! test both draws make before any key (`smp_top_dominates`): where the top token alone reaches
+//! top-p, the rule keeps that token alone.
 
-use megainfer::sampling::{candidates, SamplingParams, K_MAX};
+use megainfer::sampling::{candidates, sample_at, SamplingParams, K_MAX};
 
 /// Order-preserving key of a logit (the kernels' `smp_key`): -0.0 sorts below +0.0.
 fn key(f: f32) -> u32 {
@@ -149,4 +151,64 @@ fn accepted_attempts_keep_exactly_the_rules_candidates() {
     }
     println!("{accepted} attempts accepted, {refused} sent to the searches");
     assert!(accepted > 1000 && refused > 1000, "{accepted} / {refused}");
+}
+
+/// `smp_top_dominates` (select.cuh): with top-p and no top-k, where 1 / z (z the softmax sum
+/// relative to the maximum: the top token's share) reaches top-p, the draw is the top token
+/// (the lowest at the maximum) for every seed, min-p or not, and `candidates` keeps it alone.
+#[test]
+fn a_top_token_alone_reaching_top_p_is_the_draw() {
+    let mut rng = Rng(5);
+    let rules = [
+        (0.8, 0.95, 0.0),
+        (1.0, 0.5, 0.0),
+        (0.7, 0.9, 0.05),
+        (1.5, 0.3, 0.0),
+    ];
+    let (mut alone, mut not) = (0, 0);
+    for case in 0..400 {
+        let vocab = 100 + (rng.unit() * 2000.0) as usize;
+        let spread = [0.5, 2.0, 6.0, 12.0][case % 4];
+        let mut l: Vec<f32> = (0..vocab)
+            .map(|_| (rng.unit() + rng.unit() - 1.0) * spread)
+            .collect();
+        let peak = (rng.unit() * vocab as f32) as usize % vocab;
+        l[peak] += 4.0 + 16.0 * rng.unit();
+        if case % 9 == 0 {
+            // A tie at the maximum: the lower token is the top.
+            let other = (peak + 1 + case) % vocab;
+            l[other] = l[peak];
+        }
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let top = l.iter().position(|&x| x == max).unwrap() as u32;
+        let z: f64 = l.iter().map(|&x| (x as f64 - max as f64).exp()).sum();
+        for &(t, top_p, min_p) in &rules {
+            let p = SamplingParams {
+                temperature: t,
+                top_p,
+                min_p,
+                ..SamplingParams::greedy()
+            };
+            if 1.0 / z >= top_p as f64 {
+                alone += 1;
+                assert_eq!(candidates(&p, &l), vec![top], "case {case}, {p:?}");
+                for seed in 0..8u64 {
+                    let p = SamplingParams { seed, ..p };
+                    assert_eq!(
+                        sample_at(&p, &l, case as u64, &[]),
+                        top,
+                        "case {case}, {p:?}"
+                    );
+                }
+            } else {
+                not += 1;
+                // (min-p may still keep one token: the test only covers top-p's cut.)
+                if min_p == 0.0 {
+                    assert!(candidates(&p, &l).len() > 1, "case {case}, {p:?}");
+                }
+            }
+        }
+    }
+    println!("{alone} draws decided by the top token alone, {not} not");
+    assert!(alone > 200 && not > 200, "{alone} / {not}");
 }

@@ -18,7 +18,7 @@
 // as above and checks that those keys decided the cuts (smp_attempt_complete). If they did,
 // the token is the one the searches would have given; if not (or a CTA had more than SMP1_CAP
 // such keys), it tells the waiting CTAs so, and all of them search and merge as above. The
-// attempt's merge takes a short way where it can (smp_merge_binned, select.cuh: the union
+// attempt's merge takes a short way where it can (smp_merge_binned_counted, select.cuh: the union
 // sorted by counting, in about five barriers). Either way the last merge leaves `hint` for
 // the next draw.
 
@@ -58,10 +58,12 @@ struct Smp1Shared {
     smp_u32 last;
     smp_u32 verdict;  // the fast attempt's, for the whole CTA
     smp_u32 fcount;   // this CTA's keys within the hint
-    // The last CTA's summaries, a warp each: maximum, keys, most keys in a block, overflow.
+    smp_u32 top;      // the attempt with top-p alone: this CTA's top token (its lowest at the maximum)
+    // The last CTA's summaries, a warp each: maximum, keys, most keys in a block, overflow, the
+    // top token of the blocks at the warp's maximum.
     float wmax[SMP1_THREADS / 32];
-    smp_u32 wkeys[SMP1_THREADS / 32], wused[SMP1_THREADS / 32], wover[SMP1_THREADS / 32];
-    SmpBinned<SMP1_THREADS> bn;  // the binned merge's (smp_merge_binned)
+    smp_u32 wkeys[SMP1_THREADS / 32], wused[SMP1_THREADS / 32], wover[SMP1_THREADS / 32], wtop[SMP1_THREADS / 32];
+    SmpBinned<SMP1_THREADS> bn;  // the binned merge's (smp_merge_binned_counted)
 };
 
 __device__ __forceinline__ SmpBlock smp1_load_block(const SmpBlock* p) {
@@ -250,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
     const SmpMeta m = *meta;
     const float ninf = __int_as_float(0xff800000u);
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
-    if (tid == 0) { sm1.sel.fill = 0; sm1.fcount = 0; }
+    if (tid == 0) { sm1.sel.fill = 0; sm1.fcount = 0; sm1.top = SMP_NONE; }
     // The next draw's hint (every draw leaves one, held attempt or search alike).
     const auto leave_hint = [&](float gmax) {
         const float v = smp_next_hint(s, sm, gmax, h);
@@ -353,12 +355,25 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
         for (int r = 0; r < SMP1_PER; r++) mine += c[r] >= tk;
         mine = __reduce_add_sync(0xffffffffu, mine);
         if ((tid & 31) == 0 && mine != 0) atomicAdd(&sm1.fcount, mine);
+        // With top-p alone, the CTA's top token goes in its summary (best_idx) for the last
+        // CTA's smp_top_dominates.
+        const bool need_z = s.top_p < 1.f && s.top_k == 0;
+        if (need_z) {
+            smp_u32 t = SMP_NONE;
+#pragma unroll
+            for (int r = 0; r < SMP1_PER; r++) {
+                const int j = tid + r * SMP1_THREADS;
+                if (j < rows && x[r] == mx) t = min(t, base + j);
+            }
+            t = __reduce_min_sync(0xffffffffu, t);
+            if ((tid & 31) == 0 && t != SMP_NONE) atomicMin(&sm1.top, t);
+        }
         __syncthreads();
         const smp_u32 fcount = sm1.fcount;
         // The summary and the keys, then the arrival (smp1_arrive).
         if (tid == 0) {
             SmpBlock b;
-            b.sumexp = z; b.best = best; b.max = mx; b.best_idx = best_idx;
+            b.sumexp = z; b.best = best; b.max = mx; b.best_idx = need_z ? sm1.top : best_idx;
             b.pad[0] = fcount <= SMP1_CAP ? fcount : 0; b.pad[1] = fcount <= SMP1_CAP ? 0 : SMP1_OVER;
             blocks[blockIdx.x] = b;
         }
@@ -395,8 +410,8 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             for (int i = tid; i < SMP_BINS; i += SMP1_THREADS) { sm1.sel.hist[0][i] = 0; sm1.sel.hist[1][i] = 0; }
             if (tid == 0) sm1.bn.nsel = ~0u;
             SMP_MSTAMP(0);
-            // The summaries' maximum, number of keys, most keys in a block and overflow flags:
-            // one barrier.
+            // The summaries' maximum, number of keys, most keys in a block, overflow flags and
+            // top token: one barrier.
             {
                 float wm = blk.max;
 #pragma unroll
@@ -404,7 +419,11 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
                 const smp_u32 wk = __reduce_add_sync(0xffffffffu, blk.pad[0]);
                 const smp_u32 wu = __reduce_max_sync(0xffffffffu, blk.pad[0]);
                 const smp_u32 wo = __reduce_or_sync(0xffffffffu, over);
-                if ((tid & 31) == 0) { sm1.wmax[tid >> 5] = wm; sm1.wkeys[tid >> 5] = wk; sm1.wused[tid >> 5] = wu; sm1.wover[tid >> 5] = wo; }
+                const smp_u32 wt = __reduce_min_sync(0xffffffffu, tid < nb && blk.max == wm ? blk.best_idx : SMP_NONE);
+                if ((tid & 31) == 0) {
+                    sm1.wmax[tid >> 5] = wm; sm1.wkeys[tid >> 5] = wk; sm1.wused[tid >> 5] = wu; sm1.wover[tid >> 5] = wo;
+                    sm1.wtop[tid >> 5] = wt;
+                }
             }
             __syncthreads();
             float gmax = ninf;
@@ -417,12 +436,33 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             }
             SMP_MSTAMP(1);
             smp_u32 token = SMP_NONE;
-            bool merged = any_over != 0, binned = false;
-            if (!merged && used <= (smp_u32)u) {
-                const double zt = tid < nb && blk.max != ninf ? blk.sumexp * exp((double)blk.max - (double)gmax) : 0.0;
-                double z_all;
-                merged = binned = smp_merge_binned<SMP1_THREADS>(s, m.pos, cf, nkeys, gmax, gm - delta, zt, sm, sm1.sel,
-                                                                  sm1.bn, tid, sync, token, z_all);
+            bool merged = any_over != 0, binned = false, top_only = false;
+            // The binned merge's first part (left to its caller: each key counted in its bin,
+            // the softmax sum's warp parts) behind one barrier, then the test whether the top
+            // token alone decides the draw (smp_top_dominates: then no merge at all, whatever
+            // the keys), then the rest of the binned merge, or the long one.
+            const SmpBins bins = smp_bins(gmax, gm - delta);
+            const bool binnable = any_over == 0 && used <= (smp_u32)u && bins.valid;
+            if (binnable) smp_bins_count(cf, bins, sm1.sel.hist[0]);
+            if (need_z) {
+                double zt = tid < nb && blk.max != ninf ? blk.sumexp * exp((double)blk.max - (double)gmax) : 0.0;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) zt += __shfl_xor_sync(0xffffffffu, zt, o);
+                if ((tid & 31) == 0) sm.redd[tid >> 5] = zt;
+            }
+            __syncthreads();
+            double z_all = 0.0;
+            if (need_z)
+                for (int w = 0; w < SMP1_THREADS / 32; w++) z_all += sm.redd[w];
+            // (A block past its slots leaves the keys short: no merge, the searches below.)
+            if (smp_top_dominates(s, gmax, z_all)) {
+                token = SMP_NONE;
+                for (int w = 0; w < SMP1_THREADS / 32; w++)
+                    if (sm1.wmax[w] == gmax) token = min(token, sm1.wtop[w]);
+                merged = top_only = true;
+            } else if (binnable) {
+                merged = binned = smp_merge_binned_counted<SMP1_THREADS>(s, m.pos, cf, nkeys, bins, z_all, sm, sm1.sel,
+                                                                         sm1.bn, tid, sync, token);
             }
             (void)binned;
             if (!merged) {
@@ -432,10 +472,11 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             SMP_MSTAMP(4);
             SMP_STAMP(5);
             if (tid == 0) {
-                const bool drawn = !any_over && smp_attempt_complete(s, sm, gm - delta);
+                // A draw by the top token alone leaves the hint as it was.
+                const bool drawn = top_only || (!any_over && smp_attempt_complete(s, sm, gm - delta));
                 if (drawn) {
                     smp_store_token(m, token, history, meta_out);
-                    leave_hint(gmax);
+                    if (!top_only) leave_hint(gmax);
                 } else {
                     gate[SMP1_GATE_FALLBACKS] += 1;  // the merge after the searches leaves the hint
                 }

@@ -646,18 +646,13 @@ __device__ __forceinline__ void smp_bins_count(const smp_u64 (&c)[R], const SmpB
         if (c[r] != 0) atomicAdd(&count[bins.of(c[r])], 1u);
 }
 
-// mark(k) after each of its barriers (for measuring; by default nothing).
 struct SmpNoMark {
     __device__ void operator()(int) const {}
 };
-template <int NT, int R, typename Sync, typename Mark = SmpNoMark>
-__device__ bool smp_merge_binned_counted(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n,
-                                         const SmpBins& bins, double z_all, SmpShared& sm, SmpSel& sel,
-                                         SmpBinned<NT>& bn, int tid, Sync sync, smp_u32& token, Mark mark = Mark());
 
-// The fast attempt's merge the short way, from the keys the last CTA loaded with the summaries
-// (c: every nonzero key of the union, n of them, all within [tau, gmax]): a counting sort
-// instead of the merge's threshold search, ranking and scoring, which take a barrier
+// The fast attempt's merge the short way, from the keys the drawing CTA loaded with the
+// summaries (c: every nonzero key of the union, n of them, all within [tau, gmax]): a counting
+// sort instead of the merge's threshold search, ranking and scoring, which take a barrier
 // each. Each key falls in one of SMP_BINS bins by its distance below gmax (bin 0 nearest);
 // the bin is a non-decreasing function of that distance, so a key in a lower bin is larger
 // than every key in a higher one, and a key's rank is the keys of the bins before its own plus
@@ -665,38 +660,18 @@ __device__ bool smp_merge_binned_counted(const SmpParams& s, smp_u32 pos, const 
 // bin's places; the thread of each place ranks its key, and the top kk (min(n, k)) write their
 // candidate, score and top-p weight where smp_cut_and_draw's sort and scoring would (the same
 // values: smp_draw_score's and smp_topp_weight's expressions, gmax being sv[0]), so the cuts
-// and the draw (smp_cut_warp) are the same. zt: this thread's term of z_all, added in
-// smp_block_sum's order. Returns false, before anything the long way uses is touched, where it
-// does not apply (no room between tau and gmax, or more than NT keys to place);
-// else the token in thread 0 and z_all.
+// and the draw (smp_cut_warp) are the same.
+//
+// Its first part is the caller's, behind a barrier of the caller's own: every key of c
+// counted in its bin (smp_bins_count into sel.hist[0]; sel.hist[1] zero) and z_all, the
+// softmax sum (each thread's term added in smp_block_sum's order). Returns false, before
+// anything the long way uses is touched, where it does not apply (more than NT keys to
+// place); else the token in thread 0. mark(k) after each of its barriers (for measuring; by
+// default nothing).
 template <int NT, int R, typename Sync, typename Mark = SmpNoMark>
-__device__ bool smp_merge_binned(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n, float gmax,
-                                 float tau, double zt, SmpShared& sm, SmpSel& sel, SmpBinned<NT>& bn, int tid,
-                                 Sync sync, smp_u32& token, double& z_all, Mark mark = Mark()) {
-    const SmpBins bins = smp_bins(gmax, tau);
-    if (!bins.valid) return false;
-    smp_bins_count(c, bins, sel.hist[0]);
-    const bool need_z = s.top_p < 1.f && s.top_k == 0;
-    if (need_z) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) zt += __shfl_xor_sync(0xffffffffu, zt, o);
-        if ((tid & 31) == 0) sm.redd[tid >> 5] = zt;
-    }
-    sync();
-    mark(0);
-    z_all = 0.0;
-    if (need_z)
-        for (int w = 0; w < NT / 32; w++) z_all += sm.redd[w];
-    return smp_merge_binned_counted<NT>(s, pos, c, n, bins, z_all, sm, sel, bn, tid, sync, token, mark);
-}
-
-// The binned merge after its first barrier: every key of c already counted in its bin
-// (sel.hist[0]; sel.hist[1] zero), z_all the softmax sum. Where a caller counts the keys behind
-// a barrier of its own, the merge takes one fewer.
-template <int NT, int R, typename Sync, typename Mark>
 __device__ bool smp_merge_binned_counted(const SmpParams& s, smp_u32 pos, const smp_u64 (&c)[R], smp_u32 n,
                                          const SmpBins& bins, double z_all, SmpShared& sm, SmpSel& sel,
-                                         SmpBinned<NT>& bn, int tid, Sync sync, smp_u32& token, Mark mark) {
+                                         SmpBinned<NT>& bn, int tid, Sync sync, smp_u32& token, Mark mark = Mark()) {
     const float gmax = bins.gmax;
     const auto bin_of = [&](smp_u64 key) { return bins.of(key); };
     smp_u32* count = sel.hist[0];
@@ -750,6 +725,24 @@ __device__ bool smp_merge_binned_counted(const SmpParams& s, smp_u32 pos, const 
     mark(3);
     token = smp_cut_warp(s, z_all, sm, tid);
     return true;
+}
+
+// Whether the vocabulary's top token alone reaches top-p (top-k off): then the cuts keep it
+// alone (top-p's cut falls after it, and min-p keeps at least one candidate), so the draw is
+// that token whatever the other keys are, and no merge, score or search is needed. The test
+// is smp_cut_warp's on candidate 0, whose weight exp(sv[0] - gmax) is exactly 1, against the
+// same z_all (the softmax sum over the whole vocabulary relative to gmax, in smp_block_sum's
+// order), so a draw takes this way exactly where the merge would have kept one candidate.
+// On random weights nearly every top-p draw is such a draw; on the default model's chats a
+// minority (BENCHMARKS.md, 2026-11-29).
+// smp_top_test_applies: the rule and the maximum admit the test (top-p on, top-k off, a finite
+// maximum).
+__device__ __forceinline__ bool smp_top_test_applies(const SmpParams& s, float gmax) {
+    return s.temperature != 0.f && s.top_k == 0 && s.top_p < 1.f && gmax > __int_as_float(0xff800000u) &&
+           gmax < __int_as_float(0x7f800000u);
+}
+__device__ __forceinline__ bool smp_top_dominates(const SmpParams& s, float gmax, double z_all) {
+    return smp_top_test_applies(s, gmax) && 1.0 / z_all >= (double)s.top_p;
 }
 
 // Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:

@@ -45,6 +45,11 @@
 #ifndef MK_SMP_MERGE_PER
 #define MK_SMP_MERGE_PER 2
 #endif
+// 1: top-p draws test first whether the top token alone decides them (smp_top_dominates); 0
+// (for measuring its cost): no test, no top token found.
+#ifndef MK_SMP_TOP
+#define MK_SMP_TOP 1
+#endif
 static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary per consumer thread");
 
 // The gate's words (zero at first; MK_SMP_GATE_*, from the host's SMP_GATE in abi.rs): the
@@ -56,7 +61,7 @@ static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary 
 #define MK_SMP_S_MAX 0      // its largest penalised logit (a float's bits)
 #define MK_SMP_S_Z_HI 1     // the softmax sum behind top-p, relative to it: a double's high bits
 #define MK_SMP_S_Z_LO 2     // and its low bits
-#define MK_SMP_S_COUNT 3    // its keys in the slots, or MK_SMP_OVER
+#define MK_SMP_S_COUNT 3    // its keys in the slots (or MK_SMP_COUNT_OVER) and top token (smp_count_word)
 #define MK_SMP_S_HINT 4     // the hint it cut at (0: it made no attempt)
 #define MK_SMP_S_BEST_HI 5  // pure temperature: its best perturbed score, a double's high bits
 #define MK_SMP_S_BEST_LO 6  // and its low bits
@@ -64,6 +69,17 @@ static_assert(MK_SMP_MAX_BLOCKS <= CONSUMERS, "the draw reads a block's summary 
 #define MK_SMP_S_ARRIVED 8  // stored last, with release semantics: its logits are visible
 #define MK_SMP_ATTEMPT_WORDS 5
 #define MK_SMP_OVER 0xffffffffu
+// The count word: the block's keys in the low 14 bits (MK_SMP_COUNT_OVER where it had more than
+// its slots), its top token (its lowest row at its maximum; top-p without top-k only) in the
+// 18 above (the draw inside the launch is for vocabularies up to 2^18), so the draw polls no
+// word more for it.
+#define MK_SMP_COUNT_OVER 0x3fffu
+static_assert(MK_SMP_CAP < MK_SMP_COUNT_OVER, "a block's key count fits the count word's 14 bits");
+__device__ __forceinline__ u32 smp_count_word(u32 count, u32 top) {
+    return (count == MK_SMP_OVER ? MK_SMP_COUNT_OVER : count) | (top << 14);
+}
+__device__ __forceinline__ u32 smp_word_count(u32 w) { return (w & MK_SMP_COUNT_OVER) == MK_SMP_COUNT_OVER ? MK_SMP_OVER : w & MK_SMP_COUNT_OVER; }
+__device__ __forceinline__ u32 smp_word_top(u32 w) { return w >> 14; }
 static_assert(MK_SMP_S_ARRIVED < MK_SMP_BLK_WORDS, "the summary's words fit its room in lm_sample");
 
 // A key slot is a key with the step's tag in the 14 bits of the inverted token that every
@@ -108,11 +124,16 @@ __device__ __forceinline__ int smp_first_slots(int nb) { return min(MK_SMP_CAP, 
 // Whether this SM draws (set by consumer thread 0 in its RmsLmHead of a sampled launch: the SM
 // of block MK_SMP_DRAWER; an SM has at most one block, the host's condition).
 __shared__ u32 mk_merges;
+// The drawing SM's block's view of the vocabulary's maximum, where it attempted (else -inf):
+// the maximum of the same summary words the draw polls, so the draw scales the blocks' softmax
+// sums to it before its first barrier (for smp_top_dominates) instead of after.
+__shared__ float mk_smp_gm;
 
 struct MkSmpBlockShared {
     SmpShared base;
     SmpSel sel;
     smp_u32 fcount;
+    smp_u32 top;  // the block's top token (an atomic minimum over the warps)
 };
 static_assert(sizeof(MkSmpBlockShared) <= RES_MAX * sizeof(float), "the block's scratch is res's second half");
 
@@ -175,7 +196,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             pv[j] = xv[j];
         }
     }
-    if (ct == 0) { sh.sel.fill = 0; sh.fcount = 0; }
+    if (ct == 0) { sh.sel.fill = 0; sh.fcount = 0; sh.top = SMP_NONE; }
     consumers_sync();
     const bool draw_all = s.temperature == 0.f || !smp_truncates(s);
     float mx = ninf;
@@ -183,6 +204,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
     mx = smp_block_max(mx, sh.base, ct, CONSUMERS, sync);
     double best = -__longlong_as_double(0x7ff0000000000000ll), z = 0.0;
     smp_u32 best_idx = SMP_NONE, count = 0;
+    float gm_seen = ninf;
     const bool attempt = !draw_all && h > 0.f;
     const u32 t14 = smp_slot_tag(tag);
     u64* const out = smp_slots(p, blk);
@@ -214,7 +236,18 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
         const int mine = attempt && ct < nb ? 1 : 0;
         u64 raw = mine ? ld_tagged(smp_summary(p, ct) + MK_SMP_S_MAX) : 0ull;
         if (need_z) {
-            for (int j = ct; j < rc; j += CONSUMERS) z += exp((double)xv[j] - (double)mx);
+            // With the sum, the block's top token (its lowest row at the maximum), for the
+            // draw's smp_top_dominates.
+            smp_u32 t = SMP_NONE;
+            for (int j = ct; j < rc; j += CONSUMERS) {
+                const float x = xv[j];
+                z += exp((double)x - (double)mx);
+                if (MK_SMP_TOP && x == mx) t = min(t, (smp_u32)(rs + j));
+            }
+            if (MK_SMP_TOP) {
+                t = __reduce_min_sync(0xffffffffu, t);
+                if ((ct & 31) == 0 && t != SMP_NONE) atomicMin(&sh.top, t);
+            }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
         }
@@ -230,6 +263,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
             z += sh.base.redd[w];
             gm = fmaxf(gm, sh.base.redf[w]);
         }
+        gm_seen = gm;
         if (attempt) {
             smp_stamp(PROF_EXTRA1);
             const smp_u64 tk = (smp_u64)smp_key(gm - h) << 32;
@@ -271,7 +305,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
         st_tagged(o + MK_SMP_S_MAX, mx, tag);
         st_tagged_bits(o + MK_SMP_S_Z_HI, (u32)(zb >> 32), tag);
         st_tagged_bits(o + MK_SMP_S_Z_LO, (u32)zb, tag);
-        st_tagged_bits(o + MK_SMP_S_COUNT, count, tag);
+        st_tagged_bits(o + MK_SMP_S_COUNT, smp_count_word(count, sh.top), tag);
         st_tagged(o + MK_SMP_S_HINT, attempt ? h : 0.f, tag);
         if (draw_all) {
             st_tagged_bits(o + MK_SMP_S_BEST_HI, (u32)(bb >> 32), tag);
@@ -285,6 +319,7 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
     consumers_sync();
     if (ct == 0) {
         *(volatile u32*)&mk_merges = blk == MK_SMP_DRAWER;
+        if (blk == MK_SMP_DRAWER) *(volatile float*)&mk_smp_gm = gm_seen;
         if (blk != MK_SMP_DRAWER) st_release_tagged(smp_summary(p, blk) + MK_SMP_S_ARRIVED, 1u, tag);
     }
 }
@@ -303,7 +338,8 @@ struct MkSmpMergeShared {
     SmpBinned<CONSUMERS> bn;
     smp_u32 xbase[MK_SMP_MAX_BLOCKS];   // the second load's first index of each block
     float wmax[CONSUMER_WARPS], whint[CONSUMER_WARPS];
-    smp_u32 wused[CONSUMER_WARPS], wkeys[CONSUMER_WARPS], wbad[CONSUMER_WARPS];
+    float wz[CONSUMER_WARPS];
+    smp_u32 wused[CONSUMER_WARPS], wkeys[CONSUMER_WARPS], wbad[CONSUMER_WARPS], wtop[CONSUMER_WARPS];
     smp_u32 nextra, drawn;
     smp_u64 list[MK_SMP_MERGE_PER * CONSUMERS];  // the union, compacted
 };
@@ -386,19 +422,36 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
     for (int r = 0; r < MK_SMP_FIRST_PER; r++) cf[r] = smp_slot_key(cf[r]);
     for (int i = ct; i < SMP_BINS; i += CONSUMERS) { sh.sel.hist[0][i] = 0; sh.sel.hist[1][i] = 0; }
     if (ct == 0) { sh.bn.nsel = ~0u; sh.sel.fill = 0; }
-    // The summaries' maximum, smallest hint and most keys in a block: one barrier.
+    // The summaries' maximum, smallest hint and most keys in a block: one barrier. With top-p
+    // alone, also the vocabulary's top token and, where this SM's block saw the maximum (it
+    // attempted), the softmax sum in single precision: enough to tell whether that token alone
+    // decides the draw (smp_top_dominates) before any key is looked at, wherever the sum is
+    // not within 2e-4 of 1 / P (its error is below 2e-5: 132 terms, each an __expf and two
+    // roundings). The exact test (in double, the merge's sum) then waits for the merge's
+    // barrier below: a draw decided here costs the others a float exponential, not a double one.
+    const bool need_z = s.top_p < 1.f && s.top_k == 0;
     const float bmax = ct < nb ? __uint_as_float((u32)sw[MK_SMP_S_MAX]) : ninf;
-    const smp_u32 bcount = ct < nb ? (u32)sw[MK_SMP_S_COUNT] : 0u;
+    const smp_u32 bcount = ct < nb ? smp_word_count((u32)sw[MK_SMP_S_COUNT]) : 0u;
     const float bh = ct < nb ? __uint_as_float((u32)sw[MK_SMP_S_HINT]) : __int_as_float(0x7f800000);
+    const double bz = ct < nb ? __longlong_as_double((long long)smp_join(sw[MK_SMP_S_Z_HI], sw[MK_SMP_S_Z_LO])) : 0.0;
+    const float gm_seen = *(volatile float*)&mk_smp_gm;
+    const bool early = need_z && MK_SMP_TOP == 1 && !MK_SMP_NO_ATTEMPT && gm_seen > ninf && gm_seen < __int_as_float(0x7f800000);
     {
         float wm = bmax, wh = bh;
+        float wz = early && ct < nb && bmax != ninf ? (float)bz * __expf(bmax - gm_seen) : 0.f;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
             wh = fminf(wh, __shfl_xor_sync(0xffffffffu, wh, o));
+            if (early) wz += __shfl_xor_sync(0xffffffffu, wz, o);
         }
         const smp_u32 wu = __reduce_max_sync(0xffffffffu, bcount == MK_SMP_OVER ? 0u : bcount);
-        if ((ct & 31) == 0) { sh.wmax[ct >> 5] = wm; sh.whint[ct >> 5] = wh; sh.wused[ct >> 5] = wu; }
+        const smp_u32 wt = __reduce_min_sync(
+            0xffffffffu, MK_SMP_TOP && ct < nb && bmax == wm ? smp_word_top((u32)sw[MK_SMP_S_COUNT]) : SMP_NONE);
+        if ((ct & 31) == 0) {
+            sh.wmax[ct >> 5] = wm; sh.whint[ct >> 5] = wh; sh.wused[ct >> 5] = wu;
+            sh.wz[ct >> 5] = wz; sh.wtop[ct >> 5] = wt;
+        }
     }
     consumers_sync();
     smp_phase(p, 0);
@@ -408,6 +461,32 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
         gmax = fmaxf(gmax, sh.wmax[q]);
         hmin = fminf(hmin, sh.whint[q]);
         used = max(used, sh.wused[q]);
+    }
+    // The vocabulary's top token (the lowest at the maximum), where its block sent it.
+    const auto top_token = [&] {
+        smp_u32 t = SMP_NONE;
+        for (int q = 0; q < CONSUMER_WARPS; q++)
+            if (sh.wmax[q] == gmax) t = min(t, sh.wtop[q]);
+        return t;
+    };
+    // Every thread decides alike, from the same shared words; the hint stays as it was.
+    const auto take_top = [&] {
+        if (ct == 0 && commit) {
+            publish(top_token());
+            atomicAdd(smp_gate(p) + MK_SMP_GATE_TOP, 1ull);
+        }
+    };
+    // 1: the top token alone decides the draw; 0: it does not; -1: the exact test below.
+    int alone = -1;
+    if (early && gm_seen == gmax) {
+        float zf = 0.f;
+        for (int q = 0; q < CONSUMER_WARPS; q++) zf += sh.wz[q];
+        const float r = zf * s.top_p;
+        alone = r <= 0.9998f ? 1 : r >= 1.0002f ? 0 : -1;
+        if (alone == 1 && smp_top_test_applies(s, gmax)) {
+            take_top();
+            return;
+        }
     }
     const float tau = gmax - hmin;
     const smp_u64 tk = (smp_u64)smp_key(tau) << 32;
@@ -492,11 +571,7 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
         if (fits) smp_bins_count(k2, bins, sh.sel.hist[0]);
         else smp_bins_count(c, bins, sh.sel.hist[0]);
     }
-    const bool need_z = s.top_p < 1.f && s.top_k == 0;
-    const double zt = ct < nb && bmax != ninf
-                          ? __longlong_as_double((long long)smp_join(sw[MK_SMP_S_Z_HI], sw[MK_SMP_S_Z_LO])) *
-                                exp((double)bmax - (double)gmax)
-                          : 0.0;
+    const double zt = ct < nb && bmax != ninf ? bz * exp((double)bmax - (double)gmax) : 0.0;
     {
         double zw = zt;
         if (need_z) {
@@ -516,6 +591,13 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
         z_all += sh.base.redd[q];
     }
     if (!need_z) z_all = 0.0;
+    // Where the first barrier left it open (this SM's block made no attempt, or the float sum
+    // lay too near 1 / P): the exact test now, which also spares the search a draw without a
+    // hint would make.
+    if (need_z && MK_SMP_TOP == 1 && !MK_SMP_NO_ATTEMPT && alone < 0 && smp_top_dominates(s, gmax, z_all)) {
+        take_top();
+        return;
+    }
     smp_u32 token = SMP_NONE;
     const int why = !(hmin > 0.f && hmin < 1e30f)                                            ? MK_SMP_GATE_NO_HINT
                     : extra > MK_SMP_FIRST_PER * CONSUMERS || (any_bad & 1u) != 0 ? MK_SMP_GATE_SLOTS

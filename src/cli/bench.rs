@@ -363,13 +363,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 eprintln!(
                     "bench: {}: {} of {} draws inside the launch searched the whole vocabulary \
                      (no hint {}, keys past the slots {}, keys short of the cuts {}); the others \
-                     took the first attempt",
+                     took the first attempt, {} of them decided by the top token alone",
                     kind.name(),
                     d.searches,
                     d.draws,
                     d.no_hint,
                     d.slots,
-                    d.short
+                    d.short,
+                    d.top
                 );
             }
         }

@@ -605,6 +605,7 @@ impl<'g> MegakernelPath<'g> {
             no_hint: word("NO_HINT"),
             slots: word("SLOTS"),
             short: word("SHORT"),
+            top: word("TOP"),
         })
     }
 
@@ -778,6 +779,9 @@ pub struct InLaunchDraws {
     pub no_hint: u64,
     pub slots: u64,
     pub short: u64,
+    /// Draws whose top token alone reached top-p (`smp_top_dominates`, select.cuh): decided
+    /// without looking at any key, and without a search where the hint was missing.
+    pub top: u64,
 }
 
 /// `MEGAINFER_MK_DRAW_IN_LAUNCH`: 1 draws sampled tokens inside the launch, 0 after it; unset,

@@ -282,7 +282,7 @@ impl DeviceSampler {
     }
 
     /// How many first attempts' merges so far took the long way (the threshold search over
-    /// the union) instead of the binned one (`smp_merge_binned` in select.cuh).
+    /// the union) instead of the binned one (`smp_merge_binned_counted` in select.cuh).
     pub fn long_merges(&self, gpu: &Gpu) -> Result<u32> {
         Ok(gpu.stream.clone_dtoh(&self.gate)?[3])
     }

@@ -24,15 +24,17 @@ pub const PAGE_BYTES: usize = 16384;
 /// Staged K/V positions per attention round (scores scratch is sized for it).
 pub const ATT_ROUND: usize = 256;
 /// The in-launch draw's gate words at the start of `lm_sample` (megakernel/ops/sample.cuh):
-/// the hint, then statistics (draws that searched, draws, and the searches for want of a hint,
-/// for keys past the slots, for keys short of the cuts).
-pub const SMP_GATE: [(&str, usize); 6] = [
+/// the hint, then statistics (draws that searched, draws, the searches for want of a hint,
+/// for keys past the slots, for keys short of the cuts, and the draws decided by the top
+/// token alone).
+pub const SMP_GATE: [(&str, usize); 7] = [
     ("HINT", 0),
     ("SEARCHES", 1),
     ("DRAWS", 2),
     ("NO_HINT", 3),
     ("SLOTS", 4),
     ("SHORT", 5),
+    ("TOP", 6),
 ];
 
 const _: () = assert!(SMP_GATE.len() <= scheduler::arena::SAMPLE_GATE_WORDS);
