@@ -302,12 +302,14 @@ __device__ __noinline__ void mk_sample_block(const MkParams& p, const u32* w, co
     if (ct == 0) {
         u64* o = smp_summary(p, blk);
         const u64 zb = (u64)__double_as_longlong(z), bb = (u64)__double_as_longlong(best);
-        st_tagged(o + MK_SMP_S_MAX, mx, tag);
-        st_tagged_bits(o + MK_SMP_S_Z_HI, (u32)(zb >> 32), tag);
-        st_tagged_bits(o + MK_SMP_S_Z_LO, (u32)zb, tag);
-        st_tagged_bits(o + MK_SMP_S_COUNT, smp_count_word(count, sh.top), tag);
-        st_tagged(o + MK_SMP_S_HINT, attempt ? h : 0.f, tag);
-        if (draw_all) {
+        // (A truncating rule's maximum went out before its keys; pure temperature's draw reads
+        // only its best words.)
+        if (!draw_all) {
+            st_tagged_bits(o + MK_SMP_S_Z_HI, (u32)(zb >> 32), tag);
+            st_tagged_bits(o + MK_SMP_S_Z_LO, (u32)zb, tag);
+            st_tagged_bits(o + MK_SMP_S_COUNT, smp_count_word(count, sh.top), tag);
+            st_tagged(o + MK_SMP_S_HINT, attempt ? h : 0.f, tag);
+        } else {
             st_tagged_bits(o + MK_SMP_S_BEST_HI, (u32)(bb >> 32), tag);
             st_tagged_bits(o + MK_SMP_S_BEST_LO, (u32)bb, tag);
             st_tagged_bits(o + MK_SMP_S_BEST_IDX, best_idx, tag);
@@ -401,7 +403,7 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
 #pragma unroll
         for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
             fo[r] = b < nb ? b * MK_SMP_BLOCK_WORDS + sl : -1;
-            cf[r] = fo[r] >= 0 ? ld_tagged(slot0 + fo[r]) : (u64)t14 << 18;
+            cf[r] = fo[r] >= 0 ? ld_tagged(slot0 + fo[r]) : smp_slot_word(0, t14);
             step_slot(b, sl);
         }
     }
@@ -510,7 +512,7 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
         for (int r = 0; r < MK_SMP_FIRST_PER; r++) {
             const int i = ct + r * CONSUMERS;
             xo[r] = -1;
-            cx[r] = (u64)t14 << 18;
+            cx[r] = smp_slot_word(0, t14);
             if (i < (int)extra) {
                 int b = 0;
                 for (int step = MK_SMP_MAX_BLOCKS / 2; step > 0; step >>= 1)
