@@ -454,7 +454,8 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             double z_all = 0.0;
             if (need_z)
                 for (int w = 0; w < SMP1_THREADS / 32; w++) z_all += sm.redd[w];
-            // (A block past its slots leaves the keys short: no merge, the searches below.)
+            // (Where a block was past its slots and the top token does not decide, no merge
+            // either: the searches below.)
             if (smp_top_dominates(s, gmax, z_all)) {
                 token = SMP_NONE;
                 for (int w = 0; w < SMP1_THREADS / 32; w++)

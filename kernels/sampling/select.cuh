@@ -36,7 +36,8 @@ struct SmpBlock {
     double sumexp;      // sum of exp(l - max) over the block (temperature 1, for top-p)
     double best;        // largest perturbed score l/T + g (or l when T = 0)
     float max;          // largest penalised logit
-    smp_u32 best_idx;   // its token (the lower on a tie); SMP_NONE when every logit is -inf
+    smp_u32 best_idx;   // its token (the lower on a tie); SMP_NONE when every logit is -inf; in
+                        // the fused sampler's first attempt with top-p alone, its top token
     smp_u32 pad[2];
 };
 
