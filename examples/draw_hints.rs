@@ -327,6 +327,24 @@ fn main() -> Result<()> {
             steps.len(),
             inputs.len()
         );
+        // Whether draws by the top token alone come in runs: how often one follows another,
+        // and how often it follows a draw that was not one (prompts run one after another).
+        let (mut after_top, mut top_after_top, mut after_other, mut top_after_other) = (0, 0, 0, 0);
+        for w in steps.windows(2) {
+            if w[0].top_alone {
+                after_top += 1;
+                top_after_top += usize::from(w[1].top_alone);
+            } else {
+                after_other += 1;
+                top_after_other += usize::from(w[1].top_alone);
+            }
+        }
+        println!(
+            "top token alone: {} of {} draws; after such a draw {top_after_top} of {after_top}, \
+             after another {top_after_other} of {after_other}",
+            steps.iter().filter(|s| s.top_alone).count(),
+            steps.len()
+        );
         println!("| hint rule | searched | no hint | past the slots | short of the cuts | second load | keys a draw | one key | top token alone |");
         println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for &r in &hint_rules {
