@@ -134,8 +134,6 @@ struct Tally {
     short: usize,
     second_load: usize,
     keys: usize,
-    /// Attempts that decided the cuts with one key in the union.
-    one_key: usize,
     /// Draws decided by the top token alone.
     top_alone: usize,
 }
@@ -184,7 +182,6 @@ fn replay(steps: &[Step], p: &SamplingParams, rule: Rule, g: &Geometry) -> Tally
                 };
                 if complete {
                     kk = total.min(K_MAX);
-                    t.one_key += usize::from(total == 1);
                 } else {
                     t.short += 1;
                 }
@@ -345,12 +342,12 @@ fn main() -> Result<()> {
             steps.iter().filter(|s| s.top_alone).count(),
             steps.len()
         );
-        println!("| hint rule | searched | no hint | past the slots | short of the cuts | second load | keys a draw | one key | top token alone |");
-        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("| hint rule | searched | no hint | past the slots | short of the cuts | second load | keys a draw | top token alone |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for &r in &hint_rules {
             let t = replay(&steps, &p, r, &g);
             println!(
-                "| decay {}{} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
+                "| decay {}{} | {} | {} | {} | {} | {} | {:.0} | {} |",
                 r.decay,
                 if r.floor { ", floor" } else { "" },
                 t.no_hint + t.slots + t.short,
@@ -359,7 +356,6 @@ fn main() -> Result<()> {
                 t.short,
                 t.second_load,
                 t.keys as f64 / (t.draws - t.no_hint - t.top_alone).max(1) as f64,
-                t.one_key,
                 t.top_alone
             );
         }
