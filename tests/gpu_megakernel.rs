@@ -146,6 +146,27 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
     }
 }
 
+/// A model 4096 wide (Llama-3.1-8B's and Qwen3-8B's width), whose kernel with the whole ring
+/// (fast memory) also asks L2 for an instruction's first tiles (`MK_L2_PF_NEXT`,
+/// src/gpu/megakernel/compile.rs), teacher-forced against the CPU reference.
+#[test]
+#[ignore = "needs a GPU"]
+fn megakernel_matches_reference_at_4096_wide() {
+    let gpu = gpu();
+    let cfg = tiny(4096, 32, 8, 128, 2048);
+    let w = random_weights(&cfg, 29);
+    let sched = schedule_with(&gpu, &cfg, scheduler::Overrides::default());
+    teacher_forced(
+        &gpu,
+        &cfg,
+        &w,
+        &[5, 900, 33, 12, 640],
+        &sched,
+        "hidden 4096",
+        TOL_OVER_ONE_ROUND,
+    );
+}
+
 /// Attention instructions computing a share of a KV head's query heads (`attn_heads`: one
 /// head of SmolLM2's three, one and seven of a Qwen2.5-0.5B-like group of seven with QKV
 /// biases, one head of two with Qwen3's q/k norms at head_dim 128, whose first share caches

@@ -45,9 +45,13 @@ pub struct KernelSpec {
     pub whole_ring: bool,
 }
 
-/// The bf16 models' widths whose whole-ring kernel asks L2 for an instruction's first tiles
-/// (`MK_L2_PF_NEXT`, see [`defines`]), and how many tiles it asks for.
-const L2_PF_NEXT_HIDDEN: std::ops::RangeInclusive<usize> = 1024..=2048;
+/// Whether a bf16 model `hidden` wide gets, with the whole ring, the L2 prefetch of an
+/// instruction's first tiles (`MK_L2_PF_NEXT`, see [`defines`]): 1024 to 2048 wide, and 4096.
+/// Measured, not derived: the widths between (2560, 3072, 3584) were slower with it.
+fn prefetches_first_tiles(hidden: usize) -> bool {
+    (1024..=2048).contains(&hidden) || hidden == 4096
+}
+/// How many tiles it asks for.
 const L2_PF_NEXT_TILES: usize = 8;
 
 /// The bf16 models' widths whose whole-ring kernel holds a generation's next step to
@@ -173,11 +177,12 @@ pub fn defines(config: &crate::model::Config, spec: &KernelSpec, extra: &str) ->
         defines.push("-DMK_WEIGHTS_WHOLE_RING=1".to_string());
         // With the whole ring, the loader asks L2 for an instruction's first 8 tiles when it
         // reaches them with the ring full (megakernel/loader.cuh), on bf16 models 1024 to 2048
-        // wide. Measured on the H200 (BENCHMARKS.md, 2026-11-28): Llama-3.2-1B 3.0-3.8% faster
-        // (three rounds), Qwen3-1.7B 0.9-1.5%, Qwen3-0.6B 0.2-0.7%; narrower, SmolLM2 level
-        // and Qwen2.5-0.5B 0.6% slower (one round); wider, Llama-3.2-3B 2.7% slower; Llama-1B
-        // Q8_0 1.1% slower.
-        if L2_PF_NEXT_HIDDEN.contains(&config.hidden_size)
+        // and 4096 wide. Measured on the H200 (BENCHMARKS.md, 2026-11-28 and -29): Llama-3.2-1B
+        // 3.0-3.8% faster (three rounds), Qwen3-1.7B 0.9-1.5%, Qwen3-0.6B 0.2-0.7%, Qwen3-8B
+        // 1.0% and Llama-3.1-8B 0.7% (two rounds each); narrower, SmolLM2 level and
+        // Qwen2.5-0.5B 0.6% slower (one round); between, Qwen3-4B 1.2%, Llama-3.2-3B 2.7% and
+        // Qwen2.5-7B 2.5% slower; Llama-1B Q8_0 1.1% slower.
+        if prefetches_first_tiles(config.hidden_size)
             && spec.formats == sources::MatrixFormats::default()
             && !extra.contains("MK_L2_PF_NEXT")
         {
@@ -429,13 +434,19 @@ mod tests {
     }
 
     /// The whole ring's L2 prefetch of an instruction's first tiles: bf16 models 1024 to 2048
-    /// wide, not the bounded loader, not quantised weights, not the 3B or SmolLM2; an extra
-    /// replaces it.
+    /// and 4096 wide, not the bounded loader, not quantised weights, not the widths between or
+    /// SmolLM2; an extra replaces it.
     #[test]
-    fn the_l2_prefetch_of_first_tiles_on_small_bf16_models_with_the_whole_ring() {
+    fn the_l2_prefetch_of_first_tiles_on_bf16_models_of_measured_widths_with_the_whole_ring() {
         let pf = |d: &[String]| options_named(d, "-DMK_L2_PF_NEXT");
         let fast = whole_ring_spec();
-        for name in ["llama-3.2-1b", "qwen3-1.7b", "qwen3-0.6b"] {
+        for name in [
+            "llama-3.2-1b",
+            "qwen3-1.7b",
+            "qwen3-0.6b",
+            "llama-3.1-8b",
+            "qwen3-8b",
+        ] {
             let cfg = crate::model::presets::by_name(name).unwrap();
             assert_eq!(
                 pf(&defines(&cfg, &fast, "")),
@@ -455,7 +466,13 @@ mod tests {
             ..fast
         };
         assert!(pf(&defines(&cfg, &q8, "")).is_empty());
-        for name in ["llama-3.2-3b", "smollm2-135m", "qwen2.5-0.5b"] {
+        for name in [
+            "llama-3.2-3b",
+            "qwen3-4b",
+            "qwen2.5-7b",
+            "smollm2-135m",
+            "qwen2.5-0.5b",
+        ] {
             let cfg = crate::model::presets::by_name(name).unwrap();
             assert!(pf(&defines(&cfg, &fast, "")).is_empty(), "{name}");
         }
