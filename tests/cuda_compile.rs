@@ -161,7 +161,8 @@ fn every_presets_kernels_compile_as_the_host_chooses_them() {
         let buckets =
             scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq).unwrap();
         let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
-        let plan = kernel_variants(&cfg, Default::default(), &list, 232_448, true, true).unwrap();
+        let plan =
+            kernel_variants(&cfg, Default::default(), &list, 232_448, true, true, false).unwrap();
         assert_eq!(plan.bucket_kernel.len(), list.len(), "{name}");
         // Every preset's context reaches split-KV buckets, which run a kernel by warps without
         // the short parts' spread.
@@ -383,6 +384,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         Default::default(),
         &[(usize::MAX, &sched)],
         232_448,
+        false,
         false,
         false,
     )

@@ -1169,6 +1169,7 @@ fn host_kernel_variants(
     fast_memory: bool,
 ) -> Result<KernelVariants> {
     let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
+    let ring_by_buckets = super::switches::switch("MEGAINFER_MK_RING_BY_BUCKETS", false)?;
     kernel_variants(
         c,
         formats,
@@ -1176,6 +1177,7 @@ fn host_kernel_variants(
         max_smem_per_block,
         fast_memory,
         by_warps_allowed,
+        ring_by_buckets,
     )
 }
 
@@ -1183,7 +1185,13 @@ fn host_kernel_variants(
 /// model, its matrix formats, the schedules and the GPU's shared memory and memory speed alone:
 /// no GPU is needed to know them (tests/cuda_compile.rs compiles every preset's).
 /// `by_warps_allowed`: `MEGAINFER_MK_ATT_BY_WARPS` (false: attention by rounds wherever the
-/// choice is open, for measuring).
+/// choice is open, for measuring). `ring_by_buckets`: `MEGAINFER_MK_RING_BY_BUCKETS` (for
+/// measuring, off by default): the shared-memory plan sizes attention's scratch for the most
+/// query heads an attention instruction of these buckets computes rather than for a KV head's
+/// whole group. Where a short bucket computes one head an instruction and no bucket computes
+/// more, that can leave room for more pages: Qwen2.5-7B (7 query heads of 128 a KV head) plans
+/// 8 pages for the whole group's scratch and 12 for one head's, at bench's 160 positions; with
+/// split-KV buckets (whole groups) the plan is the same either way.
 pub fn kernel_variants(
     c: &crate::model::Config,
     formats: super::sources::MatrixFormats,
@@ -1191,6 +1199,7 @@ pub fn kernel_variants(
     max_smem_per_block: usize,
     fast_memory: bool,
     by_warps_allowed: bool,
+    ring_by_buckets: bool,
 ) -> Result<KernelVariants> {
     let Some(&(_, first)) = buckets.first() else {
         bail!("megakernel: no schedule given");
@@ -1202,7 +1211,17 @@ pub fn kernel_variants(
     if max_cols * 2 > PAGE_BYTES {
         bail!("schedule: a weight row segment of {max_cols} columns does not fit a {PAGE_BYTES}-byte page");
     }
-    let attention_scratch = attention_scratch(c.num_heads / c.num_kv_heads, c.head_dim);
+    let group = c.num_heads / c.num_kv_heads;
+    let scratch_heads = if ring_by_buckets {
+        buckets
+            .iter()
+            .map(|&(_, s)| s.options.attn_heads_of(&s.model))
+            .max()
+            .unwrap_or(group)
+    } else {
+        group
+    };
+    let attention_scratch = attention_scratch(scratch_heads, c.head_dim);
     let xs_floats = xs_floats(max_cols, attention_scratch);
     // Attention by warps (where a lane's queries and output fit its registers for a KV
     // group's query heads or half of them, megakernel/ops/attention.cuh) streams long
@@ -1417,7 +1436,8 @@ mod tests {
         let buckets =
             scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), 131_072).unwrap();
         let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
-        let plan = kernel_variants(&c, Default::default(), &list, 232_448, true, true).unwrap();
+        let plan =
+            kernel_variants(&c, Default::default(), &list, 232_448, true, true, false).unwrap();
         let uptos: Vec<usize> = list.iter().map(|b| b.0).collect();
         assert_eq!(uptos, [512, 1024, 4096, 65_536, 131_072]);
         assert_eq!(plan.bucket_kernel, [0, 1, 1, 2, 1]);
@@ -1437,9 +1457,53 @@ mod tests {
         assert!(plan.specs.iter().all(|s| s.whole_ring && !s.sampled));
         // Attention by rounds everywhere where by warps is switched off (the split-KV buckets
         // stay by warps: their merge takes the by-warps form).
-        let rounds = kernel_variants(&c, Default::default(), &list, 232_448, false, false).unwrap();
+        let rounds =
+            kernel_variants(&c, Default::default(), &list, 232_448, false, false, false).unwrap();
         assert!(!rounds.specs[0].attn_by_warps && !rounds.specs[0].attn_spread);
         assert!(rounds.specs.iter().all(|s| !s.whole_ring));
+    }
+
+    /// The ring planned for the buckets' attention instructions (`MEGAINFER_MK_RING_BY_BUCKETS`,
+    /// for measuring): on an H100's or H200's shared memory only Qwen2.5-7B's plan changes, and
+    /// only where its buckets compute one query head an instruction (a 161-position context):
+    /// 8 pages become 12. With split-KV buckets (whole groups) every preset's plan is the same.
+    #[test]
+    fn the_ring_planned_for_the_buckets_changes_only_qwen25_7b_short() {
+        use super::{kernel_variants, megakernel_gpu_shape, split_at_kv_bound};
+        for name in crate::model::presets::NAMES {
+            let c = crate::model::presets::by_name(name).unwrap();
+            for max_seq in [161, c.max_position_embeddings.min(32_768)] {
+                let shape = megakernel_gpu_shape(&c, 132, 232_448);
+                let model = crate::reference::sliced::shape_of(&c);
+                let cost = scheduler::CostModel::megakernel(max_seq);
+                let buckets =
+                    scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq)
+                        .unwrap();
+                let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
+                let plan = |by_buckets| {
+                    let p = kernel_variants(
+                        &c,
+                        Default::default(),
+                        &list,
+                        232_448,
+                        true,
+                        true,
+                        by_buckets,
+                    )
+                    .unwrap();
+                    let pages: Vec<usize> = p.specs.iter().map(|s| s.pages).collect();
+                    (p.xs_floats, pages)
+                };
+                let (group, (xs, pages)) = (plan(false), plan(true));
+                if *name == "qwen2.5-7b" && max_seq == 161 {
+                    assert!(group.1.iter().all(|&p| p == 8), "{name}: {:?}", group.1);
+                    assert!(pages.iter().all(|&p| p == 12), "{name}: {pages:?}");
+                    assert!(xs < group.0, "{name}: xs {xs} against {}", group.0);
+                } else {
+                    assert_eq!((xs, pages), group, "{name} at {max_seq}");
+                }
+            }
+        }
     }
 
     /// Llama-1B's buckets at 128K (4K to 128K one bucket of 16 parts) get a cut at 64K with the
