@@ -370,7 +370,8 @@ fn quantised_kernel_defines(preset: &str, formats: sources::MatrixFormats) -> Ve
 /// The options `run` and `bench` compile the megakernel with for preset `name` (bf16) on an
 /// H100's schedule (a 64-position context: one query head an attention instruction), attention
 /// by rounds (`kernel_variants` with by-warps switched off, as `MEGAINFER_MK_ATT_BY_WARPS=0`
-/// has it), and the schedule's k-chunk count.
+/// has it; the ring planned for the bucket's attention instructions, as by default), and the
+/// schedule's k-chunk count.
 fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
     use megainfer::gpu::megakernel::{
         kernel_defines, kernel_variants, megakernel_gpu_shape, megakernel_schedule, KernelSpec,
@@ -386,7 +387,7 @@ fn preset_kernel_defines(name: &str, sampled: bool) -> (Vec<String>, usize) {
         232_448,
         false,
         false,
-        false,
+        true,
     )
     .unwrap();
     let spec = KernelSpec {

@@ -1169,7 +1169,7 @@ fn host_kernel_variants(
     fast_memory: bool,
 ) -> Result<KernelVariants> {
     let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
-    let ring_by_buckets = super::switches::switch("MEGAINFER_MK_RING_BY_BUCKETS", false)?;
+    let ring_by_buckets = super::switches::switch("MEGAINFER_MK_RING_BY_BUCKETS", true)?;
     kernel_variants(
         c,
         formats,
@@ -1185,13 +1185,14 @@ fn host_kernel_variants(
 /// model, its matrix formats, the schedules and the GPU's shared memory and memory speed alone:
 /// no GPU is needed to know them (tests/cuda_compile.rs compiles every preset's).
 /// `by_warps_allowed`: `MEGAINFER_MK_ATT_BY_WARPS` (false: attention by rounds wherever the
-/// choice is open, for measuring). `ring_by_buckets`: `MEGAINFER_MK_RING_BY_BUCKETS` (for
-/// measuring, off by default): the shared-memory plan sizes attention's scratch for the most
+/// choice is open, for measuring). `ring_by_buckets`: `MEGAINFER_MK_RING_BY_BUCKETS` (on by
+/// default; `=0` for measuring): the shared-memory plan sizes attention's scratch for the most
 /// query heads an attention instruction of these buckets computes rather than for a KV head's
 /// whole group. Where a short bucket computes one head an instruction and no bucket computes
 /// more, that can leave room for more pages: Qwen2.5-7B (7 query heads of 128 a KV head) plans
-/// 8 pages for the whole group's scratch and 12 for one head's, at bench's 160 positions; with
-/// split-KV buckets (whole groups) the plan is the same either way.
+/// 8 pages for the whole group's scratch and 12 for one head's, at bench's 160 positions, and
+/// decodes 1.9% faster with them (H200, BENCHMARKS.md); with split-KV buckets (whole groups)
+/// the plan is the same either way.
 pub fn kernel_variants(
     c: &crate::model::Config,
     formats: super::sources::MatrixFormats,
@@ -1463,8 +1464,8 @@ mod tests {
         assert!(rounds.specs.iter().all(|s| !s.whole_ring));
     }
 
-    /// The ring planned for the buckets' attention instructions (`MEGAINFER_MK_RING_BY_BUCKETS`,
-    /// for measuring): on an H100's or H200's shared memory only Qwen2.5-7B's plan changes, and
+    /// The ring planned for the buckets' attention instructions (the default;
+    /// `MEGAINFER_MK_RING_BY_BUCKETS=0` plans for whole groups): on an H100's or H200's shared memory only Qwen2.5-7B's plan changes, and
     /// only where its buckets compute one query head an instruction (a 161-position context):
     /// 8 pages become 12. With split-KV buckets (whole groups) every preset's plan is the same.
     #[test]
