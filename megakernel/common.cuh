@@ -22,13 +22,28 @@ __device__ __forceinline__ void widen8(uint4 w, float* f) {
     f[6] = __uint_as_float(w.w << 16); f[7] = __uint_as_float(w.w & 0xffff0000u);
 }
 
+// MK_DOT8_CHAINS=2 (for measuring): the 8 products summed in two chains of four (even and odd
+// columns) instead of one of eight.
+#ifndef MK_DOT8_CHAINS
+#define MK_DOT8_CHAINS 1
+#endif
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     float f[8];
     widen8(w, f);
+#if MK_DOT8_CHAINS == 2
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        s0 = fmaf(f[i], x[i], s0);
+        s1 = fmaf(f[i + 1], x[i + 1], s1);
+    }
+    return s0 + s1;
+#else
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; i++) s = fmaf(f[i], x[i], s);
     return s;
+#endif
 }
 
 // Weights are read once per token: stream them past L1.
