@@ -959,12 +959,16 @@ __device__ __forceinline__ void lane_x(const float* xs, int c, bool in, float (&
 }
 
 // The same with x read from shared memory, for longer rows (block lanes digitise it at every
-// step).
+// step). MK_XS_UNROLL (for measuring): the bf16 loop's steps unrolled (4 was 1.5-2.6% slower
+// than 2 on the H200; 1 tells whether the loop's code size matters, BENCHMARKS.md).
+#ifndef MK_XS_UNROLL
+#define MK_XS_UNROLL 2
+#endif
 template <int WT, bool BL, int R>
 __device__ __forceinline__ void dot_rows_xs(const unsigned char* rows, int slot, const unsigned char* const (&sc)[R],
                                             int cols, int c0, const float* xs, float* acc) {
     if constexpr (WT == WEIGHT_BF16) {
-#pragma unroll 2
+#pragma unroll MK_XS_UNROLL
         for (int c = c0; c < cols; c += 512) {
             float x[8];
             *(float4*)x = *(const float4*)(xs + c);
