@@ -12,7 +12,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
   while read -r P VARS; do
     [ -n "$P" ] || continue
     # shellcheck disable=SC2086 # VARS is a list of NAME=VALUE words
-    r "$P ${VARS:-cost model}" X=0 $VARS bundle/megainfer bench --preset "$P" --reps 3 --paths megakernel
+    r "$P ${VARS:-cost model}" $VARS bundle/megainfer bench --preset "$P" --reps 3 --paths megakernel
   done <<< "$CASES"
 done
 rm -f $OUT/b.log

@@ -2,8 +2,9 @@
 # On the GPU machine, after scripts/gpu-check.sh unpacked bundle/ (OUT set): the megakernel with
 # its ring planned for the buckets' attention instructions (MEGAINFER_MK_RING_BY_BUCKETS=1, the
 # default: Qwen2.5-7B's 8 pages become 12 at short contexts) against the whole groups' plan
-# (=0), alternating in one call, ROUNDS rounds (default 2), on each preset of PRESETS (default Qwen2.5-7B; `bench
-# --preset NAME --reps 3 --paths megakernel`, 32-token prompt, 128 new tokens, greedy).
+# (=0), alternating in one call, ROUNDS rounds (default 2), on each preset of PRESETS (default
+# Qwen2.5-7B; `bench --preset NAME --reps 3 --paths megakernel`, 32-token prompt, 128 new
+# tokens, greedy).
 # Run as: TESTS=" " EXTRA="bash scripts/bench-ring-by-buckets.sh" bash scripts/gpu-check.sh
 # (its correctness: TESTS=bundle/tests/gpu_megakernel-* TEST_FILTER=over_one_round bash
 # scripts/gpu-check.sh runs the teacher-forced test whose 3584-wide model has Qwen2.5-7B's

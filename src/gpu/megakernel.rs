@@ -1465,9 +1465,10 @@ mod tests {
     }
 
     /// The ring planned for the buckets' attention instructions (the default;
-    /// `MEGAINFER_MK_RING_BY_BUCKETS=0` plans for whole groups): on an H100's or H200's shared memory only Qwen2.5-7B's plan changes, and
-    /// only where its buckets compute one query head an instruction (a 161-position context):
-    /// 8 pages become 12. With split-KV buckets (whole groups) every preset's plan is the same.
+    /// `MEGAINFER_MK_RING_BY_BUCKETS=0` plans for whole groups): on an H100's or H200's shared
+    /// memory only Qwen2.5-7B's plan changes, and only where its buckets compute one query head
+    /// an instruction (a 161-position context): 8 pages become 12. With split-KV buckets (whole
+    /// groups) every preset's plan is the same.
     #[test]
     fn the_ring_planned_for_the_buckets_changes_only_qwen25_7b_short() {
         use super::{kernel_variants, megakernel_gpu_shape, split_at_kv_bound};
