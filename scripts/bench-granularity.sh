@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine, after scripts/gpu-check.sh unpacked bundle/ (OUT set): the megakernel with
-# the scheduler's granularity set by the environment (src/gpu/paths.rs, `env_overrides`) against
-# the cost model's choice, alternating in one call, ROUNDS rounds (default 1). CASES: one case a
-# line, a preset then the variables of a variant (none: the cost model's choice), e.g.
+# On the GPU machine, after scripts/gpu-check.sh unpacked bundle/ (OUT set): the megakernel under
+# variants set by the environment, alternating in one call, ROUNDS rounds (default 1); made for
+# the scheduler's granularity (src/gpu/paths.rs, `env_overrides`) against the cost model's
+# choice, and any other MEGAINFER_* switch (scripts/bench-ring-by-buckets.sh). CASES: one case a
+# line, a preset then the variables of a variant (none: the defaults, "cost model"), e.g.
 #   CASES=$'llama-3.2-3b\nllama-3.2-3b MEGAINFER_MK_QKV_PAIRS=20'
 # Each row is `bench --preset NAME --reps 3 --paths megakernel` (32-token prompt, 128 new
 # tokens, greedy) and prints its ms/token and share of the read bandwidth.

@@ -98,6 +98,9 @@ fn megakernel_matches_reference_on_llama_1b_shape() {
     teacher_forced(&gpu, &cfg, &w, &tokens, &sched, "llama-1b", TOL_LLAMA_1B);
 }
 
+/// The tokens the wide models' teacher-forced tests feed.
+const WIDE_TOKENS: [u32; 5] = [5, 900, 33, 12, 640];
+
 /// Hidden sizes over 2048 (ops/model.cuh, MK_DOWN_CHUNKS): the residual entering a layer read
 /// in one round (2560 wide at 3 down-projection k-chunks: 4 sources; 3584 at 1) and in rounds,
 /// up-gate's one source in one trip (2560 at 5 k-chunks, 3584 at 2), q/k norms as Qwen3 has
@@ -121,8 +124,15 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
             let sched = schedule_with(&gpu, &cfg, overrides);
             assert_eq!(sched.options.down_chunks, down_chunks);
             let label = format!("hidden {hidden}, {down_chunks} k-chunks");
-            let tokens = [5, 900, 33, 12, 640];
-            teacher_forced(&gpu, &cfg, &w, &tokens, &sched, &label, TOL_OVER_ONE_ROUND);
+            teacher_forced(
+                &gpu,
+                &cfg,
+                &w,
+                &WIDE_TOKENS,
+                &sched,
+                &label,
+                TOL_OVER_ONE_ROUND,
+            );
         }
         // One RmsQkvRope per SM, heads cut in two to four pieces each, whose raw q and k
         // attention then norms by whole heads (MEGAINFER_MK_QKV_PIECES; the cost model chooses
@@ -138,7 +148,7 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
             &gpu,
             &cfg,
             &w,
-            &[5, 900, 33, 12, 640],
+            &WIDE_TOKENS,
             &sched,
             &label,
             TOL_OVER_ONE_ROUND,
@@ -160,7 +170,7 @@ fn megakernel_matches_reference_at_4096_wide() {
         &gpu,
         &cfg,
         &w,
-        &[5, 900, 33, 12, 640],
+        &WIDE_TOKENS,
         &sched,
         "hidden 4096",
         TOL_OVER_ONE_ROUND,
