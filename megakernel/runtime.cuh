@@ -1290,17 +1290,17 @@ __device__ __forceinline__ bool tiles_mma(const MkParams& p, u32 instr, u32 seq,
 // for Q4 block lanes' digits there: with one step in registers, so that 2048-column rows (QKV,
 // up-gate, O, LM head) read theirs from shared memory, Llama-3.2-3B Q4_0 was 2.0% faster,
 // Qwen3-4B and Llama-3.1-8B 0.9%; Llama-1B Q8_0, twice the quants a digit, 1.5% slower.
-// bf16 rows of models wider than 2048 and at most 3072 wide keep x in registers up to 8 steps
+// bf16 rows of models wider than 2048 and at most 3584 wide keep x in registers up to 8 steps
 // (4096 columns: every row those models have, the down projection's chunks too). On the H200,
 // Qwen3-4B (2560 wide: 5 steps, which the shared-memory loop's two-step unroll leaves one over)
-// decodes 3.2% faster with them and Llama-3.2-3B 0.2%; at 2048 wide Llama-1B was 0.8% faster
-// and Qwen3-1.7B 0.9% slower, so 2048 keeps shared memory; wider models were not measured
-// (BENCHMARKS.md, 2026-11-29). MK_X_REG_STEPS_BF16 sets it.
+// decodes 3.2% faster with them, Qwen2.5-7B (3584: 7 steps) 1.2% and Llama-3.2-3B 0.2%; at 2048
+// wide Llama-1B was 0.8% faster and Qwen3-1.7B 0.9% slower, so 2048 keeps shared memory, and
+// at 4096 Qwen3-8B was level (BENCHMARKS.md, 2026-11-29). MK_X_REG_STEPS_BF16 sets it.
 #ifndef MK_X_REG_STEPS
 #define MK_X_REG_STEPS (MK_HIDDEN >= 2048 ? 3 : 4)
 #endif
 #ifndef MK_X_REG_STEPS_BF16
-#define MK_X_REG_STEPS_BF16 (MK_HIDDEN > 2048 && MK_HIDDEN <= 3072 ? 8 : MK_X_REG_STEPS)
+#define MK_X_REG_STEPS_BF16 (MK_HIDDEN > 2048 && MK_HIDDEN <= 3584 ? 8 : MK_X_REG_STEPS)
 #endif
 template <int WT>
 __device__ __forceinline__ constexpr int xq_reg_steps() {

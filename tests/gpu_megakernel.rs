@@ -244,7 +244,8 @@ fn megakernel_long_greedy_run_on_llama_1b_shape() {
 /// taken a ring's worth at a time, in one part and split in three. In one part the first 192
 /// positions are spread over every warp (attention by warps), the rest stream; at head_dim 128
 /// three and four query heads a KV head take two head groups (with three, the second holds a
-/// head past the group's last, computed and not kept).
+/// head past the group's last, computed and not kept); seven (Qwen2.5-7B's groups) compute by
+/// rounds, split in three with a partial output a warp pair.
 #[test]
 #[ignore = "needs a GPU"]
 fn megakernel_attention_longer_than_the_page_ring() {
@@ -255,6 +256,7 @@ fn megakernel_attention_longer_than_the_page_ring() {
         ("hd128", tiny(256, 4, 2, 128, 520)),
         ("hd128-g3", tiny(384, 6, 2, 128, 520)),
         ("hd128-g4", tiny(512, 8, 2, 128, 520)),
+        ("hd128-g7", tiny(896, 7, 1, 128, 520)),
     ] {
         let w = random_weights(&cfg, 21);
         let dm = DeviceModel::upload(&gpu, &cfg, &w).unwrap();

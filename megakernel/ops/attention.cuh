@@ -155,11 +155,18 @@ constexpr int ATT_LANE_DIMS = ATT_HD / 8, ATT_HEADS_PER_PASS = 4;
 // Values: a thread takes 4 dims of every head; the position groups share the consumer threads
 // (16 groups at head_dim 64, two to a warp; 8 at 128).
 constexpr int ATT_ITEMS = ATT_HD / 4, ATT_GROUPS = CONSUMERS / ATT_ITEMS;
+// The rounds' partial outputs: one a consumer warp, or where the heads' outputs are more than
+// 512 floats (Qwen2.5-7B's whole groups of 7 heads of 128, which its split-KV buckets compute)
+// one a warp pair, so that the scratch leaves the weight ring 12 pages instead of 8; the host's
+// attention_part_slots (src/gpu/megakernel/layout.rs) has the same rule. Attention by warps
+// (never on those shapes) keeps one a warp.
+constexpr bool ATT_PART_PAIRS = ATT_G * ATT_HD > 512;
+constexpr int ATT_PART_SLOTS = ATT_PART_PAIRS ? CONSUMER_WARPS / 2 : CONSUMER_WARPS;
 // The scratch layout in floats (its size checked against the host's attention_scratch below):
-// S, each warp's partial output, the running output, the queries, this token's K and V, and
-// per head the running max, sum and the round's correction factor.
+// S, the partial outputs, the running output, the queries, this token's K and V, and per head
+// the running max, sum and the round's correction factor.
 constexpr int ATT_OFF_PART = ATT_G * ATT_S_STRIDE;
-constexpr int ATT_OFF_OUT = ATT_OFF_PART + CONSUMER_WARPS * ATT_G * ATT_HD;
+constexpr int ATT_OFF_OUT = ATT_OFF_PART + ATT_PART_SLOTS * ATT_G * ATT_HD;
 constexpr int ATT_OFF_Q = ATT_OFF_OUT + ATT_G * ATT_HD;
 constexpr int ATT_OFF_KN = ATT_OFF_Q + ATT_G * ATT_HD;
 constexpr int ATT_OFF_VN = ATT_OFF_KN + ATT_HD;
@@ -261,7 +268,9 @@ __device__ __forceinline__ void attn_softmax(int n, float* S, float* stats) {
 // Thread (group, item) sums P · V over staged positions group, group + ATT_GROUPS, ... for 4
 // dims of every head, so each V row is read once for all of them (unrolled, so several rows'
 // loads are in flight); the group that this token's position falls to adds it. The groups
-// sharing a warp are added by shuffles, and each warp leaves one partial output.
+// sharing a warp are added by shuffles, and each warp leaves one partial output (with
+// ATT_PART_PAIRS each pair one: the odd warp stores its own, then after a barrier the even
+// warp adds its own to it).
 __device__ __forceinline__ void attn_values(const AttnRound& r, const float* S, const float* vn, float* part) {
     const int ct = threadIdx.x - 32, item = ct % ATT_ITEMS, grp = ct / ATT_ITEMS, d0 = item * 4;
     float acc[ATT_G][4];
@@ -291,10 +300,25 @@ __device__ __forceinline__ void attn_values(const AttnRound& r, const float* S, 
         for (int g = 0; g < ATT_G; g++)
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-    if ((ct & 31) < ATT_ITEMS)
+    if constexpr (ATT_PART_PAIRS) {
+        const int cw = ct >> 5;
+        float* slot = part + (cw >> 1) * ATT_G * ATT_HD + d0;
+        if ((cw & 1) && (ct & 31) < ATT_ITEMS)
+#pragma unroll
+            for (int g = 0; g < ATT_G; g++)
+                *(float4*)(slot + g * ATT_HD) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+        consumers_sync();
+        if (!(cw & 1) && (ct & 31) < ATT_ITEMS)
+#pragma unroll
+            for (int g = 0; g < ATT_G; g++) {
+                const float4 o = *(const float4*)(slot + g * ATT_HD);
+                *(float4*)(slot + g * ATT_HD) = make_float4(o.x + acc[g][0], o.y + acc[g][1], o.z + acc[g][2], o.w + acc[g][3]);
+            }
+    } else if ((ct & 31) < ATT_ITEMS) {
 #pragma unroll
         for (int g = 0; g < ATT_G; g++)
             *(float4*)(part + ((ct >> 5) * ATT_G + g) * ATT_HD + d0) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+    }
 }
 
 // Output element i (head i / head_dim of the group, dim i % head_dim): the whole attention
@@ -761,6 +785,7 @@ __device__ u32 attn_by_warps(const MkParams& p, const u32* w, const AttnRange& a
     constexpr int G = ATT_G, WG = ATT_WG, HG = ATT_HG, LD = ATT_LANE_DIMS, HD = ATT_HD, CW = CONSUMER_WARPS;
     static_assert(ATT_WROWS % ATT_BROWS == 0 && LD % 8 == 0, "a warp's rows are whole blocks");
     static_assert((2 * CW + 1) * G <= ATT_OFF_PART, "the warps' statistics fit the score rows");
+    static_assert(!(ATT_PART_PAIRS && ATT_BY_WARPS), "attention by warps keeps a partial output a warp");
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, q8 = lane & 7, octet = lane >> 3;
     // The warp's heads: g0 + g for g < WG (a head past the group's last, where WG does not
     // divide it, is computed on the last head and not kept); its rows: with one head group
@@ -1062,7 +1087,7 @@ __device__ u32 op_attention(const MkParams& p, const u32* w, const TokenMeta& m,
             const int g = i / hd;
             float v = out[i] * stats[2 * G + g];
 #pragma unroll
-            for (int k = 0; k < CONSUMER_WARPS; k++) v += partial[k * G * hd + i];
+            for (int k = 0; k < ATT_PART_SLOTS; k++) v += partial[k * G * hd + i];
             if (last) attn_store(p, w, i, v / stats[G + g], stats[g], stats[G + g]);
             else out[i] = v;
         }

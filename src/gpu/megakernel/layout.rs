@@ -120,13 +120,26 @@ pub fn smem_macros() -> String {
     s
 }
 
+/// Partial outputs attention's rounds keep (`ATT_PART_SLOTS` in megakernel/ops/attention.cuh):
+/// one a consumer warp, or one a warp pair where the heads' outputs are more than 512 floats
+/// (Qwen2.5-7B's whole groups of 7 heads of 128, which its split-KV buckets compute): with a
+/// slot a warp their scratch left the weight ring 8 pages instead of 12.
+pub fn attention_part_slots(group: usize, head_dim: usize) -> usize {
+    if group * head_dim > 512 {
+        CONSUMER_WARPS / 2
+    } else {
+        CONSUMER_WARPS
+    }
+}
+
 /// Floats of shared memory the attention instruction uses (the layout at the top of
 /// megakernel/ops/attention.cuh, which checks its size against this one): scores for a round
-/// of staged positions and this token's, each consumer warp's partial output, the running
-/// output, the queries, this token's K and V rows, and three numbers per head.
+/// of staged positions and this token's, the partial outputs ([`attention_part_slots`]), the
+/// running output, the queries, this token's K and V rows, and three numbers per head.
 pub fn attention_scratch(group: usize, head_dim: usize) -> usize {
     let round_stride = ATT_ROUND + 4;
-    group * round_stride + (CONSUMER_WARPS + 2) * group * head_dim + 2 * head_dim + 3 * group
+    let slots = attention_part_slots(group, head_dim);
+    group * round_stride + (slots + 2) * group * head_dim + 2 * head_dim + 3 * group
 }
 
 /// Floats of `xs`: the longest mat-vec input row, or the attention scratch less the `res`
@@ -160,6 +173,7 @@ mod tests {
             (8, 64),
             (2, 128),
             (4, 128),
+            (7, 128),
             (8, 128),
         ] {
             for max_cols in [576, 2048, 4096] {
@@ -245,6 +259,10 @@ mod tests {
         // group 4, head_dim 64: S 4·260, partial outputs 8·4·64, output and queries 2·4·64,
         // K and V 2·64, stats 3·4.
         assert_eq!(attention_scratch(4, 64), 1040 + 2048 + 512 + 128 + 12);
+        // group 7, head_dim 128 (Qwen2.5-7B's whole groups): a partial output a warp pair, 4·7·128.
+        assert_eq!(attention_part_slots(7, 128), 4);
+        assert_eq!(attention_part_slots(4, 128), 8);
+        assert_eq!(attention_scratch(7, 128), 1820 + 3584 + 1792 + 256 + 21);
         // The scratch past 2 * RES_MAX floats only counts.
         assert_eq!(xs_floats(2048, 3740), 2048);
         assert_eq!(xs_floats(2048, 8000), 8000 - 4096);
