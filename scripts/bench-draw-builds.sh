@@ -6,7 +6,8 @@
 # (default 2), for each rule of RULES (";"-separated; default: greedy, T 0.8 top-p 0.95 and
 # T 0.8 min-p 0.05), on each preset of PRESETS (default: SmolLM2; 32-token prompt, 128 new
 # tokens, --reps 3) or, with DRAW_MODEL=default, on the default model (`bench -m` with bench's
-# 37-token prompt, --reps 5; scripts/gpu-check.sh joins its parts).
+# 37-token prompt, --reps 5; scripts/gpu-check.sh joins its parts). BENCH_ARGS adds `bench`
+# options to every run (e.g. `--max-context 32768`: a short run in the buckets `run` sets up).
 # Run as: TESTS=" " BINS="…" EXTRA="bash scripts/bench-draw-builds.sh" bash scripts/gpu-check.sh
 . "$(dirname "$0")/bench-rows.sh"
 BINS=${BINS:-bundle/megainfer-old bundle/megainfer}
@@ -22,6 +23,7 @@ for C in $CASES; do
   else
     ARGS="--preset $C --reps 3"
   fi
+  ARGS="$ARGS ${BENCH_ARGS:-}"
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for rule in "${RS[@]}"; do
       [ "$rule" = greedy ] && rule=""

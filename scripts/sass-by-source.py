@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""How much of a megakernel CUBIN's code each source file and function makes up.
+"""How much of a megakernel CUBIN's code, or of its warps' time, each source file and function
+makes up.
 
-Usage: scripts/sass-by-source.py CUBIN SOURCE [TOP]
+Usage: scripts/sass-by-source.py CUBIN SOURCE [TOP] [--samples NCU_SOURCE_CSV]
   CUBIN:  a megakernel compiled with line info, e.g. from
           `MEGAINFER_MK_DEFINES=-lineinfo MEGAINFER_CACHE=DIR megainfer schedule --preset NAME
           --context 161 --compile-kernels h200` (DIR/kernels/megakernel-*.cubin);
   SOURCE: the source it was compiled from, `cargo run --release --example megakernel_source`;
-  TOP:    how many functions to list (default 30).
+  TOP:    how many functions (and with --samples, source lines) to list (default 30);
+  --samples: the SASS page scripts/mk-stalls.sh writes with SOURCE=1 ($OUT/mk-source-*.csv)
+          for a launch of this very CUBIN (profile with the same MEGAINFER_MK_DEFINES and carry
+          DIR's cache, so that the GPU machine loads it rather than compiling its own): each
+          instruction then weighs its warp samples instead of 1, and the lines with the most
+          samples are listed with their top stall reasons.
 Runs `nvdisasm -g -c` (NVDISASM in the environment, else on the PATH; `pip install
 nvidia-cuda-nvdisasm` has one) and attributes each SASS instruction to the line its line info
 names: the file of the repository that line comes from, and the nearest `__device__` function
 above it (inlined helpers count where they are written, so `dot8` stands for every tile loop
-that inlines it). Prints instructions and KiB per file, then per function, largest first.
+that inlines it). Prints instructions and KiB (or shares of the samples) per file, then per
+function, largest first.
 """
 import collections
 import os
@@ -35,11 +42,34 @@ def file_spans(source):
     return sorted(spans)
 
 
+def ncu_samples(path):
+    """Per SASS instruction, in address order: (warp samples, {stall reason: samples})."""
+    import csv
+
+    lines = open(path).readlines()
+    start = [i for i, text in enumerate(lines) if text.startswith('"Address"')]
+    if not start:
+        sys.exit(f"{path}: no SASS page (scripts/mk-stalls.sh with SOURCE=1 writes one)")
+    rows = list(csv.DictReader(lines[start[0]:]))
+    num = lambda x: float(x.replace(",", "") or 0) if x else 0.0
+    total = "Warp Stall Sampling (All Samples)"
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    return [(num(r[total]), {c[6:]: num(r[c]) for c in reasons}) for r in rows]
+
+
 def main():
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    samples = None
+    if "--samples" in args:
+        at = args.index("--samples")
+        if at + 1 >= len(args):
+            sys.exit(__doc__)
+        samples = ncu_samples(args[at + 1])
+        del args[at : at + 2]
+    if len(args) < 2:
         sys.exit(__doc__)
-    cubin, source_path = sys.argv[1], sys.argv[2]
-    top = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+    cubin, source_path = args[0], args[1]
+    top = int(args[2]) if len(args) > 2 else 30
     source = Path(source_path).read_text()
     lines = source.split("\n")
     spans = file_spans(source)
@@ -65,23 +95,49 @@ def main():
 
     nvdisasm = os.environ.get("NVDISASM", "nvdisasm")
     out = subprocess.run([nvdisasm, "-g", "-c", cubin], capture_output=True, text=True, check=True).stdout
-    per_file, per_fn = collections.Counter(), collections.Counter()
+    # The line each instruction comes from, in address order (None before the first line info).
+    at_line = []
     line = None
     for text in out.split("\n"):
         m = re.search(r'//## File "[^"]*", line (\d+)', text)
         if m:
             line = int(m.group(1))
-        elif line and re.search(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@{]", text):
-            f = file_of(line)
-            per_file[f] += 1
-            per_fn[(f.rsplit("/", 1)[-1], function(line))] += 1
-    total = sum(per_file.values())
-    print(f"{total} instructions with line info ({total * 16 / 1024:.0f} KiB)")
+        elif re.search(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@{]", text):
+            at_line.append(line)
+    if samples is not None and len(samples) != len(at_line):
+        sys.exit(
+            f"{len(samples)} profiled instructions against {len(at_line)} in {cubin}: "
+            "not the CUBIN that was profiled"
+        )
+    weights = [s[0] for s in samples] if samples else [1.0] * len(at_line)
+    per_file, per_fn, per_line = collections.Counter(), collections.Counter(), collections.Counter()
+    why = collections.defaultdict(collections.Counter)
+    for i, (line, wgt) in enumerate(zip(at_line, weights)):
+        f = file_of(line) if line else "(no line info)"
+        per_file[f] += wgt
+        per_fn[(f.rsplit("/", 1)[-1], function(line) if line else "?")] += wgt
+        if samples:
+            per_line[line] += wgt
+            why[line].update(samples[i][1])
+    total = sum(per_file.values()) or 1.0
+    if samples:
+        show = lambda n: f"{100 * n / total:6.1f}%"
+        print(f"{total:.0f} warp samples over {len(at_line)} instructions")
+    else:
+        show = lambda n: f"{n:7.0f} {n * 16 / 1024:7.1f} KiB"
+        print(f"{total:.0f} instructions with line info ({total * 16 / 1024:.0f} KiB)")
     for f, n in per_file.most_common():
-        print(f"{n:7d} {n * 16 / 1024:7.1f} KiB  {f}")
+        print(f"{show(n)}  {f}")
     print()
     for (f, fn), n in per_fn.most_common(top):
-        print(f"{n:7d} {n * 16 / 1024:7.1f} KiB  {f}: {fn}")
+        print(f"{show(n)}  {f}: {fn}")
+    if samples:
+        print()
+        for line, n in per_line.most_common(top):
+            reasons = " ".join(f"{k}:{100 * v / total:.1f}%" for k, v in why[line].most_common(3) if v)
+            text = lines[line - 1].strip()[:60] if line else ""
+            where = f"{file_of(line).rsplit('/', 1)[-1]}:{function(line)}" if line else "?"
+            print(f"{show(n)}  {where}: {text}  [{reasons}]")
 
 
 if __name__ == "__main__":
