@@ -1160,7 +1160,9 @@ pub fn compile_kernels_ahead(
 }
 
 /// [`kernel_variants`] as the host takes them: attention by warps unless
-/// `MEGAINFER_MK_ATT_BY_WARPS=0` (for measuring).
+/// `MEGAINFER_MK_ATT_BY_WARPS=0`, and with `MEGAINFER_MK_MAX_PAGES=N` (a multiple of the
+/// consumer warp pairs) a ring of at most N pages: both for measuring, the second what the
+/// ring's bytes are worth to a shape.
 fn host_kernel_variants(
     c: &crate::model::Config,
     formats: super::sources::MatrixFormats,
@@ -1170,7 +1172,7 @@ fn host_kernel_variants(
 ) -> Result<KernelVariants> {
     let by_warps_allowed = super::switches::switch("MEGAINFER_MK_ATT_BY_WARPS", true)?;
     let ring_by_buckets = super::switches::switch("MEGAINFER_MK_RING_BY_BUCKETS", true)?;
-    kernel_variants(
+    let mut plan = kernel_variants(
         c,
         formats,
         buckets,
@@ -1178,7 +1180,24 @@ fn host_kernel_variants(
         fast_memory,
         by_warps_allowed,
         ring_by_buckets,
-    )
+    )?;
+    if let Some(cap) = super::switches::count("MEGAINFER_MK_MAX_PAGES")? {
+        cap_pages(&mut plan, cap)?;
+    }
+    Ok(plan)
+}
+
+/// At most `cap` ring pages in every variant (`MEGAINFER_MK_MAX_PAGES`): a multiple of
+/// TILE_GROUPS, as a tile's page must always go to the same warp pair.
+fn cap_pages(plan: &mut KernelVariants, cap: usize) -> Result<()> {
+    use abi::TILE_GROUPS;
+    if !cap.is_multiple_of(TILE_GROUPS) {
+        bail!("MEGAINFER_MK_MAX_PAGES: {cap} is not a multiple of {TILE_GROUPS} (the consumer warp pairs)");
+    }
+    for s in &mut plan.specs {
+        s.pages = s.pages.min(cap);
+    }
+    Ok(())
 }
 
 /// [`KernelVariants`] for `buckets` (as [`MegakernelPath::with_buckets`] takes them), from the
@@ -1189,10 +1208,9 @@ fn host_kernel_variants(
 /// default; `=0` for measuring): the shared-memory plan sizes attention's scratch for the most
 /// query heads an attention instruction of these buckets computes rather than for a KV head's
 /// whole group. Where a short bucket computes one head an instruction and no bucket computes
-/// more, that can leave room for more pages: Qwen2.5-7B (7 query heads of 128 a KV head) plans
-/// 8 pages for the whole group's scratch and 12 for one head's, at bench's 160 positions, and
-/// decodes 1.9% faster with them (H200, BENCHMARKS.md); with split-KV buckets (whole groups)
-/// the plan is the same either way.
+/// more, that can leave room for more pages; since a group of 7 heads of 128 keeps a partial
+/// output a warp pair (`layout::attention_part_slots`), Qwen2.5-7B's whole group plans 12 pages
+/// as one head does, and no preset's plan depends on the switch (unit test below).
 pub fn kernel_variants(
     c: &crate::model::Config,
     formats: super::sources::MatrixFormats,
@@ -1508,6 +1526,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `MEGAINFER_MK_MAX_PAGES`: a cap below the plan's pages shrinks every variant's ring, one
+    /// above leaves it, and a count that is not a multiple of the warp pairs is an error that
+    /// names the variable.
+    #[test]
+    fn the_page_cap_shrinks_the_ring_in_warp_pair_steps() {
+        use super::{cap_pages, kernel_variants, megakernel_gpu_shape};
+        let c = crate::model::presets::by_name("llama-3.2-3b").unwrap();
+        let shape = megakernel_gpu_shape(&c, 132, 232_448);
+        let model = crate::reference::sliced::shape_of(&c);
+        let cost = scheduler::CostModel::megakernel(161);
+        let buckets =
+            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), 161).unwrap();
+        let list: Vec<_> = buckets.iter().map(|b| (b.upto, &b.schedule)).collect();
+        let plan =
+            || kernel_variants(&c, Default::default(), &list, 232_448, true, true, true).unwrap();
+        let pages = |p: &super::KernelVariants| p.specs.iter().map(|s| s.pages).collect::<Vec<_>>();
+        let full = plan();
+        assert!(pages(&full).iter().all(|&p| p == 12), "{:?}", pages(&full));
+        let mut capped = plan();
+        cap_pages(&mut capped, 8).unwrap();
+        assert!(pages(&capped).iter().all(|&p| p == 8));
+        let mut above = plan();
+        cap_pages(&mut above, 16).unwrap();
+        assert_eq!(pages(&above), pages(&full));
+        let e = cap_pages(&mut plan(), 6).unwrap_err().to_string();
+        assert!(
+            e.contains("MEGAINFER_MK_MAX_PAGES") && e.contains('6'),
+            "{e}"
+        );
     }
 
     /// Llama-1B's buckets at 128K (4K to 128K one bucket of 16 parts) get a cut at 64K with the
