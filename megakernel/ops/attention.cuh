@@ -40,7 +40,10 @@
 constexpr int ATT_HD = MK_HEAD_DIM, ATT_G = MK_GROUP, ATT_KV_G = MK_KV_GROUP;
 static_assert(ATT_KV_G % ATT_G == 0, "an instruction's heads are a share of a KV head's group");
 static_assert(ATT_HD == 64 || ATT_HD == 128, "head_dim 64 or 128");
-constexpr int ATT_TR = PAGE_BYTES / (4 * ATT_HD);
+// K/V positions a tile: its K rows, then its V rows, at the start of a page (MK_ATT_TILE_BYTES
+// from the host, at most a page).
+constexpr int ATT_TR = MK_ATT_TILE_BYTES / (4 * ATT_HD);
+static_assert(MK_ATT_TILE_BYTES <= PAGE_BYTES, "a K/V tile fits a page");
 
 struct AttnRange {
     int p0, cached_end;  // the rows staged in tiles: [p0, cached_end)

@@ -19,8 +19,31 @@ pub const THREADS: u32 = (CONSUMER_WARPS as u32 + 1) * 32;
 pub const TILE_GROUPS: usize = CONSUMER_WARPS / 2;
 /// Weight rows one mat-vec instruction may compute (two floats each in shared memory).
 pub const RES_MAX: usize = 2048;
-/// Bytes per page of the shared-memory ring.
-pub const PAGE_BYTES: usize = 16384;
+/// Bytes per page of the shared-memory ring: 16 KiB, or for measuring, what
+/// `MEGAINFER_PAGE_BYTES` says in the build's environment (`MEGAINFER_PAGE_BYTES=24576 cargo
+/// build --release`: 8 pages of 24 KiB, which four 6 KiB rows fill where two fill three
+/// quarters of a 16 KiB page; a multiple of 1024 from 16 KiB to 32 KiB, else the build fails).
+pub const PAGE_BYTES: usize = page_bytes(option_env!("MEGAINFER_PAGE_BYTES"));
+/// Bytes of an attention K/V tile (its K and V rows for `MK_ATT_TILE_BYTES / (4 × head_dim)`
+/// positions), at most a page: 16 KiB whatever the page.
+pub const ATT_TILE_BYTES: usize = 16384;
+
+const fn page_bytes(v: Option<&str>) -> usize {
+    let Some(v) = v else { return 16384 };
+    let b = v.as_bytes();
+    let mut n = 0;
+    let mut i = 0;
+    while i < b.len() {
+        assert!(b[i].is_ascii_digit(), "MEGAINFER_PAGE_BYTES: not a number");
+        n = n * 10 + (b[i] - b'0') as usize;
+        i += 1;
+    }
+    assert!(
+        n >= 16384 && n <= 32768 && n % 1024 == 0,
+        "MEGAINFER_PAGE_BYTES: a multiple of 1024 from 16384 to 32768"
+    );
+    n
+}
 /// Staged K/V positions per attention round (scores scratch is sized for it).
 pub const ATT_ROUND: usize = 256;
 /// The in-launch draw's gate words at the start of `lm_sample` (megakernel/ops/sample.cuh):
@@ -243,6 +266,7 @@ pub fn prelude() -> String {
         ("TILE_GROUPS", TILE_GROUPS),
         ("RES_MAX", RES_MAX),
         ("PAGE_BYTES", PAGE_BYTES),
+        ("MK_ATT_TILE_BYTES", ATT_TILE_BYTES),
         ("PROF_WORDS", PROF_WORDS),
         ("MK_ATT_ROUND", ATT_ROUND),
         ("MK_SMP_MAX_BLOCKS", SAMPLE_MAX_BLOCKS),
