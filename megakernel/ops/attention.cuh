@@ -386,7 +386,10 @@ __device__ __forceinline__ bool attn_pages(const MkParams& p, u32 instr, u32 seq
 // up to 4 heads whole, at head_dim 128 too.
 constexpr int ATT_WG = MK_ATT_MMA == 2 && ATT_G <= 4 ? ATT_G : ATT_G * ATT_LANE_DIMS <= 32 ? ATT_G : 32 / ATT_LANE_DIMS;
 constexpr int ATT_HG = (ATT_G + ATT_WG - 1) / ATT_WG;
-constexpr int ATT_WROWS = ATT_TR * ATT_HG / 2, ATT_BROWS = 16, ATT_WSTEPS = ATT_BROWS / 4;
+// (8-row blocks where a warp has fewer than 16 rows of a tile: K/V tiles of 8 KiB at head_dim
+// 128, in the measuring builds with pages smaller than 16 KiB.)
+constexpr int ATT_WROWS = ATT_TR * ATT_HG / 2, ATT_BROWS = ATT_WROWS < 16 ? ATT_WROWS : 16,
+              ATT_WSTEPS = ATT_BROWS / 4;
 // MK_ATT_BY_WARPS=0 (through MEGAINFER_MK_DEFINES) keeps the round-based way for every
 // shape, for measuring one against the other.
 #ifndef MK_ATT_BY_WARPS

@@ -22,11 +22,12 @@ pub const RES_MAX: usize = 2048;
 /// Bytes per page of the shared-memory ring: 16 KiB, or for measuring, what
 /// `MEGAINFER_PAGE_BYTES` says in the build's environment (`MEGAINFER_PAGE_BYTES=24576 cargo
 /// build --release`: 8 pages of 24 KiB, which four 6 KiB rows fill where two fill three
-/// quarters of a 16 KiB page; a multiple of 1024 from 16 KiB to 32 KiB, else the build fails).
+/// quarters of a 16 KiB page; 12288: 16 pages of 12 KiB, two such rows each; a multiple of
+/// 1024 from 8 KiB to 32 KiB, else the build fails).
 pub const PAGE_BYTES: usize = page_bytes(option_env!("MEGAINFER_PAGE_BYTES"));
 /// Bytes of an attention K/V tile (its K and V rows for `MK_ATT_TILE_BYTES / (4 × head_dim)`
-/// positions), at most a page: 16 KiB whatever the page.
-pub const ATT_TILE_BYTES: usize = 16384;
+/// positions), at most a page: 16 KiB, or 8 KiB in pages smaller than that.
+pub const ATT_TILE_BYTES: usize = if PAGE_BYTES >= 16384 { 16384 } else { 8192 };
 
 const fn page_bytes(v: Option<&str>) -> usize {
     let Some(v) = v else { return 16384 };
@@ -39,8 +40,8 @@ const fn page_bytes(v: Option<&str>) -> usize {
         i += 1;
     }
     assert!(
-        n >= 16384 && n <= 32768 && n % 1024 == 0,
-        "MEGAINFER_PAGE_BYTES: a multiple of 1024 from 16384 to 32768"
+        n >= 8192 && n <= 32768 && n % 1024 == 0,
+        "MEGAINFER_PAGE_BYTES: a multiple of 1024 from 8192 to 32768"
     );
     n
 }
