@@ -1162,7 +1162,7 @@ pub fn compile_kernels_ahead(
 /// [`kernel_variants`] as the host takes them: attention by warps unless
 /// `MEGAINFER_MK_ATT_BY_WARPS=0`, and with `MEGAINFER_MK_MAX_PAGES=N` (a multiple of the
 /// consumer warp pairs) a ring of at most N pages: both for measuring, the second what the
-/// ring's bytes are worth to a shape.
+/// ring's pages are worth to a shape.
 fn host_kernel_variants(
     c: &crate::model::Config,
     formats: super::sources::MatrixFormats,
