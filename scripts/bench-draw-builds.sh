@@ -7,7 +7,10 @@
 # T 0.8 min-p 0.05), on each preset of PRESETS (default: SmolLM2; 32-token prompt, 128 new
 # tokens, --reps 3) or, with DRAW_MODEL=default, on the default model (`bench -m` with bench's
 # 37-token prompt, --reps 5; scripts/gpu-check.sh joins its parts). BENCH_ARGS adds `bench`
-# options to every run (e.g. `--max-context 32768`: a short run in the buckets `run` sets up).
+# options to every run (e.g. `--max-context 32768`: a short run in the buckets `run` sets up);
+# PATHS (default megakernel) the paths each run times, e.g. `megakernel,graph-pdl`, whose rows
+# then come with bench's count of the megakernel's tokens identical to the other path's (for
+# builds that change the kernel's layout, e.g. `MEGAINFER_PAGE_BYTES`'s, docs/gpu-machine.md).
 # Run as: TESTS=" " BINS="…" EXTRA="bash scripts/bench-draw-builds.sh" bash scripts/gpu-check.sh
 . "$(dirname "$0")/bench-rows.sh"
 BINS=${BINS:-bundle/megainfer-old bundle/megainfer}
@@ -28,10 +31,10 @@ for C in $CASES; do
     for rule in "${RS[@]}"; do
       [ "$rule" = greedy ] && rule=""
       for N in $BINS; do
-        r "$C $(basename $N) [${rule:-greedy}]" $N bench $ARGS --paths megakernel $rule
+        r "$C $(basename $N) [${rule:-greedy}]" $N bench $ARGS --paths "${PATHS:-megakernel}" $rule
       done
       for V in ${VARIANTS:-}; do
-        r "$C ${V%%:*} [${rule:-greedy}]" MEGAINFER_MK_DEFINES="${V#*:}" bundle/megainfer bench $ARGS --paths megakernel $rule
+        r "$C ${V%%:*} [${rule:-greedy}]" MEGAINFER_MK_DEFINES="${V#*:}" bundle/megainfer bench $ARGS --paths "${PATHS:-megakernel}" $rule
       done
     done
   done
