@@ -38,20 +38,14 @@ src="$OUT/mk-source-$$.csv"
 "$NCU" --kernel-name regex:megakernel --launch-skip 1 --launch-count 1 --section SourceCounters \
   --import-source no --page source --print-source sass --csv \
   "$BIN" bench "$@" --paths megakernel --reps 1 --gen 8 > "$src" 2>/dev/null
-python3 - "$src" <<'PY'
-import csv, sys
-lines = open(sys.argv[1]).readlines()
-start = [i for i, l in enumerate(lines) if l.startswith('"Address"')]
-if not start:
-    sys.exit(f"no source page written; see {sys.argv[1]}")
-rows = list(csv.DictReader(lines[start[0]:]))
-num = lambda x: float(x.replace(",", "") or 0) if x else 0.0
-samples = "Warp Stall Sampling (All Samples)"
-reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
-total = sum(num(r[samples]) for r in rows)
+python3 - "$src" "$(dirname "$0")" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[2])
+from ncu_sass import read
+rows = read(sys.argv[1])
+total = sum(n for _, n, _ in rows)
 print(f"\nSASS with the most warp samples ({total:.0f} samples, {len(rows)} instructions):")
-for i, r in sorted(enumerate(rows), key=lambda ir: -num(ir[1][samples]))[:30]:
-    top = sorted(((num(r[c]), c[6:]) for c in reasons), reverse=True)[:3]
-    why = " ".join(f"{n}:{v:.0f}" for v, n in top if v > 0)
-    print(f"{i:6d} {100 * num(r[samples]) / total:5.1f}%  {r['Source'].strip()[:56]:56s} {why}")
+for i, (text, n, why) in sorted(enumerate(rows), key=lambda r: -r[1][1])[:30]:
+    top = " ".join(f"{k}:{v:.0f}" for k, v in sorted(why.items(), key=lambda kv: -kv[1])[:3] if v > 0)
+    print(f"{i:6d} {100 * n / total:5.1f}%  {text[:56]:56s} {top}")
 PY

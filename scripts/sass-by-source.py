@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ncu_sass
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,21 +44,6 @@ def file_spans(source):
     return sorted(spans)
 
 
-def ncu_samples(path):
-    """Per SASS instruction, in address order: (warp samples, {stall reason: samples})."""
-    import csv
-
-    lines = open(path).readlines()
-    start = [i for i, text in enumerate(lines) if text.startswith('"Address"')]
-    if not start:
-        sys.exit(f"{path}: no SASS page (scripts/mk-stalls.sh with SOURCE=1 writes one)")
-    rows = list(csv.DictReader(lines[start[0]:]))
-    num = lambda x: float(x.replace(",", "") or 0) if x else 0.0
-    total = "Warp Stall Sampling (All Samples)"
-    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
-    return [(num(r[total]), {c[6:]: num(r[c]) for c in reasons}) for r in rows]
-
-
 def main():
     args = sys.argv[1:]
     samples = None
@@ -64,7 +51,7 @@ def main():
         at = args.index("--samples")
         if at + 1 >= len(args):
             sys.exit(__doc__)
-        samples = ncu_samples(args[at + 1])
+        samples = [(n, why) for _, n, why in ncu_sass.read(args[at + 1])]
         del args[at : at + 2]
     if len(args) < 2:
         sys.exit(__doc__)

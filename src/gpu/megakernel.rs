@@ -1376,6 +1376,15 @@ fn part_range_fits(parts: usize, max_seq: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
+    /// The context buckets of `c` up to `max_seq` positions on an H100's or H200's shape (132
+    /// SMs, 232,448 bytes of shared memory a block), with the megakernel's cost model.
+    fn preset_buckets(c: &crate::model::Config, max_seq: usize) -> Vec<scheduler::Bucket> {
+        let shape = super::megakernel_gpu_shape(c, 132, 232_448);
+        let model = crate::reference::sliced::shape_of(c);
+        let cost = scheduler::CostModel::megakernel(max_seq);
+        scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq).unwrap()
+    }
+
     use super::{draw_in_launch_by_default, last_kv_writers, part_range_fits, WORDS};
 
     /// Sampled steps draw inside the launch by default on SmolLM2's vocabulary, after it on
@@ -1447,13 +1456,9 @@ mod tests {
     /// in flight from 4K to 64K only; the host's choices reach the specs.
     #[test]
     fn kernel_variants_follow_the_buckets() {
-        use super::{kernel_variants, megakernel_gpu_shape, split_at_kv_bound};
+        use super::{kernel_variants, split_at_kv_bound};
         let c = crate::model::presets::by_name("llama-3.2-1b").unwrap();
-        let shape = megakernel_gpu_shape(&c, 132, 232_448);
-        let model = crate::reference::sliced::shape_of(&c);
-        let cost = scheduler::CostModel::megakernel(131_072);
-        let buckets =
-            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), 131_072).unwrap();
+        let buckets = preset_buckets(&c, 131_072);
         let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
         let plan =
             kernel_variants(&c, Default::default(), &list, 232_448, true, true, false).unwrap();
@@ -1490,16 +1495,11 @@ mod tests {
     /// either way.
     #[test]
     fn the_ring_keeps_twelve_pages_for_qwen25_7b_at_every_context() {
-        use super::{kernel_variants, megakernel_gpu_shape, split_at_kv_bound};
+        use super::{kernel_variants, split_at_kv_bound};
         for name in crate::model::presets::NAMES {
             let c = crate::model::presets::by_name(name).unwrap();
-            let shape = megakernel_gpu_shape(&c, 132, 232_448);
-            let model = crate::reference::sliced::shape_of(&c);
             for max_seq in [161, c.max_position_embeddings.min(32_768)] {
-                let cost = scheduler::CostModel::megakernel(max_seq);
-                let buckets =
-                    scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq)
-                        .unwrap();
+                let buckets = preset_buckets(&c, max_seq);
                 let list = split_at_kv_bound(buckets.iter().map(|b| (b.upto, &b.schedule)));
                 let plan = |by_buckets| {
                     let p = kernel_variants(
@@ -1533,13 +1533,9 @@ mod tests {
     /// names the variable.
     #[test]
     fn the_page_cap_shrinks_the_ring_in_warp_pair_steps() {
-        use super::{cap_pages, kernel_variants, megakernel_gpu_shape};
+        use super::{cap_pages, kernel_variants};
         let c = crate::model::presets::by_name("llama-3.2-3b").unwrap();
-        let shape = megakernel_gpu_shape(&c, 132, 232_448);
-        let model = crate::reference::sliced::shape_of(&c);
-        let cost = scheduler::CostModel::megakernel(161);
-        let buckets =
-            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), 161).unwrap();
+        let buckets = preset_buckets(&c, 161);
         let list: Vec<_> = buckets.iter().map(|b| (b.upto, &b.schedule)).collect();
         let plan =
             || kernel_variants(&c, Default::default(), &list, 232_448, true, true, true).unwrap();
@@ -1565,15 +1561,9 @@ mod tests {
     /// left alone.
     #[test]
     fn a_split_kv_bucket_across_64k_is_cut_there() {
-        use super::{megakernel_gpu_shape, split_at_kv_bound, KV_TWO_IN_FLIGHT_UPTO};
+        use super::{split_at_kv_bound, KV_TWO_IN_FLIGHT_UPTO};
         let c = crate::model::presets::by_name("llama-3.2-1b").unwrap();
-        let shape = megakernel_gpu_shape(&c, 132, 232_448);
-        let model = crate::reference::sliced::shape_of(&c);
-        let plan = |max_seq: usize| {
-            let cost = scheduler::CostModel::megakernel(max_seq);
-            scheduler::plan_buckets(&model, &shape, &cost, &Default::default(), max_seq).unwrap()
-        };
-        let long = plan(131_072);
+        let long = preset_buckets(&c, 131_072);
         let before: Vec<usize> = long.iter().map(|b| b.upto).collect();
         let after = split_at_kv_bound(long.iter().map(|b| (b.upto, &b.schedule)));
         let uptos: Vec<usize> = after.iter().map(|b| b.0).collect();
@@ -1591,11 +1581,7 @@ mod tests {
         assert!(two[cut] && after[cut - 1].0 == 4096, "{uptos:?}: {two:?}");
         // Llama-3.2-3B's 1K to 128K (one bucket of 16 parts) is cut at 4K and at 64K.
         let c3 = crate::model::presets::by_name("llama-3.2-3b").unwrap();
-        let shape3 = megakernel_gpu_shape(&c3, 132, 232_448);
-        let model3 = crate::reference::sliced::shape_of(&c3);
-        let cost3 = scheduler::CostModel::megakernel(131_072);
-        let b3 = scheduler::plan_buckets(&model3, &shape3, &cost3, &Default::default(), 131_072)
-            .unwrap();
+        let b3 = preset_buckets(&c3, 131_072);
         let u3: Vec<usize> = split_at_kv_bound(b3.iter().map(|b| (b.upto, &b.schedule)))
             .iter()
             .map(|b| b.0)
@@ -1607,7 +1593,7 @@ mod tests {
             "4K is not a scheduler bound here: {u3:?}"
         );
         for max_seq in [4096, 65_536] {
-            let short = plan(max_seq);
+            let short = preset_buckets(&c, max_seq);
             let same: Vec<usize> = split_at_kv_bound(short.iter().map(|b| (b.upto, &b.schedule)))
                 .iter()
                 .map(|b| b.0)
