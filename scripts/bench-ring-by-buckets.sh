@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, after scripts/gpu-check.sh unpacked bundle/ (OUT set): the megakernel with
 # its ring planned for the buckets' attention instructions (MEGAINFER_MK_RING_BY_BUCKETS=1, the
-# default: Qwen2.5-7B's 8 pages become 12 at short contexts) against the whole groups' plan
+# default; it made Qwen2.5-7B's 8 pages 12 at short contexts until 99ce411, since which no
+# preset's plan depends on it) against the whole groups' plan
 # (=0), alternating in one call, ROUNDS rounds (default 2), on each preset of PRESETS (default
 # Qwen2.5-7B): scripts/bench-granularity.sh's rows with those two variants.
 # Run as: TESTS=" " EXTRA="bash scripts/bench-ring-by-buckets.sh" bash scripts/gpu-check.sh

@@ -158,13 +158,15 @@ constexpr int ATT_LANE_DIMS = ATT_HD / 8, ATT_HEADS_PER_PASS = 4;
 // Values: a thread takes 4 dims of every head; the position groups share the consumer threads
 // (16 groups at head_dim 64, two to a warp; 8 at 128).
 constexpr int ATT_ITEMS = ATT_HD / 4, ATT_GROUPS = CONSUMERS / ATT_ITEMS;
-// The rounds' partial outputs: one a consumer warp, or where the heads' outputs are more than
-// 512 floats (Qwen2.5-7B's whole groups of 7 heads of 128, which its split-KV buckets compute)
-// one a warp pair, so that the scratch leaves the weight ring 12 pages instead of 8; the host's
-// attention_part_slots (src/gpu/megakernel/layout.rs) has the same rule. Attention by warps
-// (never on those shapes) keeps one a warp.
-constexpr bool ATT_PART_PAIRS = ATT_G * ATT_HD > 512;
-constexpr int ATT_PART_SLOTS = ATT_PART_PAIRS ? CONSUMER_WARPS / 2 : CONSUMER_WARPS;
+// The rounds' partial outputs (MK_ATT_PART_SLOTS, from the host's attention_part_slots in
+// src/gpu/megakernel/layout.rs): one a consumer warp, or where the heads' outputs are more
+// than 512 floats (Qwen2.5-7B's whole groups of 7 heads of 128, which its split-KV buckets
+// compute) one a warp pair, so that the scratch leaves the weight ring 12 pages instead of 8.
+// Attention by warps (never on those shapes) keeps one a warp.
+constexpr int ATT_PART_SLOTS = MK_ATT_PART_SLOTS;
+constexpr bool ATT_PART_PAIRS = ATT_PART_SLOTS < CONSUMER_WARPS;
+static_assert(ATT_PART_SLOTS == CONSUMER_WARPS || ATT_PART_SLOTS == CONSUMER_WARPS / 2,
+              "a partial output a consumer warp or a warp pair");
 // The scratch layout in floats (its size checked against the host's attention_scratch below):
 // S, the partial outputs, the running output, the queries, this token's K and V, and per head
 // the running max, sum and the round's correction factor.

@@ -82,7 +82,7 @@ pub fn instruction_heads(config: &crate::model::Config, attn_heads: usize) -> us
 
 /// The preprocessor definitions the interpreter is compiled with for a model: its attention
 /// shape and the lengths of its mat-vec rows, so that loops have constant trip counts, and the
-/// attention scratch the host plans for it (checked by the kernel). `attn_heads`: the query
+/// attention scratch the host plans for it (checked by the kernel) with its partial outputs. `attn_heads`: the query
 /// heads an Attention instruction computes (`MK_GROUP`; 0 for a KV head's whole group,
 /// `MK_KV_GROUP`).
 pub fn megakernel_defines(config: &crate::model::Config, attn_heads: usize) -> Vec<String> {
@@ -92,6 +92,10 @@ pub fn megakernel_defines(config: &crate::model::Config, attn_heads: usize) -> V
         format!(
             "-DMK_ATT_SCRATCH_FLOATS={}",
             layout::attention_scratch(group, config.head_dim)
+        ),
+        format!(
+            "-DMK_ATT_PART_SLOTS={}",
+            layout::attention_part_slots(group, config.head_dim)
         ),
         format!("-DMK_HEAD_DIM={}", config.head_dim),
         format!("-DMK_GROUP={group}"),

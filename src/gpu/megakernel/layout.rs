@@ -120,7 +120,7 @@ pub fn smem_macros() -> String {
     s
 }
 
-/// Partial outputs attention's rounds keep (`ATT_PART_SLOTS` in megakernel/ops/attention.cuh):
+/// Partial outputs attention's rounds keep (`MK_ATT_PART_SLOTS` for megakernel/ops/attention.cuh):
 /// one a consumer warp, or one a warp pair where the heads' outputs are more than 512 floats
 /// (Qwen2.5-7B's whole groups of 7 heads of 128, which its split-KV buckets compute): with a
 /// slot a warp their scratch left the weight ring 8 pages instead of 12.
