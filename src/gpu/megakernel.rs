@@ -862,7 +862,6 @@ fn sampler_pdl() -> Result<bool> {
 /// Opt-in shared memory per block of an H100 (227 KiB) and its SMs: what `megainfer schedule`
 /// assumes where no GPU is present.
 pub const H100_SMS: usize = 132;
-const MK_STATIC_SMEM_ESTIMATE: usize = 16;
 pub const H100_SMEM_PER_BLOCK: usize = 227 << 10;
 
 /// The GPU as the megakernel uses it for `config`: `sm_count` streams and the weight pages it
@@ -879,11 +878,11 @@ pub fn megakernel_gpu_shape(
     let xs = widest_xs_floats(config);
     scheduler::GpuShape {
         sm_count,
-        // The kernel's static shared memory (two flags, a few bytes) is not known before its
-        // compile; MK_STATIC_SMEM_ESTIMATE stands for it.
+        // The kernel's static shared memory is not known before its compile; the ring's
+        // planning bound stands for it.
         smem_pages: SmemLayout::plan(
             max_smem_per_block,
-            MK_STATIC_SMEM_ESTIMATE,
+            compile::STATIC_SMEM_BOUND,
             xs,
             config.num_layers,
         )
