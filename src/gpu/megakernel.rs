@@ -282,10 +282,13 @@ impl<'g> MegakernelPath<'g> {
                 .collect(),
             lm_head: model.lm_head().ty,
         };
-        let balance = super::switches::switch("MEGAINFER_MK_TILE_BALANCE", true)?;
+        let rule = tiles::TileRule {
+            balance: super::switches::switch("MEGAINFER_MK_TILE_BALANCE", true)?,
+            max_rows: super::switches::count("MEGAINFER_MK_TILE_ROWS")?.unwrap_or(usize::MAX),
+        };
         for &(upto, schedule) in buckets {
             let mut enc = schedule.encode();
-            tiles::write_tile_words(&mut enc.words, schedule, c, &tile_formats, balance)?;
+            tiles::write_tile_words(&mut enc.words, schedule, c, &tile_formats, rule)?;
             let mut descs = Vec::new();
             let mut kinds = Vec::new();
             for &k in schedule.streams.iter().flatten() {

@@ -12,7 +12,9 @@
 //! when that leaves the busiest pair fewer rows (Llama-3.2-3B Q4_0's up-gate, 128 rows of
 //! 1,728 bytes, 9 a page: 15 tiles, one pair 36 rows against 32, become 16 tiles of 8; on
 //! the H100 that shape decodes 3.3% faster than with page-filling tiles, the others level,
-//! BENCHMARKS.md). `MEGAINFER_MK_TILE_BALANCE=0` fills every page instead, for measuring.
+//! BENCHMARKS.md). `MEGAINFER_MK_TILE_BALANCE=0` fills every page instead, and
+//! `MEGAINFER_MK_TILE_ROWS=N` takes at most N rows a tile (what a page's fill is worth: Llama-1B's
+//! 4 KiB rows at 3 a page fill 12 KiB of 16, as Llama-3.2-3B's two 6 KiB rows do), for measuring.
 
 use anyhow::{bail, Result};
 use scheduler::{Op, Schedule};
@@ -94,8 +96,25 @@ fn rows_of(op: &Op, c: &Config, f: &TileFormats) -> Option<(usize, usize, usize,
     })
 }
 
+/// How the host cuts rows into tiles: `balance` (see the module's comment) and at most
+/// `max_rows` rows a tile (`usize::MAX` by default).
+#[derive(Clone, Copy, Debug)]
+pub struct TileRule {
+    pub balance: bool,
+    pub max_rows: usize,
+}
+
+impl Default for TileRule {
+    fn default() -> Self {
+        TileRule {
+            balance: true,
+            max_rows: usize::MAX,
+        }
+    }
+}
+
 /// The tile word of `op` (0 for an instruction without weight rows).
-pub fn tile_word(op: &Op, c: &Config, f: &TileFormats, balance: bool) -> Result<u32> {
+pub fn tile_word(op: &Op, c: &Config, f: &TileFormats, rule: TileRule) -> Result<u32> {
     let Some((n, cols, matrix_cols, ty)) = rows_of(op, c, f) else {
         return Ok(0);
     };
@@ -106,7 +125,7 @@ pub fn tile_word(op: &Op, c: &Config, f: &TileFormats, balance: bool) -> Result<
     if slot > PAGE_BYTES {
         bail!("megakernel: {op:?} has rows of {slot} bytes; a {PAGE_BYTES}-byte page holds at most one");
     }
-    let rpt = rows_per_tile(slot, n, balance);
+    let rpt = rows_per_tile(slot, n, rule.balance).min(rule.max_rows.max(1));
     let tiles = n.div_ceil(rpt);
     if rpt >= 1 << 16 || tiles >= 1 << 16 {
         bail!("megakernel: {op:?}: {tiles} tiles of {rpt} rows do not fit the tile word");
@@ -121,10 +140,10 @@ pub fn write_tile_words(
     schedule: &Schedule,
     c: &Config,
     f: &TileFormats,
-    balance: bool,
+    rule: TileRule,
 ) -> Result<()> {
     for (i, &k) in schedule.streams.iter().flatten().enumerate() {
-        words[i * WORDS + WORDS - 1] = tile_word(&schedule.instrs[k as usize], c, f, balance)?;
+        words[i * WORDS + WORDS - 1] = tile_word(&schedule.instrs[k as usize], c, f, rule)?;
     }
     Ok(())
 }
@@ -191,6 +210,32 @@ mod tests {
         }
     }
 
+    /// `MEGAINFER_MK_TILE_ROWS`'s cap: Llama-1B's 2048-wide bf16 rows at most 3 a tile, so
+    /// 12 KiB of a 16 KiB page, the rows still all covered.
+    #[test]
+    fn a_row_cap_bounds_every_tile() {
+        let c = presets::by_name("llama-3.2-1b").unwrap();
+        let f = TileFormats {
+            layers: vec![[WeightType::Bf16; 4]; c.num_layers],
+            lm_head: WeightType::Bf16,
+        };
+        let op = Op::RmsUpGateSilu {
+            layer: 0,
+            row_start: 0,
+            row_count: 64,
+        };
+        let word = |max_rows| {
+            let rule = TileRule {
+                max_rows,
+                ..TileRule::default()
+            };
+            let w = tile_word(&op, &c, &f, rule).unwrap();
+            ((w & 0xffff) as usize, (w >> 16) as usize)
+        };
+        assert_eq!(word(usize::MAX), (4, 32));
+        assert_eq!(word(3), (3, 43));
+    }
+
     #[test]
     fn slots_follow_the_device_layout() {
         // Q4_0 at 2048 columns: 1,024 bytes of quants, 64 blocks' 2-byte scales (128).
@@ -217,7 +262,7 @@ mod tests {
                 lm_head: ty,
             };
             let mut enc = schedule.encode();
-            write_tile_words(&mut enc.words, &schedule, &c, &f, true).unwrap();
+            write_tile_words(&mut enc.words, &schedule, &c, &f, TileRule::default()).unwrap();
             for (i, &k) in schedule.streams.iter().flatten().enumerate() {
                 let op = &schedule.instrs[k as usize];
                 let w = enc.words[i * WORDS + WORDS - 1];
