@@ -1066,7 +1066,7 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
     else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
-    if constexpr (R > 1 && row_scatter<WT, BL>()) {
+    if constexpr ((R == 2 || R == 4) && row_scatter<WT, BL>()) {
         rows_scatter_to_res<R>(acc, res + 2 * row0 + half);
     } else {
 #pragma unroll
@@ -1096,7 +1096,14 @@ __device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 se
 }
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
-// last two and one.
+// last two and one; with MK_ROWS3=1 (for measuring, not yet run on a GPU) a last three
+// together instead. Three rows a page are Qwen3-4B's (5 KiB rows) and any balanced tile of 3:
+// computed as two then one, the lone row's sum is a chain of its own, and Llama-1B cut to 3
+// rows a page (`MEGAINFER_MK_TILE_ROWS=3`) lost half of its 17.5% with the dot products
+// (BENCHMARKS.md, 2026-11-29).
+#ifndef MK_ROWS3
+#define MK_ROWS3 0
+#endif
 template <int WT, bool BL, typename X>
 __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                              const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
@@ -1105,6 +1112,12 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
     return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
         int r = 0;
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
+        if constexpr (MK_ROWS3) {
+            if (rows - r == 3) {
+                rows_to_res<WT, BL, 3>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
+                return;
+            }
+        }
         if (r + 2 <= rows) {
             rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
             r += 2;

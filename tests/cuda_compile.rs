@@ -310,6 +310,15 @@ fn megakernel_measuring_variants_compile() {
         let what = format!(" ({what}, MK_L2_PF_NEXT=8)");
         assert_compiles("megakernel", &sources::megakernel(), &d, &what);
     }
+    // A tile's last three rows computed together, on bf16 rows three a page (Qwen3-4B's) and
+    // on Q4_0 block lanes.
+    let (bf16, _) = preset_kernel_defines("qwen3-4b", false);
+    let q4 = quantised_kernel_defines("llama-3.2-1b", all_formats(2));
+    for (mut d, what) in [(bf16, "qwen3-4b"), (q4, "llama-3.2-1b Q4_0")] {
+        d.push("-DMK_ROWS3=1".to_string());
+        let what = format!(" ({what}, MK_ROWS3=1)");
+        assert_compiles("megakernel", &sources::megakernel(), &d, &what);
+    }
     // Attention's page stamps, in the kernel the split-KV buckets get, with the blocks after
     // each warp's first tile left out; and with the loader's issue of the last page waited for.
     assert_preset_variants_compile(
