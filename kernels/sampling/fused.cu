@@ -457,9 +457,7 @@ extern "C" __global__ void __launch_bounds__(SMP1_THREADS, 1)
             // (Where a block was past its slots and the top token does not decide, no merge
             // either: the searches below.)
             if (smp_top_dominates(s, gmax, z_all)) {
-                token = SMP_NONE;
-                for (int w = 0; w < SMP1_THREADS / 32; w++)
-                    if (sm1.wmax[w] == gmax) token = min(token, sm1.wtop[w]);
+                token = smp_top_of_warps(sm1.wmax, sm1.wtop, SMP1_THREADS / 32, gmax);
                 merged = top_only = true;
             } else if (binnable) {
                 merged = binned = smp_merge_binned_counted<SMP1_THREADS>(s, m.pos, cf, nkeys, bins, z_all, sm, sm1.sel,

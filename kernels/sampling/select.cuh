@@ -746,6 +746,16 @@ __device__ __forceinline__ bool smp_top_dominates(const SmpParams& s, float gmax
     return smp_top_test_applies(s, gmax) && 1.0 / z_all >= (double)s.top_p;
 }
 
+// The vocabulary's top token (the lowest at its maximum gmax), from each warp's maximum over
+// the blocks it read and the lowest top token of those blocks at that maximum: what the fused
+// sampler's last CTA and the megakernel's drawing SM take when the top token decides alone.
+__device__ __forceinline__ smp_u32 smp_top_of_warps(const float* wmax, const smp_u32* wtop, int warps, float gmax) {
+    smp_u32 t = SMP_NONE;
+    for (int w = 0; w < warps; w++)
+        if (wmax[w] == gmax) t = min(t, wtop[w]);
+    return t;
+}
+
 // Whether the sorted candidates the fast attempt merged (sm.count of them) decided the cuts:
 // every key at or above tau (the logit every CTA cut at) was among them, so they are
 // the exact list down to tau. The draw is exact if that part holds all k candidates the rule

@@ -464,17 +464,10 @@ __device__ __forceinline__ void mk_sample_merge(const MkParams& p, const TokenMe
         hmin = fminf(hmin, sh.whint[q]);
         used = max(used, sh.wused[q]);
     }
-    // The vocabulary's top token (the lowest at the maximum), where its block sent it.
-    const auto top_token = [&] {
-        smp_u32 t = SMP_NONE;
-        for (int q = 0; q < CONSUMER_WARPS; q++)
-            if (sh.wmax[q] == gmax) t = min(t, sh.wtop[q]);
-        return t;
-    };
     // Every thread decides alike, from the same shared words; the hint stays as it was.
     const auto take_top = [&] {
         if (ct == 0 && commit) {
-            publish(top_token());
+            publish(smp_top_of_warps(sh.wmax, sh.wtop, CONSUMER_WARPS, gmax));
             atomicAdd(smp_gate(p) + MK_SMP_GATE_TOP, 1ull);
         }
     };
