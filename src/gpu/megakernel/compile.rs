@@ -64,9 +64,8 @@ const HOLD_NEXT_TILES: usize = 2;
 
 /// Bytes of the kernel's static shared memory besides the frequency table: its flags and
 /// words take 128 bytes once NVRTC has laid them out (every greedy and sampled kernel of the
-/// presets on sm_90a, `cuobjdump --dump-resource-usage`). 64 was short of that, which only a
-/// ring planned to its last byte shows (Llama-3.1-8B at 12 KiB pages: 16 planned, refused
-/// at load); the host checks the bound once the kernel is loaded.
+/// presets on sm_90a, `cuobjdump --dump-resource-usage`), and a ring planned to its last byte
+/// needs the true figure. The host checks the bound once the kernel is loaded.
 pub(crate) const STATIC_SMEM_BOUND: usize = 128;
 
 /// Whether RoPE's head_dim / 2 frequencies fit in shared memory beside a ring of as many pages
