@@ -116,14 +116,36 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
         let mut cfg = tiny(hidden, heads, kv, 128, inter);
         cfg.qk_norm = true;
         let w = random_weights(&cfg, 23);
-        for down_chunks in chunks {
-            let overrides = scheduler::Overrides {
-                down_chunks: Some(down_chunks),
-                ..Default::default()
-            };
+        // Each k-chunk count, then one RmsQkvRope per SM, heads cut in two to four pieces
+        // each, whose raw q and k attention then norms by whole heads
+        // (MEGAINFER_MK_QKV_PIECES; the cost model chooses it only without q/k norms).
+        let cases = chunks
+            .map(|down_chunks| {
+                let overrides = scheduler::Overrides {
+                    down_chunks: Some(down_chunks),
+                    ..Default::default()
+                };
+                (
+                    overrides,
+                    format!("hidden {hidden}, {down_chunks} k-chunks"),
+                )
+            })
+            .into_iter()
+            .chain(std::iter::once((
+                scheduler::Overrides {
+                    qkv_pieces: Some(gpu.sm_count),
+                    ..Default::default()
+                },
+                format!("hidden {hidden}, one QKV piece per SM"),
+            )));
+        for (overrides, label) in cases {
             let sched = schedule_with(&gpu, &cfg, overrides);
-            assert_eq!(sched.options.down_chunks, down_chunks);
-            let label = format!("hidden {hidden}, {down_chunks} k-chunks");
+            if let Some(down_chunks) = overrides.down_chunks {
+                assert_eq!(sched.options.down_chunks, down_chunks);
+            }
+            if let Some(pieces) = overrides.qkv_pieces {
+                assert_eq!(sched.options.qkv_pieces, pieces);
+            }
             teacher_forced(
                 &gpu,
                 &cfg,
@@ -134,25 +156,6 @@ fn megakernel_matches_reference_over_one_round_of_inputs() {
                 TOL_OVER_ONE_ROUND,
             );
         }
-        // One RmsQkvRope per SM, heads cut in two to four pieces each, whose raw q and k
-        // attention then norms by whole heads (MEGAINFER_MK_QKV_PIECES; the cost model chooses
-        // it only without q/k norms).
-        let overrides = scheduler::Overrides {
-            qkv_pieces: Some(gpu.sm_count),
-            ..Default::default()
-        };
-        let sched = schedule_with(&gpu, &cfg, overrides);
-        assert_eq!(sched.options.qkv_pieces, gpu.sm_count);
-        let label = format!("hidden {hidden}, one QKV piece per SM");
-        teacher_forced(
-            &gpu,
-            &cfg,
-            &w,
-            &WIDE_TOKENS,
-            &sched,
-            &label,
-            TOL_OVER_ONE_ROUND,
-        );
     }
 }
 
