@@ -267,8 +267,16 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 // read theirs) would add a round trip to every hop (BENCHMARKS.md, design decisions). Past the
 // time limit (or once another SM failed) it reports a stale element, at addr(k) (the first
 // error raised wins), and marks the CTA failed.
+//
+// MK_NO_DEPS=1 (measuring only, garbage results): no wait at all, every instruction takes
+// whatever its inputs hold, so a step runs at what the weights' ring and the consumers' own
+// work allow without the chain of hops between SMs: the bound the hops are measured against.
+#ifndef MK_NO_DEPS
+#define MK_NO_DEPS 0
+#endif
 template <int N, typename Seen, typename Reload, typename Addr>
 __device__ __forceinline__ void settle_with(const MkParams& p, Seen seen, Reload reload, Addr addr, int n) {
+    if constexpr (MK_NO_DEPS) return;
     const u32 tag = step_tag();
     u64 t0 = 0;
     for (int spins = 0;; spins++) {
@@ -335,6 +343,7 @@ __device__ bool gen_wait_over(const MkParams& p, u64& t0, int spins, u32 what, u
 // cost every step ~4 µs on SmolLM2 even where it never ran (BENCHMARKS.md). False once the
 // generation stops or a wait fails.
 __device__ __noinline__ bool rows_of_step_ready(const MkParams& p, u32 step) {
+    if constexpr (MK_NO_DEPS) return true;
     const int lane = threadIdx.x & 31;
     constexpr int PER_LANE = 8;  // up to 256 SMs
     u32 mine = 0;                // this lane's SMs that write K/V rows (bit k: SM lane + 32 k)
@@ -1055,9 +1064,9 @@ __device__ __forceinline__ void rows_scatter_to_res(const float (&acc)[R], float
 
 // Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
 // lanes, into res (see tiles_of_format).
-template <int WT, bool BL, int R, typename X>
+template <int WT, bool BL, int R, typename X, typename Done>
 __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
-                                            int row0, int half) {
+                                            int row0, int half, const Done& done) {
     const unsigned char* sc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) sc[k] = rows + k * g.slot + g.qbytes + g.soff;
@@ -1066,6 +1075,7 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
     else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
+    done();
     if constexpr ((R == 2 || R == 4) && row_scatter<WT, BL>()) {
         rows_scatter_to_res<R>(acc, res + 2 * row0 + half);
     } else {
@@ -1078,8 +1088,10 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
 }
 
 // Each tile of the warp's group (warp pair), page by page: waits for it, calls rows(page, tile,
-// its row count: 0 with MK_TILE_SKIP_DOT), releases it.
-template <typename Rows>
+// its row count: 0 with MK_TILE_SKIP_DOT), releases it. EARLY: rows(page, tile, count, release)
+// releases the page itself, as soon as it has read it (before its sums' reductions), so the
+// loader refills the slot sooner.
+template <bool EARLY = false, typename Rows>
 __device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                             const bf16_t* pages, u64* full, u64* empty, const Rows& rows) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1;
@@ -1088,42 +1100,69 @@ __device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 se
         if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         if (t == grp) tile_stamp(PROF_EXTRA1);
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
-        rows(page, t, TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt));
-        release_page(&empty[slot], lane);
+        const int n = TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt);
+        if constexpr (EARLY) {
+            if (n > 0) rows(page, t, n, [&] { release_page(&empty[slot], lane); });
+            else release_page(&empty[slot], lane);
+        } else {
+            rows(page, t, n);
+            release_page(&empty[slot], lane);
+        }
     }
     tile_stamp(PROF_EXTRA2);
     return true;
 }
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
-// last two and one; with MK_ROWS3=1 (for measuring, not yet run on a GPU) a last three
-// together instead. Three rows a page are Qwen3-4B's (5 KiB rows) and any balanced tile of 3:
-// computed as two then one, the lone row's sum is a chain of its own, and Llama-1B cut to 3
-// rows a page (`MEGAINFER_MK_TILE_ROWS=3`) lost half of its 17.5% with the dot products
-// (BENCHMARKS.md, 2026-11-29).
+// last two and one. Measuring switches, both off (BENCHMARKS.md, 2026-11-29):
+// - MK_ROWS3=1: a last three together instead. Llama-1B cut to 3 rows a page
+//   (`MEGAINFER_MK_TILE_ROWS=3`) is 3.3% faster with it, but Qwen3-4B, whose 5 KiB rows make
+//   pages of three, is 0.15% slower.
+// - MK_EARLY_RELEASE=1: the page released once its last rows' products are summed per lane,
+//   before their reductions, so that the loader refills the slot sooner: within ±0.6% on the
+//   bf16 presets and Q4_0, and SmolLM2 3.8% slower; what a consumer holds a page for is not
+//   what bounds the ring.
 #ifndef MK_ROWS3
 #define MK_ROWS3 0
+#endif
+#ifndef MK_EARLY_RELEASE
+#define MK_EARLY_RELEASE 0
 #endif
 template <int WT, bool BL, typename X>
 __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                              const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, half = cw & 1;
     const int c0 = (half * 32 + lane) * lane_cols<BL>();
-    return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
+    // release(): a no-op but with MK_EARLY_RELEASE, where it frees the page once the last rows'
+    // products are summed per lane (otherwise group_tiles frees it after the last reduction).
+    const auto body = [&](const unsigned char* page, int t, int rows, const auto& release) {
+        const auto after = [&](bool last) {
+            return [&, last] {
+                if (last) release();
+            };
+        };
         int r = 0;
-        for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
+        for (; r + 4 <= rows; r += 4)
+            rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(r + 4 == rows));
         if constexpr (MK_ROWS3) {
             if (rows - r == 3) {
-                rows_to_res<WT, BL, 3>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
+                rows_to_res<WT, BL, 3>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(true));
                 return;
             }
         }
         if (r + 2 <= rows) {
-            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
+            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(r + 2 == rows));
             r += 2;
         }
-        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
-    });
+        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(true));
+    };
+    if constexpr (MK_EARLY_RELEASE) {
+        return group_tiles<true>(p, instr, seq, g, pages, full, empty, body);
+    } else {
+        return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
+            body(page, t, rows, [] {});
+        });
+    }
 }
 
 // The tiles with this lane's S steps of xs held in registers (block lanes: their digits).

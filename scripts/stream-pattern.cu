@@ -6,9 +6,13 @@
 // to fresh regions so nothing comes from L2 (a launch streams about 1 GB). Prints GB/s over all
 // SMs and per SM.
 // On the GPU machine:
-//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/sp scripts/stream-pattern.cu && /tmp/sp
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/sp scripts/stream-pattern.cu && /tmp/sp [GIB [WHAT]]
+// GIB: the buffer the launches move through (default 6; a model's footprint, e.g. 16 for
+// Llama-3.1-8B, shows what translating a larger footprint costs); WHAT: only the cases whose
+// name contains it.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <cuda_runtime.h>
 
 typedef unsigned int u32;
@@ -57,10 +61,11 @@ __global__ void stream(const unsigned char* base, int row, int rows_per_tile, in
         }
 }
 
-int main() {
+int main(int argc, char** argv) {
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-    const size_t bytes = (size_t)6 << 30;
+    const size_t bytes = (size_t)(argc > 1 ? atoi(argv[1]) : 6) << 30;
+    const char* only = argc > 2 ? argv[2] : "";
     unsigned char* buf;
     if (cudaMalloc(&buf, bytes) != cudaSuccess) return 1;
     cudaMemset(buf, 1, bytes);
@@ -85,6 +90,7 @@ int main() {
         {"16 KB rows, 1 a tile, 8 in flight", 16384, 1, 64, 12, 8},
     };
     for (const Case& c : cases) {
+        if (!strstr(c.what, only)) continue;
         const size_t per_region = (size_t)sms * c.per_cta * c.row;
         const int regions = (int)(((size_t)1 << 30) / per_region);
         const size_t per_launch = per_region * regions;
@@ -105,8 +111,8 @@ int main() {
         float ms = 0;
         cudaEventElapsedTime(&ms, a, b);
         const double gbs = (double)per_launch * launches / (ms * 1e-3) / 1e9;
-        printf("%-50s %2d in flight: %7.0f GB/s, %5.1f GB/s per SM (%d launches of %.0f MB)\n", c.what, c.inflight,
-               gbs, gbs / sms, launches, per_launch / 1e6);
+        printf("%-50s %2d in flight: %7.0f GB/s, %5.1f GB/s per SM (%d launches of %.0f MB, %zu GiB)\n", c.what,
+               c.inflight, gbs, gbs / sms, launches, per_launch / 1e6, bytes >> 30);
     }
     return 0;
 }

@@ -52,6 +52,8 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
     for (int k = ct; k < p.n_lm; k += CONSUMERS)
         argmax_merge(v, idx, ld_value(p, p.lm_best + 2 * k), __float_as_uint(ld_value(p, p.lm_best + 2 * k + 1)));
     consumers_argmax(v, idx, red);
+    // Inputs taken unwaited may hold no number: a token all the same, so the generation runs on.
+    if (MK_NO_DEPS && idx >= (u32)p.vocab) idx = 0;
     if (ct == 0) finish_token(p, m, idx, ctl);
 }
 

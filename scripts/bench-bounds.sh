@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU machine, after scripts/gpu-check.sh unpacked bundle/ (OUT set): what bounds the
+# megakernel's step on each preset of PRESETS (default below): the default kernel, the same
+# with no waits for inputs (`-DMK_NO_DEPS=1`: the chain of hops between SMs taken away) and
+# with no dot products either (`-DMK_TILE_SKIP_DOT=1` beside it: the weights' ring and the
+# tiles' loop alone). Garbage results in the two bounds, so one launch per token
+# (`--tokens-per-launch 1`: a generation's hand-over of the token needs the SMs in step, which
+# a kernel without waits does not keep). `bench --preset P --reps 3 --paths megakernel`, ROUNDS
+# rounds (default 1); BENCH_ARGS adds bench options (e.g. "--prompt-len 8127 --gen 64": an 8K
+# context). Other switches pass through the environment, e.g. MEGAINFER_MK_TILE_ROWS=3.
+# Run as: TESTS=" " EXTRA="bash scripts/bench-bounds.sh" bash scripts/gpu-check.sh
+. "$(dirname "$0")/bench-rows.sh"
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for P in ${PRESETS:-llama-3.2-1b smollm2-135m qwen3-1.7b qwen3-4b llama-3.2-3b llama-3.1-8b}; do
+    # shellcheck disable=SC2206 # BENCH_ARGS is a list of words
+    args=(bench --preset "$P" --reps 3 --paths megakernel --tokens-per-launch 1 ${BENCH_ARGS:-})
+    r "$P default" bundle/megainfer "${args[@]}"
+    r "$P no-deps" MEGAINFER_MK_DEFINES="-DMK_NO_DEPS=1" bundle/megainfer "${args[@]}"
+    r "$P no-deps no-dots" MEGAINFER_MK_DEFINES="-DMK_NO_DEPS=1 -DMK_TILE_SKIP_DOT=1" bundle/megainfer "${args[@]}"
+  done
+done
+rm -f "$OUT/b.log"
