@@ -271,12 +271,31 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 // MK_NO_DEPS=1 (measuring only, garbage results): no wait at all, every instruction takes
 // whatever its inputs hold, so a step runs at what the weights' ring and the consumers' own
 // work allow without the chain of hops between SMs: the bound the hops are measured against.
+// MK_NO_DEPS_OPS=MASK: only the instructions whose op's bit is set (1 << OP_QKV: the hop into
+// QKV) skip their waits, to tell the hops' costs apart. The op is read from a word consumer
+// thread 0 sets as an instruction starts, without a barrier: good for measuring only.
 #ifndef MK_NO_DEPS
 #define MK_NO_DEPS 0
+#endif
+#ifndef MK_NO_DEPS_OPS
+#define MK_NO_DEPS_OPS 0
+#endif
+// The op of the instruction the consumers are on, for the measuring switches that act on one
+// kind (MK_TILE_SKIP_DOT=2, MK_NO_DEPS_OPS); volatile, as mk_instr.
+#if MK_TILE_SKIP_DOT == 2 || MK_NO_DEPS_OPS
+#define MK_TRACK_OP 1
+__shared__ u32 mk_op;
+__device__ __forceinline__ void set_current_op(u32 v) { *(volatile u32*)&mk_op = v; }
+__device__ __forceinline__ u32 current_op() { return *(volatile u32*)&mk_op; }
+#else
+#define MK_TRACK_OP 0
 #endif
 template <int N, typename Seen, typename Reload, typename Addr>
 __device__ __forceinline__ void settle_with(const MkParams& p, Seen seen, Reload reload, Addr addr, int n) {
     if constexpr (MK_NO_DEPS) return;
+#if MK_NO_DEPS_OPS
+    if (const u32 op = current_op(); op < 32 && ((MK_NO_DEPS_OPS) >> op & 1)) return;
+#endif
     const u32 tag = step_tag();
     u64 t0 = 0;
     for (int spins = 0;; spins++) {
@@ -568,16 +587,6 @@ struct TileGeom {
 #else
 #define MK_W_AHEAD MK_INFLIGHT
 #define MK_W_STREAM MK_INFLIGHT_STREAM
-#endif
-// The op of the instruction the consumers are on, for the measuring switch that acts on one
-// kind (MK_TILE_SKIP_DOT=2); volatile, as mk_instr.
-#if MK_TILE_SKIP_DOT == 2
-#define MK_TRACK_OP 1
-__shared__ u32 mk_op;
-__device__ __forceinline__ void set_current_op(u32 v) { *(volatile u32*)&mk_op = v; }
-__device__ __forceinline__ u32 current_op() { return *(volatile u32*)&mk_op; }
-#else
-#define MK_TRACK_OP 0
 #endif
 template <u32 AHEAD = MK_W_AHEAD, u32 STREAM = MK_W_STREAM>
 __device__ __forceinline__ bool inflight_wait(const MkParams& p, u64* full, u32 seq, u32 instr) {

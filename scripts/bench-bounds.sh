@@ -7,7 +7,10 @@
 # (`--tokens-per-launch 1`: a generation's hand-over of the token needs the SMs in step, which
 # a kernel without waits does not keep). `bench --preset P --reps 3 --paths megakernel`, ROUNDS
 # rounds (default 1); BENCH_ARGS adds bench options (e.g. "--prompt-len 8127 --gen 64": an 8K
-# context). Other switches pass through the environment, e.g. MEGAINFER_MK_TILE_ROWS=3.
+# context). HOPS="QKV ATTN OPROJ UPGATE DOWN" (op names, runtime.cuh's OP_*) adds a row for each:
+# only that instruction's waits skipped (`-DMK_NO_DEPS_OPS=(1<<OP_QKV)`: the hop into it), so
+# the chain's cost splits by hop. Other switches pass through the environment, e.g.
+# MEGAINFER_MK_TILE_ROWS=3.
 # Run as: TESTS=" " EXTRA="bash scripts/bench-bounds.sh" bash scripts/gpu-check.sh
 . "$(dirname "$0")/bench-rows.sh"
 for round in $(seq 1 "${ROUNDS:-1}"); do
@@ -17,6 +20,9 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     r "$P default" bundle/megainfer "${args[@]}"
     r "$P no-deps" MEGAINFER_MK_DEFINES="-DMK_NO_DEPS=1" bundle/megainfer "${args[@]}"
     r "$P no-deps no-dots" MEGAINFER_MK_DEFINES="-DMK_NO_DEPS=1 -DMK_TILE_SKIP_DOT=1" bundle/megainfer "${args[@]}"
+    for op in ${HOPS:-}; do
+      r "$P no waits in $op" MEGAINFER_MK_DEFINES="-DMK_NO_DEPS_OPS=(1<<OP_$op)" bundle/megainfer "${args[@]}"
+    done
   done
 done
 rm -f "$OUT/b.log"

@@ -315,6 +315,11 @@ fn megakernel_measuring_variants_compile() {
         (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_EARLY_RELEASE=1"),
         (quantised(2), "llama-3.2-1b Q4_0", "MK_EARLY_RELEASE=1"),
         (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_NO_DEPS=1"),
+        (
+            bf16("llama-3.2-1b"),
+            "llama-3.2-1b",
+            "MK_NO_DEPS_OPS=(1<<OP_QKV)",
+        ),
     ] {
         d.push(format!("-D{define}"));
         let what = format!(" ({what}, {define})");

@@ -53,7 +53,7 @@ __device__ void op_argmax(const MkParams& p, const TokenMeta& m, float* red) {
         argmax_merge(v, idx, ld_value(p, p.lm_best + 2 * k), __float_as_uint(ld_value(p, p.lm_best + 2 * k + 1)));
     consumers_argmax(v, idx, red);
     // Inputs taken unwaited may hold no number: a token all the same, so the generation runs on.
-    if (MK_NO_DEPS && idx >= (u32)p.vocab) idx = 0;
+    if ((MK_NO_DEPS || MK_NO_DEPS_OPS) && idx >= (u32)p.vocab) idx = 0;
     if (ct == 0) finish_token(p, m, idx, ctl);
 }
 
