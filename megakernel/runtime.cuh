@@ -1073,9 +1073,9 @@ __device__ __forceinline__ void rows_scatter_to_res(const float (&acc)[R], float
 
 // Rows [row0, row0 + R) of a page (the first at `rows`): this warp's sums, reduced over its
 // lanes, into res (see tiles_of_format).
-template <int WT, bool BL, int R, typename X, typename Done>
+template <int WT, bool BL, int R, typename X>
 __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const TileGeom& g, int c0, const X& x, float* res,
-                                            int row0, int half, const Done& done) {
+                                            int row0, int half) {
     const unsigned char* sc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) sc[k] = rows + k * g.slot + g.qbytes + g.soff;
@@ -1084,7 +1084,6 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
     else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
-    done();
     if constexpr ((R == 2 || R == 4) && row_scatter<WT, BL>()) {
         rows_scatter_to_res<R>(acc, res + 2 * row0 + half);
     } else {
@@ -1097,10 +1096,10 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
 }
 
 // Each tile of the warp's group (warp pair), page by page: waits for it, calls rows(page, tile,
-// its row count: 0 with MK_TILE_SKIP_DOT), releases it. EARLY: rows(page, tile, count, release)
-// releases the page itself, as soon as it has read it (before its sums' reductions), so the
-// loader refills the slot sooner.
-template <bool EARLY = false, typename Rows>
+// its row count: 0 with MK_TILE_SKIP_DOT), releases it. Released before the rows' reductions
+// instead, so that the loader refills it sooner, it gained at most 0.6% and cost SmolLM2 3.8%
+// (BENCHMARKS.md, 2026-11-29).
+template <typename Rows>
 __device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                             const bf16_t* pages, u64* full, u64* empty, const Rows& rows) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, grp = cw >> 1;
@@ -1109,69 +1108,40 @@ __device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 se
         if (!page_wait(p, &full[slot], (s / MK_RING(p)) & 1, ERR_PAGE_CONSUMER, instr, s)) return false;
         if (t == grp) tile_stamp(PROF_EXTRA1);
         const unsigned char* page = (const unsigned char*)pages + (size_t)slot * PAGE_BYTES;
-        const int n = TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt);
-        if constexpr (EARLY) {
-            if (n > 0) rows(page, t, n, [&] { release_page(&empty[slot], lane); });
-            else release_page(&empty[slot], lane);
-        } else {
-            rows(page, t, n);
-            release_page(&empty[slot], lane);
-        }
+        rows(page, t, TILE_SKIP_DOT ? 0 : min(g.rpt, g.n - t * g.rpt));
+        release_page(&empty[slot], lane);
     }
     tile_stamp(PROF_EXTRA2);
     return true;
 }
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
-// last two and one. Measuring switches, both off (BENCHMARKS.md, 2026-11-29):
-// - MK_ROWS3=1: a last three together instead. Llama-1B cut to 3 rows a page
-//   (`MEGAINFER_MK_TILE_ROWS=3`) is 3.3% faster with it, but Qwen3-4B, whose 5 KiB rows make
-//   pages of three, is 0.15% slower.
-// - MK_EARLY_RELEASE=1: the page released once its last rows' products are summed per lane,
-//   before their reductions, so that the loader refills the slot sooner: within ±0.6% on the
-//   bf16 presets and Q4_0, and SmolLM2 3.8% slower; what a consumer holds a page for is not
-//   what bounds the ring.
+// last two and one; with MK_ROWS3=1 (measuring) a last three together instead: Llama-1B cut
+// to 3 rows a page (`MEGAINFER_MK_TILE_ROWS=3`) is 3.3% faster with it, but Qwen3-4B, whose
+// 5 KiB rows make pages of three, 0.15% slower (BENCHMARKS.md, 2026-11-29).
 #ifndef MK_ROWS3
 #define MK_ROWS3 0
-#endif
-#ifndef MK_EARLY_RELEASE
-#define MK_EARLY_RELEASE 0
 #endif
 template <int WT, bool BL, typename X>
 __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                              const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
     const int ct = threadIdx.x - 32, cw = ct >> 5, lane = ct & 31, half = cw & 1;
     const int c0 = (half * 32 + lane) * lane_cols<BL>();
-    // release(): a no-op but with MK_EARLY_RELEASE, where it frees the page once the last rows'
-    // products are summed per lane (otherwise group_tiles frees it after the last reduction).
-    const auto body = [&](const unsigned char* page, int t, int rows, const auto& release) {
-        const auto after = [&](bool last) {
-            return [&, last] {
-                if (last) release();
-            };
-        };
+    return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
         int r = 0;
-        for (; r + 4 <= rows; r += 4)
-            rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(r + 4 == rows));
+        for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
         if constexpr (MK_ROWS3) {
             if (rows - r == 3) {
-                rows_to_res<WT, BL, 3>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(true));
+                rows_to_res<WT, BL, 3>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
                 return;
             }
         }
         if (r + 2 <= rows) {
-            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(r + 2 == rows));
+            rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
             r += 2;
         }
-        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half, after(true));
-    };
-    if constexpr (MK_EARLY_RELEASE) {
-        return group_tiles<true>(p, instr, seq, g, pages, full, empty, body);
-    } else {
-        return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
-            body(page, t, rows, [] {});
-        });
-    }
+        if (r < rows) rows_to_res<WT, BL, 1>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
+    });
 }
 
 // The tiles with this lane's S steps of xs held in registers (block lanes: their digits).
