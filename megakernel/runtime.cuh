@@ -1084,7 +1084,7 @@ __device__ __forceinline__ void rows_to_res(const unsigned char* rows, const Til
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     if constexpr (is_ptr<X>::value) dot_rows_xs<WT, BL, R>(rows, g.slot, sc, g.cols, c0, x, acc);
     else dot_rows<WT, R>(rows, g.slot, sc, g.cols, c0, x, acc);
-    if constexpr ((R == 2 || R == 4) && row_scatter<WT, BL>()) {
+    if constexpr (R > 1 && row_scatter<WT, BL>()) {
         rows_scatter_to_res<R>(acc, res + 2 * row0 + half);
     } else {
 #pragma unroll
@@ -1116,12 +1116,9 @@ __device__ __forceinline__ bool group_tiles(const MkParams& p, u32 instr, u32 se
 }
 
 // Each tile of the warp's group: its rows four at a time (four independent chains), then the
-// last two and one; with MK_ROWS3=1 (measuring) a last three together instead: Llama-1B cut
-// to 3 rows a page (`MEGAINFER_MK_TILE_ROWS=3`) is 3.3% faster with it, but Qwen3-4B, whose
-// 5 KiB rows make pages of three, 0.15% slower (BENCHMARKS.md, 2026-11-29).
-#ifndef MK_ROWS3
-#define MK_ROWS3 0
-#endif
+// last two and one. A last three as one chain instead was 3.3% faster on Llama-1B cut to 3
+// rows a page (`MEGAINFER_MK_TILE_ROWS=3`) but 0.15% slower on Qwen3-4B, whose 5 KiB rows make
+// pages of three (BENCHMARKS.md, 2026-11-29).
 template <int WT, bool BL, typename X>
 __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 seq, const TileGeom& g,
                                              const bf16_t* pages, u64* full, u64* empty, const X& x, float* res) {
@@ -1130,12 +1127,6 @@ __device__ __forceinline__ bool tiles_to_res(const MkParams& p, u32 instr, u32 s
     return group_tiles(p, instr, seq, g, pages, full, empty, [&](const unsigned char* page, int t, int rows) {
         int r = 0;
         for (; r + 4 <= rows; r += 4) rows_to_res<WT, BL, 4>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
-        if constexpr (MK_ROWS3) {
-            if (rows - r == 3) {
-                rows_to_res<WT, BL, 3>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
-                return;
-            }
-        }
         if (r + 2 <= rows) {
             rows_to_res<WT, BL, 2>(page + r * g.slot, g, c0, x, res, t * g.rpt + r, half);
             r += 2;

@@ -302,16 +302,16 @@ fn megakernel_measuring_variants_compile() {
         " (MK_PREP_STAMPS=1 MK_TILE_SKIP_DOT=2 MK_RED_NO_WAIT=1)",
     );
     // The loader asking L2 for an instruction's first tiles while the ring is full, on bf16
-    // rows (copied whole) and on Q8_0 rows (their quants and scales copied apart); a tile's
-    // last three rows computed together, on bf16 rows three a page (Qwen3-4B's) and on Q4_0
-    // block lanes; no waits for inputs, or none in one op's instructions.
+    // rows (copied whole) and on Q8_0 rows (their quants and scales copied apart); no waits for
+    // inputs, or none in one op's instructions.
     let bf16 = |name| preset_kernel_defines(name, false).0;
-    let quantised = |t| quantised_kernel_defines("llama-3.2-1b", all_formats(t));
     for (mut d, what, define) in [
         (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_L2_PF_NEXT=8"),
-        (quantised(1), "llama-3.2-1b Q8_0", "MK_L2_PF_NEXT=8"),
-        (bf16("qwen3-4b"), "qwen3-4b", "MK_ROWS3=1"),
-        (quantised(2), "llama-3.2-1b Q4_0", "MK_ROWS3=1"),
+        (
+            quantised_kernel_defines("llama-3.2-1b", all_formats(1)),
+            "llama-3.2-1b Q8_0",
+            "MK_L2_PF_NEXT=8",
+        ),
         (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_NO_DEPS=1"),
         (
             bf16("llama-3.2-1b"),

@@ -30,15 +30,13 @@ pub const PAGE_BYTES: usize = page_bytes(option_env!("MEGAINFER_PAGE_BYTES"));
 pub const ATT_TILE_BYTES: usize = if PAGE_BYTES >= 16384 { 16384 } else { 8192 };
 
 const fn page_bytes(v: Option<&str>) -> usize {
-    let Some(v) = v else { return 16384 };
-    let b = v.as_bytes();
-    let mut n = 0;
-    let mut i = 0;
-    while i < b.len() {
-        assert!(b[i].is_ascii_digit(), "MEGAINFER_PAGE_BYTES: not a number");
-        n = n * 10 + (b[i] - b'0') as usize;
-        i += 1;
-    }
+    let n = match v {
+        None => return 16384,
+        Some(v) => match usize::from_str_radix(v, 10) {
+            Ok(n) => n,
+            Err(_) => panic!("MEGAINFER_PAGE_BYTES: not a number"),
+        },
+    };
     assert!(
         n >= 8192 && n <= 32768 && n % 1024 == 0,
         "MEGAINFER_PAGE_BYTES: a multiple of 1024 from 8192 to 32768"
