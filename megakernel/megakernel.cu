@@ -86,10 +86,10 @@ __device__ __forceinline__ StepEnd run_instructions(const MkParams& p, const Sme
         const OpEarly early = op_early(op, p, w, m.pos);
         if (ct == 0) PREP_SET_PROF(prof);
         prep_stamp(PROF_EXTRA1);
-        if (ct == 0) {
 #if MK_TRACK_OP
-            set_current_op(op);
+        set_current_op(op);
 #endif
+        if (ct == 0) {
             if (prof) prof[PROF_START] = global_ns();
             set_current_instr(instr);
             note(p, 0, instr);
@@ -155,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(const __g
         mbar_fence_init();
         set_failed(0);
 #if MK_TRACK_OP
-        set_current_op(~0u);
+        for (int i = 0; i < MK_THREADS / 32; i++) mk_op[i] = ~0u;
 #endif
         mk_tag = p.epoch + 1;
         mk_stop = 0;

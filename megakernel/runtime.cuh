@@ -281,12 +281,17 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 #define MK_NO_DEPS_OPS 0
 #endif
 // The op of the instruction the consumers are on, for the measuring switches that act on one
-// kind (MK_TILE_SKIP_DOT=2, MK_NO_DEPS_OPS); volatile, as mk_instr.
+// kind (MK_TILE_SKIP_DOT=2, MK_NO_DEPS_OPS): a word per warp, which every thread of the warp
+// writes as the instruction starts, so each thread reads its own instruction's op (a single
+// word written by one thread can still hold the previous op for warps that are ahead of it).
 #if MK_TILE_SKIP_DOT == 2 || MK_NO_DEPS_OPS
 #define MK_TRACK_OP 1
-__shared__ u32 mk_op;
-__device__ __forceinline__ void set_current_op(u32 v) { *(volatile u32*)&mk_op = v; }
-__device__ __forceinline__ u32 current_op() { return *(volatile u32*)&mk_op; }
+__shared__ u32 mk_op[MK_THREADS / 32];
+__device__ __forceinline__ void set_current_op(u32 v) {
+    mk_op[threadIdx.x >> 5] = v;
+    __syncwarp();
+}
+__device__ __forceinline__ u32 current_op() { return mk_op[threadIdx.x >> 5]; }
 #else
 #define MK_TRACK_OP 0
 #endif

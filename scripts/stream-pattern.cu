@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
 #include <cuda_runtime.h>
 
 typedef unsigned int u32;
@@ -29,13 +30,22 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
     return ok != 0;
 }
 
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Grid: one CTA per SM. base: this launch's first byte; rows of `row` bytes, `per_cta` rows a CTA
-// in each of `regions` consecutive instructions (as over a model's layers).
+// in each of `regions` consecutive instructions (as over a model's layers). times: null, or
+// each CTA's (SM id, start, last landing) in ns.
+
 __global__ void stream(const unsigned char* base, int row, int rows_per_tile, int per_cta, int regions, int pages,
-                       int inflight) {
+                       int inflight, u64* times) {
     extern __shared__ __align__(128) unsigned char smem[];
     u64* full = (u64*)(smem + RING_BYTES);
     if (threadIdx.x != 0) return;
+    const u64 t0 = now_ns();
     for (int i = 0; i < pages; i++)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -59,6 +69,73 @@ __global__ void stream(const unsigned char* base, int row, int rows_per_tile, in
     for (int b = tiles - pages > 0 ? tiles - pages : 0; b < tiles; b++)
         while (!mbar_try_wait(&full[b % pages], (b / pages) & 1)) {
         }
+    if (times) {
+        u32 smid;
+        asm volatile("mov.u32 %0, %smid;" : "=r"(smid));
+        times[3 * blockIdx.x] = smid;
+        times[3 * blockIdx.x + 1] = t0;
+        times[3 * blockIdx.x + 2] = now_ns();
+    }
+}
+
+// Ranks of v (0 = smallest).
+static void ranks(const double* v, int n, double* r) {
+    for (int i = 0; i < n; i++) {
+        int k = 0;
+        for (int j = 0; j < n; j++) k += v[j] < v[i] || (v[j] == v[i] && j < i);
+        r[i] = k;
+    }
+}
+static double pearson(const double* a, const double* b, int n) {
+    double ma = 0, mb = 0, sab = 0, saa = 0, sbb = 0;
+    for (int i = 0; i < n; i++) ma += a[i] / n, mb += b[i] / n;
+    for (int i = 0; i < n; i++) sab += (a[i] - ma) * (b[i] - mb), saa += (a[i] - ma) * (a[i] - ma), sbb += (b[i] - mb) * (b[i] - mb);
+    return sab / sqrt(saa * sbb);
+}
+
+// Per SM: each launch's time from its first copy to its last landing, by SM id; prints each
+// launch's spread (max / mean, and the slowest SM) and the rank correlation of the SMs' times
+// between consecutive launches (near 1: the same SMs are slow every time). Launches of
+// `regions` regions: 1 is one instruction's share (a stage of a layer), more a longer stream.
+static void per_sm_times(const char* what, const unsigned char* buf, size_t per_launch, int launches, int sms, int row,
+                         int rpt, int per_cta, int regions, int pages, int inflight, u64* times) {
+    const int reps = 8;
+    printf("  per SM, launches of %d region(s) of %d rows of %d bytes a CTA:\n", regions, per_cta, row);
+    double* d = (double*)calloc((size_t)reps * sms, sizeof(double));
+    double* mean_by_sm = (double*)calloc(sms, sizeof(double));
+    u64* h = (u64*)malloc(3 * sizeof(u64) * sms);
+    for (int l = 0; l < reps; l++) {
+        stream<<<sms, 32, RING_BYTES + MAX_PAGES * 8>>>(buf + (l % launches) * per_launch, row, rpt, per_cta, regions,
+                                                        pages, inflight, times);
+        cudaMemcpy(h, times, 3 * sizeof(u64) * sms, cudaMemcpyDeviceToHost);
+        u64 first = ~0ull;
+        for (int i = 0; i < sms; i++) first = h[3 * i + 1] < first ? h[3 * i + 1] : first;
+        double mean = 0, mx = 0;
+        int slow = -1;
+        for (int i = 0; i < sms; i++) {
+            const int sm = (int)h[3 * i];
+            const double t = (double)(h[3 * i + 2] - first) / 1e3;
+            d[(size_t)l * sms + sm] = t;
+            mean_by_sm[sm] += t / reps;
+            mean += t / sms;
+            if (t > mx) mx = t, slow = sm;
+        }
+        double mn = 1e30;
+        for (int i = 0; i < sms; i++) mn = d[(size_t)l * sms + i] < mn ? d[(size_t)l * sms + i] : mn;
+        printf("  launch %d: SMs done after %.1f (first) / %.1f (mean) / %.1f µs (last, SM %d): last/mean %.3f\n", l,
+               mn, mean, mx, slow, mx / mean);
+    }
+    double* ra = (double*)malloc(sizeof(double) * sms);
+    double* rb = (double*)malloc(sizeof(double) * sms);
+    for (int l = 1; l < reps; l++) {
+        ranks(d + (size_t)(l - 1) * sms, sms, ra);
+        ranks(d + (size_t)l * sms, sms, rb);
+        printf("  rank correlation of the SMs' times, launch %d against %d: %.2f\n", l, l - 1, pearson(ra, rb, sms));
+    }
+    printf("  %s: mean time by SM id (µs):", what);
+    for (int i = 0; i < sms; i++) printf("%s%.1f", i % 16 ? " " : "\n   ", mean_by_sm[i]);
+    printf("\n");
+    free(d), free(mean_by_sm), free(h), free(ra), free(rb);
 }
 
 int main(int argc, char** argv) {
@@ -66,6 +143,9 @@ int main(int argc, char** argv) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     const size_t bytes = (size_t)(argc > 1 ? atoi(argv[1]) : 6) << 30;
     const char* only = argc > 2 ? argv[2] : "";
+    const bool per_sm = argc > 3 && strcmp(argv[3], "sms") == 0;
+    u64* times = nullptr;
+    if (per_sm && cudaMalloc(&times, 3 * sizeof(u64) * sms) != cudaSuccess) return 1;
     unsigned char* buf;
     if (cudaMalloc(&buf, bytes) != cudaSuccess) return 1;
     cudaMemset(buf, 1, bytes);
@@ -98,11 +178,11 @@ int main(int argc, char** argv) {
         cudaEvent_t a, b;
         cudaEventCreate(&a);
         cudaEventCreate(&b);
-        stream<<<sms, 32, smem>>>(buf, c.row, c.rows_per_tile, c.per_cta, regions, c.pages, c.inflight);
+        stream<<<sms, 32, smem>>>(buf, c.row, c.rows_per_tile, c.per_cta, regions, c.pages, c.inflight, nullptr);
         cudaEventRecord(a);
         for (int l = 0; l < launches; l++)
             stream<<<sms, 32, smem>>>(buf + l * per_launch, c.row, c.rows_per_tile, c.per_cta, regions, c.pages,
-                                      c.inflight);
+                                      c.inflight, nullptr);
         cudaEventRecord(b);
         if (cudaEventSynchronize(b) != cudaSuccess) {
             printf("%s: %s\n", c.what, cudaGetErrorString(cudaGetLastError()));
@@ -113,6 +193,10 @@ int main(int argc, char** argv) {
         const double gbs = (double)per_launch * launches / (ms * 1e-3) / 1e9;
         printf("%-50s %2d in flight: %7.0f GB/s, %5.1f GB/s per SM (%d launches of %.0f MB, %zu GiB)\n", c.what,
                c.inflight, gbs, gbs / sms, launches, per_launch / 1e6, bytes >> 30);
+        if (per_sm)
+            for (int rg : {1, regions})
+                per_sm_times(c.what, buf, per_launch, launches, sms, c.row, c.rows_per_tile, c.per_cta, rg, c.pages,
+                             c.inflight, times);
     }
     return 0;
 }
