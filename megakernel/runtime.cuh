@@ -426,13 +426,28 @@ __device__ __forceinline__ void note(const MkParams& p, int slot, u32 v) {
     *(volatile u32*)(p.progress + blockIdx.x * 4 + slot) = v;
 }
 
+// MK_PAGE_SPIN (measuring): page waits poll with mbarrier.test_wait, which never suspends
+// the thread, instead of try_wait, which may: 1 every page wait, 2 the loader's, 3 the
+// consumers'. Any bound on the loader's tiles in flight below the ring (a wait for a copy to
+// land) cost Llama-3.2-3B 8.5% whatever the bound, 6 as 11 (BENCHMARKS.md, 2026-11-29), which a
+// late wake-up from a suspended wait on a barrier the copies complete would explain;
+// `scripts/mbar-wake.cu` times the two waits alone.
+#ifndef MK_PAGE_SPIN
+#define MK_PAGE_SPIN 0
+#endif
+__device__ __forceinline__ bool page_ready(u64* bar, u32 parity, u32 kind) {
+    const bool spin = MK_PAGE_SPIN == 1 || (MK_PAGE_SPIN == 2 && kind == ERR_PAGE_LOADER) ||
+                      (MK_PAGE_SPIN == 3 && kind == ERR_PAGE_CONSUMER);
+    return spin ? mbar_test_wait(bar, parity) : mbar_try_wait(bar, parity);
+}
+
 // Waits for an mbarrier phase; past the time limit (or once another SM failed) it reports
 // and gives up, so a pipeline bug is an error, never a hung GPU.
 __device__ bool page_wait(const MkParams& p, u64* bar, u32 parity, u32 kind, u32 instr, u32 tile) {
-    if (mbar_try_wait(bar, parity)) return true;
+    if (page_ready(bar, parity, kind)) return true;
     const u64 t0 = global_ns();
     for (int spins = 1;; spins++) {
-        if (mbar_try_wait(bar, parity)) return true;
+        if (page_ready(bar, parity, kind)) return true;
         // Checked at every spin (a shared-memory word): a try_wait may suspend the thread for
         // microseconds, and when a generation stops early the loader is waiting for pages of
         // a step no consumer will run, so the launch ends only once it sees the stop.

@@ -303,7 +303,7 @@ fn megakernel_measuring_variants_compile() {
     );
     // The loader asking L2 for an instruction's first tiles while the ring is full, on bf16
     // rows (copied whole) and on Q8_0 rows (their quants and scales copied apart); no waits for
-    // inputs, or none in one op's instructions.
+    // inputs, or none in one op's instructions; page waits that poll instead of suspending.
     let bf16 = |name| preset_kernel_defines(name, false).0;
     for (mut d, what, define) in [
         (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_L2_PF_NEXT=8"),
@@ -318,6 +318,8 @@ fn megakernel_measuring_variants_compile() {
             "llama-3.2-1b",
             "MK_NO_DEPS_OPS=(1<<OP_QKV)",
         ),
+        (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_PAGE_SPIN=1"),
+        (bf16("llama-3.2-1b"), "llama-3.2-1b", "MK_PAGE_SPIN=3"),
     ] {
         d.push(format!("-D{define}"));
         let what = format!(" ({what}, {define})");
