@@ -27,30 +27,14 @@ typedef unsigned long long u64;
 #define BG_PAGES 8
 #define REPS 64
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ bool try_wait(u64* bar, u32 parity) {
-    u32 ok;
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    return ok != 0;
-}
-__device__ __forceinline__ bool test_wait(u64* bar, u32 parity) {
-    u32 ok;
-    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    return ok != 0;
-}
-__device__ __forceinline__ void copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)),
-                 "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
+// The megakernel's own mbarrier and bulk-copy wrappers (plain copies: no L2 cache hint).
+#define MK_EVICT_FIRST 0
+#include "../megakernel/pipeline.cuh"
 
-__device__ __forceinline__ long long now_ns() {
-    long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
+// One copy of `bytes` into dst, completing bar's phase.
+__device__ __forceinline__ void copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    mbar_expect_tx(bar, bytes);
+    bulk_load(dst, src, bytes, bar, 0);
 }
 
 // out[(blockIdx.x * REPS + r) * 4 + k]: k = 0 the copy's issue and 1 the polling waiter's
@@ -66,9 +50,9 @@ __global__ void wake(const unsigned char* src, const unsigned char* bg, size_t b
     u64* bg_bars = bar + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
-        for (int i = 0; i < BG_PAGES; i++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bg_bars[i])));
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init(bar, 1);
+        for (int i = 0; i < BG_PAGES; i++) mbar_init(&bg_bars[i], 1);
+        mbar_fence_init();
     }
     __syncthreads();
     if (warp == 3) {
@@ -80,7 +64,7 @@ __global__ void wake(const unsigned char* src, const unsigned char* bg, size_t b
         for (;; t++) {
             if (t >= BG_PAGES) {
                 const u32 b = t - BG_PAGES;
-                while (!test_wait(&bg_bars[b % BG_PAGES], (b / BG_PAGES) & 1)) {
+                while (!mbar_test_wait(&bg_bars[b % BG_PAGES], (b / BG_PAGES) & 1)) {
                 }
                 if (*stop >= gridDim.x) break;
             }
@@ -88,7 +72,7 @@ __global__ void wake(const unsigned char* src, const unsigned char* bg, size_t b
         }
         // The copies still in flight land before the CTA exits.
         for (u32 b = t - BG_PAGES + 1; b < t; b++)
-            while (!test_wait(&bg_bars[b % BG_PAGES], (b / BG_PAGES) & 1)) {
+            while (!mbar_test_wait(&bg_bars[b % BG_PAGES], (b / BG_PAGES) & 1)) {
             }
         return;
     }
@@ -98,18 +82,18 @@ __global__ void wake(const unsigned char* src, const unsigned char* bg, size_t b
         // Warps 1 and 2 swap roles every repetition.
         const bool tries = (warp == 1) == (r % 2 == 0);
         if (warp == 0 && lane == 0) {
-            o[0] = now_ns();
+            o[0] = (long long)global_ns();
             copy(page, src + ((size_t)r * gridDim.x + blockIdx.x) * TILE, TILE, bar);
         } else if ((warp == 1 || warp == 2) && lane == 0) {
             if (tries) {
-                while (!try_wait(bar, parity)) {
+                while (!mbar_try_wait(bar, parity)) {
                 }
                 o[2] = clock64();
             } else {
-                while (!test_wait(bar, parity)) {
+                while (!mbar_test_wait(bar, parity)) {
                 }
                 o[3] = clock64();
-                o[1] = now_ns();
+                o[1] = (long long)global_ns();
             }
         }
         asm volatile("bar.sync 1, 96;" ::: "memory");

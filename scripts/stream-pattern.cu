@@ -22,33 +22,21 @@ typedef unsigned long long u64;
 #define RING_BYTES (192 * 1024)
 #define MAX_PAGES 24
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
-    u32 ok;
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    return ok != 0;
-}
-
-__device__ __forceinline__ u64 now_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
+// The megakernel's own mbarrier and bulk-copy wrappers (plain copies: no L2 cache hint).
+#define MK_EVICT_FIRST 0
+#include "../megakernel/pipeline.cuh"
 
 // Grid: one CTA per SM. base: this launch's first byte; rows of `row` bytes, `per_cta` rows a CTA
 // in each of `regions` consecutive instructions (as over a model's layers). times: null, or
 // each CTA's (SM id, start, last landing) in ns.
-
 __global__ void stream(const unsigned char* base, int row, int rows_per_tile, int per_cta, int regions, int pages,
                        int inflight, u64* times) {
     extern __shared__ __align__(128) unsigned char smem[];
     u64* full = (u64*)(smem + RING_BYTES);
     if (threadIdx.x != 0) return;
-    const u64 t0 = now_ns();
-    for (int i = 0; i < pages; i++)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const u64 t0 = global_ns();
+    for (int i = 0; i < pages; i++) mbar_init(&full[i], 1);
+    mbar_fence_init();
     const int page = RING_BYTES / pages, tile = row * rows_per_tile;
     const int per_region = per_cta / rows_per_tile, tiles = per_region * regions;
     for (int t = 0; t < tiles; t++) {
@@ -60,11 +48,8 @@ __global__ void stream(const unsigned char* base, int row, int rows_per_tile, in
             while (!mbar_try_wait(&full[back % pages], (back / pages) & 1)) {
             }
         u64* bar = &full[t % pages];
-        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)),
-                     "r"(tile) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     ::"r"(smem_addr(smem + (t % pages) * page)), "l"(src + (size_t)(t - r * per_region) * tile), "r"(tile),
-                     "r"(smem_addr(bar)) : "memory");
+        mbar_expect_tx(bar, tile);
+        bulk_load(smem + (t % pages) * page, src + (size_t)(t - r * per_region) * tile, tile, bar, 0);
     }
     for (int b = tiles - pages > 0 ? tiles - pages : 0; b < tiles; b++)
         while (!mbar_try_wait(&full[b % pages], (b / pages) & 1)) {
@@ -74,7 +59,7 @@ __global__ void stream(const unsigned char* base, int row, int rows_per_tile, in
         asm volatile("mov.u32 %0, %smid;" : "=r"(smid));
         times[3 * blockIdx.x] = smid;
         times[3 * blockIdx.x + 1] = t0;
-        times[3 * blockIdx.x + 2] = now_ns();
+        times[3 * blockIdx.x + 2] = global_ns();
     }
 }
 
