@@ -8,7 +8,9 @@ Prints, as medians over steps 4-15:
 - attention's own steps (inputs, scores + softmax, values, combine + output, store);
 - each hop between consecutive stages of a layer: when the first, the median and the last
   consumer instance had its inputs after the producing stage's last store, and the share of
-  consumer instances that started after that store (their SM was busy until then).
+  consumer instances that started after that store (their SM was busy until then);
+- each stage's spread: its last instance's store after the median one's (what the slowest SM
+  costs the layer, every consumer waiting for the last) and the median's after the first.
 
 With --prep, for a run with MEGAINFER_MK_DEFINES=-DMK_PREP_STAMPS=1 (whose consumer thread 0
 stamps the extra words: before the prepare, and once its own inputs have settled), the
@@ -159,6 +161,7 @@ def main(path, with_prep=False, with_tiles=False, att_pages=False, att_issue=Fal
             d = st.quantiles([x[5] - x[4] for x in attention], n=10)
             print("  word 4 to wait return, deciles: " + " ".join(f"{v:.2f}" for v in d))
     hops(by_layer)
+    spread(by_layer)
     merges(records)
     if with_prep:
         prep(by_layer)
@@ -187,6 +190,23 @@ def hops(by_layer):
         if first:
             print(f"  {prod:16s} -> {cons:16s} {st.median(first):5.2f} {st.median(med):5.2f} "
                   f"{st.median(last):5.2f}  {100 * st.median(late):3.0f}%")
+
+
+def spread(by_layer):
+    """Per stage, medians over the layers of how far apart its instances store: the last
+    instance's store after the median one's, and the median one's after the first. Every
+    stage's consumers wait for the last, so the first figure is what each stage's slowest SM
+    costs the layer."""
+    print("stage spread (µs; last store after the median instance's / the median's after the first):")
+    for k in ORDER:
+        late, early = [], []
+        for kinds in by_layer.values():
+            if k in kinds and len(kinds[k]) > 1:
+                stores = sorted(x[3] for x in kinds[k])
+                late.append(stores[-1] - st.median(stores))
+                early.append(st.median(stores) - stores[0])
+        if late:
+            print(f"  {k:16s} {st.median(late):5.2f} / {st.median(early):5.2f}")
 
 
 if __name__ == "__main__":
