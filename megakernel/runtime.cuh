@@ -272,8 +272,7 @@ __device__ __forceinline__ u64 ld_tagged(const u64* a) {
 // whatever its inputs hold, so a step runs at what the weights' ring and the consumers' own
 // work allow without the chain of hops between SMs: the bound the hops are measured against.
 // MK_NO_DEPS_OPS=MASK: only the instructions whose op's bit is set (1 << OP_QKV: the hop into
-// QKV) skip their waits, to tell the hops' costs apart. The op is read from a word consumer
-// thread 0 sets as an instruction starts, without a barrier: good for measuring only.
+// QKV) skip their waits, to tell the hops' costs apart (the op: `current_op`, below).
 #ifndef MK_NO_DEPS
 #define MK_NO_DEPS 0
 #endif
